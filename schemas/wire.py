@@ -1,0 +1,167 @@
+"""The wire types: every value on the product's four topics, as msgspec Structs.
+
+This module is the one place the shapes of `chat-requests`, `filtered-inputs` and
+`persist-messages` values are written down. The JSON Schemas beside it (`*.schema.json`) are
+generated from these Structs by `python -m schemas` for consumers in other languages, and a
+test fails when they drift.
+
+Messages are Mastra DB messages (format 2). They must pass through the processor losslessly:
+every key it does not interpret, on the message, its content, a part or a tool invocation,
+comes out exactly as it went in, and unknown part types pass through. msgspec Structs drop
+unknown keys (msgspec issue #490), so a message travels as the plain `dict` msgspec decodes
+it to (`MessageDict`), and the `Message` Struct tree below is its *shape*: `validate_messages`
+converts the dicts against it once, at the edge, so a wrongly typed field is refused there and
+the core can read the dicts without checking types again.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+Role = Literal["user", "assistant", "system", "signal"]
+ToolState = Literal[
+    "partial-call",
+    "call",
+    "approval-requested",
+    "approval-responded",
+    "result",
+    "output-error",
+    "output-denied",
+]
+Outcome = Literal[
+    "empty",
+    "retain-full-input",
+    "unchanged",
+    "seeded",
+    "user-tail",
+    "tool-outcomes",
+    "stored-echo-dropped",
+    "unpersisted-assistant-kept",
+]
+
+
+NonEmpty = Annotated[str, Meta(min_length=1)]
+
+
+class ToolInvocation(Struct, omit_defaults=True):
+    """`part.toolInvocation`; other keys (`title`, `x-*`, ...) pass through untouched."""
+
+    state: ToolState
+    toolCallId: str
+    toolName: str | UnsetType = UNSET
+    args: Any = UNSET
+    result: Any = UNSET
+    errorText: str | UnsetType = UNSET
+    approval: Any = UNSET
+
+
+class Part(Struct, omit_defaults=True):
+    """One part of a message. `type` is open: unknown part types pass through."""
+
+    type: str
+    toolInvocation: ToolInvocation | UnsetType = UNSET
+    providerExecuted: bool | UnsetType = UNSET
+    providerMetadata: dict[str, Any] | UnsetType = UNSET
+    providerOptions: dict[str, Any] | UnsetType = UNSET
+
+
+class Content(Struct, omit_defaults=True):
+    format: Literal[2]
+    parts: list[Part]
+    content: str | UnsetType = UNSET
+    metadata: dict[str, Any] | UnsetType = UNSET
+    providerMetadata: dict[str, Any] | UnsetType = UNSET
+
+
+class Message(Struct, omit_defaults=True):
+    """A Mastra DB message, format 2. Other keys on every level pass through untouched."""
+
+    role: Role
+    content: Content
+    id: NonEmpty | UnsetType = UNSET
+    createdAt: str | UnsetType = UNSET
+    threadId: str | UnsetType = UNSET
+    resourceId: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+
+
+# At run time a message is the dict msgspec decoded, validated against `Message`.
+MessageDict = Annotated[
+    dict[str, Any],
+    Meta(extra_json_schema={"$ref": "#/$defs/Message"}),
+]
+
+
+class ChatRequest(Struct, omit_defaults=True):
+    """A value on `chat-requests`, keyed by `threadId`."""
+
+    threadId: NonEmpty
+    resourceId: NonEmpty
+    messages: list[MessageDict]
+    requestId: NonEmpty | UnsetType = UNSET
+    retainFullInput: bool = False
+
+
+class Dropped(Struct):
+    id: str
+    reason: str
+
+
+class Source(Struct):
+    topic: str
+    partition: int
+    offset: int
+
+
+class FilteredInput(Struct):
+    """A value on `filtered-inputs`: what one accepted request contributes downstream.
+
+    `historyVersion` is the number of rows the thread held when the decision was made, so an
+    audit can rebuild exactly the history the decision saw.
+    """
+
+    requestId: str
+    threadId: str
+    resourceId: str
+    outcome: Outcome
+    messages: list[MessageDict]
+    dropped: list[Dropped]
+    source: Source
+    historyVersion: int = 0
+
+
+class PersistMessages(Struct):
+    """A value on `persist-messages`: rows to save in one thread."""
+
+    requestId: str
+    threadId: str
+    resourceId: str
+    messages: list[MessageDict]
+
+
+TOPIC_VALUES: dict[str, type] = {
+    "chat-requests": ChatRequest,
+    "filtered-inputs": FilteredInput,
+    "persist-messages": PersistMessages,
+}
+
+def validate_messages(messages: list[dict[str, Any]]) -> None:
+    """Raise msgspec.ValidationError naming the first message field of the wrong shape."""
+    msgspec.convert(messages, list[Message])
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """One self-contained JSON Schema per topic value, keyed by topic name."""
+    out = {}
+    for topic, struct in TOPIC_VALUES.items():
+        _, components = msgspec.json.schema_components([struct, Message])
+        out[topic] = {
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "title": f"{topic} value",
+            **components[struct.__name__],
+            "$defs": {k: v for k, v in components.items() if k != struct.__name__},
+        }
+    return out
