@@ -12,7 +12,8 @@ from typing import Any
 
 import msgspec
 
-from streams.filter import Decision, Limits, Rejected, StoredView, decide, decode_request, lookup_ids, parse_ms
+from schemas.wire import Dropped
+from streams.filter import Decision, Limits, Rejected, Rejection, StoredView, decide, decode_request, lookup_ids, parse_ms
 
 Msg = dict[str, Any]
 
@@ -28,9 +29,9 @@ class Case(msgspec.Struct):
 class Explanation(msgspec.Struct, omit_defaults=True):
     outcome: str
     messages: list[Msg]
-    dropped: list[dict[str, str]]
+    dropped: list[Dropped]
     persist: list[Msg]
-    error: dict[str, str] | None = None
+    error: Rejection | None = None
 
 
 class UnusableInput(Exception):
@@ -64,18 +65,16 @@ def explain_case(case: Case, position: int = 0) -> Explanation:
     except Rejected as e:
         return _rejection(e)
     request_id = request.requestId or f"explain-0-{position}"
-    view = view_of(request.threadId, lookup_ids(request), case)
+    view = view_of(request.threadId, lookup_ids(request, request_id), case)
     return _explanation(decide(request, view, request_id=request_id, timestamp_ms=case.timestamp))
 
 
 def _rejection(e: Rejected) -> Explanation:
-    return Explanation("rejected", [], [], [], error={"type": e.type, "message": e.message})
+    return Explanation("rejected", [], [], [], error=Rejection(e.type, e.message))
 
 
 def _explanation(d: Decision) -> Explanation:
-    if d.error is not None:
-        return _rejection(d.error)
-    return Explanation(d.outcome, d.messages, [{"id": x.id, "reason": x.reason} for x in d.dropped], d.persist)
+    return Explanation(d.outcome, d.messages, d.dropped, d.persist, error=d.error)
 
 
 def explain(raw: bytes) -> bytes:

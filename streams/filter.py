@@ -50,6 +50,11 @@ class Rejected(Exception):
         self.message = message
 
 
+class Rejection(msgspec.Struct):
+    type: str  # a stable code: decode, schema, key-mismatch, thread-mismatch, ownership, ...
+    message: str  # for a person: names the thing and the fix
+
+
 class Limits(msgspec.Struct, frozen=True):
     max_bytes: int = 1 << 20
     max_messages: int = 1000
@@ -70,7 +75,7 @@ class Decision(msgspec.Struct):
     messages: list[Msg]
     dropped: list[Dropped]
     persist: list[Msg]
-    error: Rejected | None = None
+    error: Rejection | None = None
 
 
 # ---- decoding and validation (the edge of the core) -------------------------------------
@@ -130,14 +135,14 @@ def check_thread(request: ChatRequest) -> None:
                 )
 
 
-def check_storage(request: ChatRequest, view: StoredView) -> None:
+def check_storage(request: ChatRequest, view: StoredView, ids: list[str]) -> None:
     """The checks that need the stored view: ownership, then ids stored in other threads."""
     if view.owner is not None and view.owner != request.resourceId:
         raise Rejected(
             "ownership",
             f"thread {request.threadId} belongs to resource {view.owner}; request from {request.resourceId} rejected",
         )
-    for mid in lookup_ids(request):
+    for mid in ids:
         other = view.elsewhere.get(mid)
         if other is not None and mid not in view.rows:
             raise Rejected(
@@ -146,9 +151,21 @@ def check_storage(request: ChatRequest, view: StoredView) -> None:
             )
 
 
-def lookup_ids(request: ChatRequest) -> list[str]:
-    """The message ids whose stored copies (here or in other threads) a decision needs."""
-    return [m["id"] for m in request.messages if "id" in m and m["role"] != "system"]
+def lookup_ids(request: ChatRequest, request_id: str) -> list[str]:
+    """The message ids whose stored copies (here or in other threads) a decision needs:
+    the ids the client sent, and the ids the server gives the messages it sent without."""
+    return [m["id"] for m in with_ids(request, request_id) if m["role"] != "system"]
+
+
+def with_ids(request: ChatRequest, request_id: str) -> list[Msg]:
+    """The request's messages, each conversation message without an id given one that is
+    the same whenever the same request is decided again (so a replay finds it stored)."""
+    return [
+        m
+        if "id" in m or m["role"] == "system"
+        else {**m, "id": str(uuid.uuid5(ID_NAMESPACE, f"{request.threadId}\n{request_id}\n{pos}"))}
+        for pos, m in enumerate(request.messages)
+    ]
 
 
 # ---- tool-invocation states --------------------------------------------------------------
@@ -267,7 +284,7 @@ def _select(messages: list[Msg], retain_full: bool, view: StoredView) -> tuple[s
     if boundary is not None:
         kept = {i: messages[i] for i in conversation if i > boundary}
         answered = messages[boundary]
-        stored = view.rows.get(answered.get("id", ""))
+        stored = view.rows.get(answered["id"])
         if stored is not None:
             outcomes = [
                 p for p in answered["content"]["parts"] if is_client_outcome(p) and apply_outcomes(stored, [p]) is not None
@@ -278,20 +295,20 @@ def _select(messages: list[Msg], retain_full: bool, view: StoredView) -> tuple[s
 
     if run:
         return "tool-outcomes", {last: _with_parts(tail, run)}
-    if tail.get("id") in view.rows:
+    if tail["id"] in view.rows:
         return "stored-echo-dropped", {}
     return "unpersisted-assistant-kept", whole
 
 
 def decide(request: ChatRequest, view: StoredView, *, request_id: str, timestamp_ms: int) -> Decision:
     """The filter's decision for one validated request against its thread's stored view."""
+    messages = with_ids(request, request_id)
     try:
         check_thread(request)
-        check_storage(request, view)
+        check_storage(request, view, [m["id"] for m in messages if m["role"] != "system"])
     except Rejected as e:
-        return Decision("rejected", [], [], [], error=e)
+        return Decision("rejected", [], [], [], error=Rejection(e.type, e.message))
 
-    messages = request.messages
     outcome, kept = _select(messages, request.retainFullInput, view)
     clock = _Clock(timestamp_ms, view.newest_ms)
     out: list[Msg] = []
@@ -303,18 +320,18 @@ def decide(request: ChatRequest, view: StoredView, *, request_id: str, timestamp
         keep = kept.get(pos)
         if keep is None:
             continue
-        stored = view.rows.get(keep.get("id", ""))
+        stored = view.rows.get(keep["id"])
         if stored is not None:  # the base layer: the stored copy goes on
             updated = apply_outcomes(stored, keep["content"]["parts"])
             out.append(updated or stored)
             row = updated and _saveable(updated)
         else:
-            new = _complete(keep, request, request_id, pos, clock)
+            new = _complete(keep, request, clock)
             out.append(new)
             row = _saveable(new)
         if row:
             persist.append(row)
-    return Decision(outcome, out, _dropped(messages, out, view, outcome), persist)
+    return Decision(outcome, out, _dropped(request.messages, out, view, outcome), persist)
 
 
 def _dropped(messages: list[Msg], out: list[Msg], view: StoredView, outcome: str) -> list[Dropped]:
@@ -335,11 +352,9 @@ def _dropped(messages: list[Msg], out: list[Msg], view: StoredView, outcome: str
     return dropped
 
 
-def _complete(message: Msg, request: ChatRequest, request_id: str, pos: int, clock: _Clock) -> Msg:
-    """A new message as it is saved: id, createdAt, threadId and resourceId where missing."""
+def _complete(message: Msg, request: ChatRequest, clock: _Clock) -> Msg:
+    """A new message as it is saved: createdAt, threadId and resourceId where missing."""
     new = dict(message)
-    if "id" not in new:
-        new["id"] = str(uuid.uuid5(ID_NAMESPACE, f"{request.threadId}\n{request_id}\n{pos}"))
     if "createdAt" not in new:
         new["createdAt"] = clock.next()
     new.setdefault("threadId", request.threadId)

@@ -1,0 +1,158 @@
+"""Rules of the filter that the shared conformance cases do not pin, one class per rule."""
+
+import msgspec
+import pytest
+
+from streams.filter import Limits, Rejected, StoredView, advances, check_key, decide, decode_request, iso_ms, parse_ms
+
+T0 = 1772366400000  # 2026-03-01T12:00:00Z
+
+
+def request(*messages, **fields):
+    return decode_request(msgspec.json.encode({"threadId": "t1", "resourceId": "r1", "messages": list(messages), **fields}))
+
+
+def user(mid=None, text="hi", **extra):
+    m = {"role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": text}]}, **extra}
+    return m | ({"id": mid} if mid else {})
+
+
+def tool(state, call="c1", **part_keys):
+    return {"type": "tool-invocation", "toolInvocation": {"state": state, "toolCallId": call, "toolName": "t"}, **part_keys}
+
+
+def assistant(mid, *parts):
+    return {"id": mid, "role": "assistant", "content": {"format": 2, "parts": list(parts)}}
+
+
+def stored_row(m, created="2026-03-01T10:00:00.000Z"):
+    return {**m, "threadId": "t1", "resourceId": "r1", "createdAt": created}
+
+
+def empty_view():
+    return StoredView(rows={}, elsewhere={})
+
+
+class TestAdvances:
+    @pytest.mark.parametrize(
+        "stored, incoming, expected",
+        [
+            ("call", "result", True),
+            ("partial-call", "output-error", True),
+            ("approval-requested", "output-denied", True),
+            ("approval-responded", "result", True),
+            ("approval-requested", "approval-responded", True),
+            ("call", "approval-responded", False),
+            ("approval-responded", "approval-responded", False),
+            ("result", "output-error", False),
+            ("output-denied", "approval-responded", False),
+        ],
+    )
+    def test_the_state_relation(self, stored, incoming, expected):
+        assert advances(tool(stored), incoming) is expected
+
+    def test_a_provider_executed_call_only_takes_an_approval_answer(self):
+        assert not advances(tool("call", providerExecuted=True), "result")
+        assert not advances(tool("approval-requested", providerExecuted=True), "result")
+        assert advances(tool("approval-requested", providerExecuted=True), "approval-responded")
+
+
+class TestDecoding:
+    def test_bytes_that_are_not_json_are_a_decode_error(self):
+        with pytest.raises(Rejected) as e:
+            decode_request(b"\xff{")
+        assert e.value.type == "decode"
+
+    def test_json_of_the_wrong_shape_is_a_schema_error_naming_the_field(self):
+        with pytest.raises(Rejected) as e:
+            decode_request(b'{"threadId": "t1", "resourceId": "r1", "messages": [{"role": "user", "content": {"format": 2, "parts": [{"type": 3}]}}]}')
+        assert e.value.type == "schema"
+        assert "messages[0].content.parts[0].type" in e.value.message
+
+    def test_limits_are_configurable(self):
+        raw = msgspec.json.encode({"threadId": "t1", "resourceId": "r1", "messages": [user("a"), user("b")]})
+        with pytest.raises(Rejected) as e:
+            decode_request(raw, Limits(max_messages=1))
+        assert e.value.type == "too-large" and "MEMFILTER_MAX_MESSAGES" in e.value.message
+        with pytest.raises(Rejected) as e:
+            decode_request(raw, Limits(max_bytes=10))
+        assert e.value.type == "too-large"
+
+    def test_a_record_keyed_by_another_thread_is_a_key_mismatch(self):
+        with pytest.raises(Rejected) as e:
+            check_key(request(user("u1")), "t2")
+        assert e.value.type == "key-mismatch"
+
+
+class TestServerMadeIdsAndTimestamps:
+    def test_new_messages_get_increasing_stamps_after_the_newest_stored_row(self):
+        view = StoredView(rows={}, elsewhere={}, owner="r1", size=1, newest_ms=T0 + 5000)
+        d = decide(request(user(), user()), view, request_id="q", timestamp_ms=T0)
+        stamps = [m["createdAt"] for m in d.persist]
+        assert stamps == [iso_ms(T0 + 5001), iso_ms(T0 + 5002)]
+
+    def test_stamps_follow_the_record_timestamp_when_it_is_newer(self):
+        view = StoredView(rows={}, elsewhere={}, owner="r1", size=1, newest_ms=T0 - 1)
+        d = decide(request(user()), view, request_id="q", timestamp_ms=T0)
+        assert parse_ms(d.persist[0]["createdAt"]) == T0
+
+    def test_a_stamp_the_client_sent_is_kept(self):
+        d = decide(request(user(createdAt="1999-01-01T00:00:00Z")), empty_view(), request_id="q", timestamp_ms=T0)
+        assert d.persist[0]["createdAt"] == "1999-01-01T00:00:00Z"
+
+    def test_ids_are_the_same_for_the_same_request_and_differ_between_requests(self):
+        req = request(user(), user())
+        first = decide(req, empty_view(), request_id="q1", timestamp_ms=T0)
+        again = decide(req, empty_view(), request_id="q1", timestamp_ms=T0)
+        other = decide(req, empty_view(), request_id="q2", timestamp_ms=T0)
+        ids = [m["id"] for m in first.persist]
+        assert ids == [m["id"] for m in again.persist]
+        assert len(set(ids)) == 2 and not set(ids) & {m["id"] for m in other.persist}
+
+    def test_a_replayed_request_finds_its_assigned_ids_stored_and_saves_nothing(self):
+        req = request(user())
+        first = decide(req, empty_view(), request_id="q1", timestamp_ms=T0)
+        row = first.persist[0]
+        view = StoredView(rows={row["id"]: row}, elsewhere={}, owner="r1", size=1)
+        again = decide(req, view, request_id="q1", timestamp_ms=T0 + 10)
+        assert again.persist == [] and again.messages == [row]
+
+
+class TestWhatIsSaved:
+    def test_partial_calls_are_removed_from_saved_rows(self):
+        req = request(user("u1"), assistant("a1", {"type": "text", "text": "x"}, tool("partial-call")))
+        d = decide(req, empty_view(), request_id="q", timestamp_ms=T0)
+        assert d.outcome == "seeded"
+        assert d.persist[1]["content"]["parts"] == [{"type": "text", "text": "x"}]
+
+    def test_a_row_left_without_parts_is_not_saved(self):
+        req = request(user("u1"), assistant("a1", tool("partial-call")))
+        d = decide(req, empty_view(), request_id="q", timestamp_ms=T0)
+        assert [m["id"] for m in d.persist] == ["u1"]
+
+    def test_an_applied_outcome_saves_the_whole_stored_row_with_its_other_keys(self):
+        stored = stored_row(assistant("a1", {"type": "text", "text": "t", "providerMetadata": {"k": 1}}, tool("call", title="T")))
+        view = StoredView(rows={"a1": stored}, elsewhere={}, owner="r1", size=1)
+        echo = assistant("a1", {"type": "text", "text": "t "}, tool("result") | {"x": 1})
+        echo["content"]["parts"][1]["toolInvocation"]["result"] = 42
+        d = decide(request(echo), view, request_id="q", timestamp_ms=T0)
+        assert d.outcome == "tool-outcomes"
+        saved = d.persist[0]
+        assert saved["content"]["parts"][0] == stored["content"]["parts"][0]
+        assert saved["content"]["parts"][1] == tool("call", title="T") | {
+            "toolInvocation": {"state": "result", "toolCallId": "c1", "toolName": "t", "result": 42}
+        }
+
+
+class TestDropped:
+    def test_every_id_sent_and_not_kept_is_listed_once_with_a_reason(self):
+        stored = {m["id"]: stored_row(m) for m in (user("u1"), assistant("a1", {"type": "text", "text": "x"}))}
+        view = StoredView(rows=stored, elsewhere={}, owner="r1", size=2)
+        req = request(user("u0"), user("u1"), stored["a1"], user("u2"))
+        d = decide(req, view, request_id="q", timestamp_ms=T0)
+        assert d.outcome == "user-tail"
+        assert [(x.id, x.reason) for x in d.dropped] == [
+            ("u0", "before the kept tail and never stored"),
+            ("u1", "echo of a stored message"),
+            ("a1", "echo of a stored message"),
+        ]
