@@ -2,6 +2,7 @@
 
 from schemas.wire import (
     ChatRequest,
+    ChatRequestOf,
     Dropped,
     FilteredInput,
     Message,
@@ -9,11 +10,11 @@ from schemas.wire import (
     PersistMessages,
     Source,
     json_schemas,
-    validate_messages,
 )
 
 __all__ = [
     "ChatRequest",
+    "ChatRequestOf",
     "Dropped",
     "FilteredInput",
     "Message",
@@ -21,5 +22,4 @@ __all__ = [
     "PersistMessages",
     "Source",
     "json_schemas",
-    "validate_messages",
 ]

@@ -8,15 +8,14 @@ test fails when they drift.
 Messages are Mastra DB messages (format 2). They must pass through the processor losslessly:
 every key it does not interpret, on the message, its content, a part or a tool invocation,
 comes out exactly as it went in, and unknown part types pass through. msgspec Structs drop
-unknown keys (msgspec issue #490), so a message travels as the plain `dict` msgspec decodes
-it to (`MessageDict`), and the `Message` Struct tree below is its *shape*: `validate_messages`
-converts the dicts against it once, at the edge, so a wrongly typed field is refused there and
-the core can read the dicts without checking types again.
+unknown keys (msgspec issue #490), so the `Message` Struct tree below is a message's *shape*:
+what the processor reads, typed and validated. What it passes on is the message as it came
+(its JSON bytes, or the dict msgspec decodes them to, `MessageDict`). See `ChatRequestOf`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -88,21 +87,29 @@ class Message(Struct, omit_defaults=True):
     type: str | UnsetType = UNSET
 
 
-# At run time a message is the dict msgspec decoded, validated against `Message`.
+# A message as it travels through the processor: the dict msgspec decoded, every key kept.
 MessageDict = Annotated[
     dict[str, Any],
     Meta(extra_json_schema={"$ref": "#/$defs/Message"}),
 ]
 
+M = TypeVar("M")
 
-class ChatRequest(Struct, omit_defaults=True):
+
+# Generic in how its messages are held: `ChatRequest` (dicts) is what clients build; the
+# filter decodes the same bytes as `ChatRequestOf[Message]` to read them typed and as
+# `ChatRequestOf[msgspec.Raw]` to pass them on byte for byte.
+class ChatRequestOf(Struct, Generic[M], omit_defaults=True):
     """A value on `chat-requests`, keyed by `threadId`."""
 
     threadId: NonEmpty
     resourceId: NonEmpty
-    messages: list[MessageDict]
+    messages: list[M]
     requestId: NonEmpty | UnsetType = UNSET
     retainFullInput: bool = False
+
+
+ChatRequest = ChatRequestOf[MessageDict]
 
 
 class Dropped(Struct):
@@ -148,20 +155,17 @@ TOPIC_VALUES: dict[str, type] = {
     "persist-messages": PersistMessages,
 }
 
-def validate_messages(messages: list[dict[str, Any]]) -> None:
-    """Raise msgspec.ValidationError naming the first message field of the wrong shape."""
-    msgspec.convert(messages, list[Message])
-
-
 def json_schemas() -> dict[str, dict[str, Any]]:
     """One self-contained JSON Schema per topic value, keyed by topic name."""
     out = {}
     for topic, struct in TOPIC_VALUES.items():
-        _, components = msgspec.json.schema_components([struct, Message])
+        (root, _), components = msgspec.json.schema_components([struct, Message])
+        name = root["$ref"].rsplit("/", 1)[1]
+        schema = components.pop(name)
         out[topic] = {
             "$schema": "https://json-schema.org/draft/2020-12/schema",
-            "title": f"{topic} value",
-            **components[struct.__name__],
-            "$defs": {k: v for k, v in components.items() if k != struct.__name__},
+            **schema,
+            "title": f"{topic} value ({struct.__name__.split('[')[0].removesuffix('Of')})",
+            "$defs": components,
         }
     return out

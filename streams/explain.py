@@ -3,7 +3,7 @@
 A case names a request and the stored history it meets (its thread's rows in saved order,
 rows of other threads, the thread's owner, the record timestamp); the answer is what the
 processor would emit and save. The worker decides with the same functions, so "what would
-the processor do with this?" has one answer. Shapes: `docs/explain.md`.
+the processor do with this?" has one answer. The shapes are `Case` and `Explanation` below.
 """
 
 from __future__ import annotations
@@ -13,24 +13,31 @@ from typing import Any
 import msgspec
 
 from schemas.wire import Dropped
-from streams.filter import Decision, Limits, Rejected, Rejection, StoredView, decide, decode_request, lookup_ids, parse_ms
+from streams.filter import Limits, Rejected, Rejection, StoredView, decide, decode_request, lookup_ids, parse_ms
 
-Msg = dict[str, Any]
+
+class StoredRow(msgspec.Struct):
+    """What a view needs to know of a stored row besides its bytes."""
+
+    id: str
+    threadId: str | None = None
+    resourceId: str | None = None
+    createdAt: Any = None
 
 
 class Case(msgspec.Struct):
     request: msgspec.Raw
-    stored: list[Msg] = []
-    storedElsewhere: list[Msg] = []
+    stored: list[msgspec.Raw] = []
+    storedElsewhere: list[StoredRow] = []
     owner: str | None = None
     timestamp: int = 0
 
 
 class Explanation(msgspec.Struct, omit_defaults=True):
     outcome: str
-    messages: list[Msg]
+    messages: list[Any]
     dropped: list[Dropped]
-    persist: list[Msg]
+    persist: list[dict[str, Any]]
     error: Rejection | None = None
 
 
@@ -38,42 +45,34 @@ class UnusableInput(Exception):
     """The command's own input is not a case or a list of cases (exit 2)."""
 
 
+_ROW = msgspec.json.Decoder(StoredRow)
+
+
 def view_of(thread_id: str, ids: list[str], case: Case) -> StoredView:
     """The stored view a worker would fetch from Redis, built from the case's rows."""
-    by_id = {row.get("id"): row for row in case.stored}
-    owner = case.owner
-    if owner is None:
-        owner = next((row["resourceId"] for row in case.stored if row.get("resourceId")), None)
-    elsewhere = {
-        row["id"]: row["threadId"]
-        for row in case.storedElsewhere
-        if row.get("id") in ids and row.get("threadId") not in (None, thread_id)
-    }
-    stamps = [ms for ms in (parse_ms(row.get("createdAt")) for row in case.stored) if ms is not None]
+    try:
+        heads = [_ROW.decode(raw) for raw in case.stored]
+    except msgspec.DecodeError as e:
+        raise UnusableInput(f"a stored row is not a message with an id: {e}") from None
+    wanted = set(ids)
+    owner = case.owner or next((h.resourceId for h in heads if h.resourceId), None)
+    stamps = [ms for ms in (parse_ms(h.createdAt) for h in heads) if ms is not None]
     return StoredView(
-        rows={i: by_id[i] for i in ids if i in by_id},
-        elsewhere=elsewhere,
+        rows={h.id: bytes(raw) for h, raw in zip(heads, case.stored) if h.id in wanted},
+        elsewhere={r.id: r.threadId for r in case.storedElsewhere if r.id in wanted and r.threadId not in (None, thread_id)},
         owner=owner,
-        size=len(case.stored),
+        size=len(heads),
         newest_ms=max(stamps, default=None),
     )
 
 
 def explain_case(case: Case, position: int = 0) -> Explanation:
     try:
-        request = decode_request(bytes(case.request), Limits())
+        request = decode_request(bytes(case.request), f"explain-0-{position}", Limits())
     except Rejected as e:
-        return _rejection(e)
-    request_id = request.requestId or f"explain-0-{position}"
-    view = view_of(request.threadId, lookup_ids(request, request_id), case)
-    return _explanation(decide(request, view, request_id=request_id, timestamp_ms=case.timestamp))
-
-
-def _rejection(e: Rejected) -> Explanation:
-    return Explanation("rejected", [], [], [], error=Rejection(e.type, e.message))
-
-
-def _explanation(d: Decision) -> Explanation:
+        return Explanation("rejected", [], [], [], error=Rejection(e.type, e.message))
+    view = view_of(request.shape.threadId, lookup_ids(request), case)
+    d = decide(request, view, case.timestamp)
     return Explanation(d.outcome, d.messages, d.dropped, d.persist, error=d.error)
 
 

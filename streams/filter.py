@@ -13,14 +13,19 @@ view of its thread's stored history, what the request may contribute:
 - nothing, for a pure echo of a stored assistant turn.
 
 Wherever a kept message has the id of a stored message, the stored copy goes on instead of the
-echo, with at most the advancing tool outcomes applied. The rules, with the places where they
-deliberately differ from Mastra's `MemoryInputFilter`, are in `docs/filter.md`.
+echo, with at most the advancing tool outcomes applied. The rules, and where they deliberately
+differ from Mastra's `MemoryInputFilter`, are in `docs/filter.md`.
 
-This is the functional core: pure functions of (request bytes or request, `StoredView`, record
-timestamp) to a `Decision`. No I/O. `lookup_ids` says which stored rows a decision needs to
-see, so the stream layer fetches them in one round trip. Messages are the dicts msgspec
-decoded (see `schemas.wire`); nothing here mutates them, so every key this module does not
-interpret passes through as it came.
+This is the functional core: pure functions from (request bytes, `StoredView`, record
+timestamp) to a `Decision`; no I/O. `lookup_ids` says which stored rows a decision needs, so
+the stream layer fetches them in one round trip.
+
+How messages are held, for speed and losslessness: a request is decoded twice from its bytes,
+once typed (`Message` Structs: validated, read by the rules) and once as raw JSON per message
+(`msgspec.Raw`: passed on untouched). Only a message that goes on changed (a new message
+getting its id, a trimmed tool-outcome message, a seed) is decoded to a dict and edited, and a
+stored row is decoded only when a client outcome may apply to it; an unchanged stored row goes
+on as the bytes that were stored. Nothing here mutates what it was given.
 """
 
 from __future__ import annotations
@@ -31,14 +36,18 @@ from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
+from msgspec import UNSET
 
-from schemas.wire import ChatRequest, Dropped, validate_messages
+from schemas.wire import ChatRequestOf, Dropped, Message, Part
 
 Msg = dict[str, Any]
 
 CLIENT_OUTCOME_STATES = frozenset({"approval-responded", "result", "output-error", "output-denied"})
 TERMINAL_STATES = frozenset({"result", "output-error", "output-denied"})
 ID_NAMESPACE = uuid.UUID("8f4c1c4e-51a2-4d39-9a43-6d0f2b6c9e11")
+
+_TYPED = msgspec.json.Decoder(ChatRequestOf[Message])
+_RAW = msgspec.json.Decoder(ChatRequestOf[msgspec.Raw])
 
 
 class Rejected(Exception):
@@ -60,124 +69,139 @@ class Limits(msgspec.Struct, frozen=True):
     max_messages: int = 1000
 
 
+class Request(msgspec.Struct):
+    """A decoded, validated chat request: its messages typed, and as sent."""
+
+    shape: ChatRequestOf[Message]
+    raw: list[msgspec.Raw]
+    request_id: str  # as sent, else the id the edge derived (from the record's position)
+    ids: list[str | None]  # each message's id by position (see `message_ids`)
+
+
 class StoredView(msgspec.Struct):
     """What a decision sees of storage: the thread, and the ids its request names."""
 
-    rows: dict[str, Msg]  # stored copies, in this thread, of the request's message ids
+    rows: dict[str, bytes]  # stored JSON, in this thread, of the request's message ids
     elsewhere: dict[str, str]  # request message id -> the other thread that stores it
     owner: str | None = None  # resourceId owning the thread (recorded, else of its rows)
     size: int = 0  # rows the thread holds; 0 is an empty thread
     newest_ms: int | None = None  # newest createdAt among the thread's rows, epoch ms
+    decoded: dict[str, Msg] = {}  # rows decoded so far (see `row`)
+
+    def row(self, mid: str) -> Msg:
+        row = self.decoded.get(mid)
+        if row is None:
+            row = self.decoded[mid] = msgspec.json.decode(self.rows[mid])
+        return row
 
 
 class Decision(msgspec.Struct):
     outcome: str  # a FilteredInput outcome, or "rejected"
-    messages: list[Msg]
+    messages: list[Any]  # dicts, or a stored row's JSON (msgspec.Raw) where it goes on unchanged
     dropped: list[Dropped]
-    persist: list[Msg]
+    persist: list[Msg]  # whole rows to save
     error: Rejection | None = None
 
 
 # ---- decoding and validation (the edge of the core) -------------------------------------
 
 
-def decode_request(raw: bytes, limits: Limits = Limits()) -> ChatRequest:
-    """Decode and validate one `chat-requests` value; raise `Rejected` naming what is wrong."""
+def decode_request(raw: bytes, default_id: str, limits: Limits = Limits()) -> Request:
+    """Decode and validate one `chat-requests` value; raise `Rejected` naming what is wrong.
+
+    `default_id` is the request id when the request has none: the edge derives it from the
+    record's source position, so a replay of the record gets the same one."""
     if len(raw) > limits.max_bytes:
         raise Rejected("too-large", f"request is {len(raw)} bytes; the limit is {limits.max_bytes} (MEMFILTER_MAX_BYTES)")
     try:
-        request = msgspec.json.decode(raw, type=ChatRequest)
+        shape = _TYPED.decode(raw)
     except msgspec.ValidationError as e:
-        raise Rejected("schema", f"request does not match ChatRequest: {e}") from None
+        raise Rejected("schema", f"request does not match ChatRequest: {str(e).replace('`$.', '`')}") from None
     except msgspec.DecodeError as e:
         raise Rejected("decode", f"request is not JSON: {e}") from None
-    if len(request.messages) > limits.max_messages:
+    if len(shape.messages) > limits.max_messages:
         raise Rejected(
             "too-large",
-            f"request has {len(request.messages)} messages; the limit is {limits.max_messages} (MEMFILTER_MAX_MESSAGES)",
+            f"request has {len(shape.messages)} messages; the limit is {limits.max_messages} (MEMFILTER_MAX_MESSAGES)",
         )
-    check_messages(request.messages)
-    return request
+    _check_messages(shape.messages)
+    request_id = shape.requestId or default_id
+    return Request(shape, _RAW.decode(raw).messages, request_id, message_ids(shape, request_id))
 
 
-def check_messages(messages: list[Msg]) -> None:
-    """Schema checks of messages beyond their types: tool parts complete, ids unique."""
-    try:
-        validate_messages(messages)
-    except msgspec.ValidationError as e:
-        raise Rejected("schema", f"messages do not match Message: {str(e).replace('$', 'messages')}") from None
+def _check_messages(messages: list[Message]) -> None:
+    """The schema check beyond types: conversation message ids are unique."""
     seen = set()
-    for i, m in enumerate(messages):
-        for j, part in enumerate(m["content"]["parts"]):
-            if part["type"] == "tool-invocation" and "toolInvocation" not in part:
-                raise Rejected("schema", f"messages[{i}].content.parts[{j}] is a tool-invocation without toolInvocation")
-        mid = m.get("id")
-        if mid is not None and m["role"] != "system":
-            if mid in seen:
-                raise Rejected("schema", f"message id {mid} appears twice in the request; each message needs its own id")
-            seen.add(mid)
+    for m in messages:
+        if m.id is not UNSET and m.role != "system":
+            if m.id in seen:
+                raise Rejected("schema", f"message id {m.id} appears twice in the request; each message needs its own id")
+            seen.add(m.id)
 
 
-def check_key(request: ChatRequest, key: str | None) -> None:
-    if key is not None and key != request.threadId:
-        raise Rejected("key-mismatch", f"record key {key!r} is not the request's threadId {request.threadId!r}; key records by thread id")
-
-
-def check_thread(request: ChatRequest) -> None:
-    """Every message that names a thread or resource names the request's own."""
-    for i, m in enumerate(request.messages):
-        for field, want in (("threadId", request.threadId), ("resourceId", request.resourceId)):
-            got = m.get(field)
-            if got is not None and got != want:
-                raise Rejected(
-                    "thread-mismatch",
-                    f"messages[{i}] has {field} {got!r} but the request is for {field} {want!r}",
-                )
-
-
-def check_storage(request: ChatRequest, view: StoredView, ids: list[str]) -> None:
-    """The checks that need the stored view: ownership, then ids stored in other threads."""
-    if view.owner is not None and view.owner != request.resourceId:
+def check_key(request: Request, key: str | None) -> None:
+    if key is not None and key != request.shape.threadId:
         raise Rejected(
-            "ownership",
-            f"thread {request.threadId} belongs to resource {view.owner}; request from {request.resourceId} rejected",
+            "key-mismatch", f"record key {key!r} is not the request's threadId {request.shape.threadId!r}; key records by thread id"
         )
-    for mid in ids:
-        other = view.elsewhere.get(mid)
-        if other is not None and mid not in view.rows:
+
+
+def _check_thread(shape: ChatRequestOf[Message]) -> None:
+    """Every message that names a thread or resource names the request's own."""
+    thread, resource = shape.threadId, shape.resourceId
+    for i, m in enumerate(shape.messages):
+        if m.threadId is not UNSET and m.threadId != thread:
+            raise Rejected("thread-mismatch", f"messages[{i}] has threadId {m.threadId!r} but the request is for thread {thread!r}")
+        if m.resourceId is not UNSET and m.resourceId != resource:
             raise Rejected(
-                "foreign-message-id",
-                f"message id {mid} is stored in thread {other}; thread {request.threadId} cannot reuse it (give the message a new id)",
+                "thread-mismatch", f"messages[{i}] has resourceId {m.resourceId!r} but the request is from resource {resource!r}"
             )
 
 
-def lookup_ids(request: ChatRequest, request_id: str) -> list[str]:
-    """The message ids whose stored copies (here or in other threads) a decision needs:
-    the ids the client sent, and the ids the server gives the messages it sent without."""
-    return [m["id"] for m in with_ids(request, request_id) if m["role"] != "system"]
+def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[str | None]) -> None:
+    """The checks that need the stored view: ownership, then ids stored in other threads."""
+    if view.owner is not None and view.owner != shape.resourceId:
+        raise Rejected(
+            "ownership", f"thread {shape.threadId} belongs to resource {view.owner}; request from {shape.resourceId} rejected"
+        )
+    for mid in ids:
+        other = view.elsewhere.get(mid) if mid is not None else None
+        if other is not None and mid not in view.rows:
+            raise Rejected(
+                "foreign-message-id",
+                f"message id {mid} is stored in thread {other}; thread {shape.threadId} cannot reuse it (give the message a new id)",
+            )
 
 
-def with_ids(request: ChatRequest, request_id: str) -> list[Msg]:
-    """The request's messages, each conversation message without an id given one that is
-    the same whenever the same request is decided again (so a replay finds it stored)."""
+def message_ids(shape: ChatRequestOf[Message], request_id: str) -> list[str | None]:
+    """Each message's id by position (None for system messages). A conversation message sent
+    without one gets an id that is the same whenever the same request is decided again, so a
+    replay finds its own rows stored."""
     return [
-        m
-        if "id" in m or m["role"] == "system"
-        else {**m, "id": str(uuid.uuid5(ID_NAMESPACE, f"{request.threadId}\n{request_id}\n{pos}"))}
-        for pos, m in enumerate(request.messages)
+        None
+        if m.role == "system"
+        else m.id
+        if m.id is not UNSET
+        else str(uuid.uuid5(ID_NAMESPACE, f"{shape.threadId}\n{request_id}\n{pos}"))
+        for pos, m in enumerate(shape.messages)
     ]
+
+
+def lookup_ids(request: Request) -> list[str]:
+    """The message ids whose stored copies (here or in other threads) a decision needs."""
+    return [mid for mid in request.ids if mid is not None]
 
 
 # ---- tool-invocation states --------------------------------------------------------------
 
 
+def is_client_outcome(part: Part) -> bool:
+    inv = part.toolInvocation
+    return part.type == "tool-invocation" and inv is not UNSET and inv.state in CLIENT_OUTCOME_STATES
+
+
 def _invocation(part: Msg) -> Msg | None:
     return part.get("toolInvocation") if part.get("type") == "tool-invocation" else None
-
-
-def is_client_outcome(part: Msg) -> bool:
-    inv = _invocation(part)
-    return inv is not None and inv.get("state") in CLIENT_OUTCOME_STATES
 
 
 def advances(stored_part: Msg, incoming_state: str) -> bool:
@@ -193,28 +217,25 @@ def advances(stored_part: Msg, incoming_state: str) -> bool:
     return incoming_state in TERMINAL_STATES
 
 
-def apply_outcomes(stored: Msg, parts: list[Msg]) -> Msg | None:
-    """The stored row with the client outcomes among `parts` applied, or None if none advance.
+def apply_outcomes(stored: Msg, outcomes: list[Part]) -> Msg | None:
+    """The stored row with the client outcomes applied, or None if none advances it.
 
     Only `state` and whichever of `result`, `errorText`, `approval` the outcome carries are
     taken from the input; every other key of the stored part and its invocation stays.
     """
     stored_parts = stored["content"]["parts"]
     new_parts: list[Msg] | None = None
-    for part in parts:
-        if not is_client_outcome(part):
-            continue
-        inv = part["toolInvocation"]
+    for part in outcomes:
+        inv = part.toolInvocation
         for pos, current in enumerate(new_parts or stored_parts):
             cur_inv = _invocation(current)
-            if cur_inv is None or cur_inv.get("toolCallId") != inv["toolCallId"]:
+            if cur_inv is None or cur_inv.get("toolCallId") != inv.toolCallId or not advances(current, inv.state):
                 continue
-            if not advances(current, inv["state"]):
-                continue
-            updated_inv = {**cur_inv, "state": inv["state"]}
+            updated_inv = {**cur_inv, "state": inv.state}
             for key in ("result", "errorText", "approval"):
-                if key in inv:
-                    updated_inv[key] = inv[key]
+                value = getattr(inv, key)
+                if value is not UNSET:
+                    updated_inv[key] = value
             new_parts = new_parts or list(stored_parts)
             new_parts[pos] = {**current, "toolInvocation": updated_inv}
     if new_parts is None:
@@ -224,142 +245,145 @@ def apply_outcomes(stored: Msg, parts: list[Msg]) -> Msg | None:
 
 # ---- the filter ------------------------------------------------------------------------
 
+# What is kept of a message, by input position: None for the whole message, or the indices
+# of the parts kept (tool outcomes), with `content.content` emptied.
+Kept = dict[int, "list[int] | None"]
 
-def _with_parts(message: Msg, parts: list[Msg]) -> Msg:
-    return {**message, "content": {**message["content"], "content": "", "parts": parts}}
 
-
-def _trailing_outcomes(message: Msg) -> list[Msg]:
-    """Client tool outcomes at the end of a message's parts, skipping `data-*` parts."""
+def _trailing_outcomes(message: Message) -> list[int]:
+    """Indices of the client tool outcomes ending a message, skipping `data-*` parts."""
     run = []
-    for part in reversed(message["content"]["parts"]):
-        if part["type"].startswith("data-"):
+    parts = message.content.parts
+    for j in range(len(parts) - 1, -1, -1):
+        if parts[j].type.startswith("data-"):
             continue
-        if not is_client_outcome(part):
+        if not is_client_outcome(parts[j]):
             break
-        run.append(part)
+        run.append(j)
     run.reverse()
     return run
 
 
+def _select(messages: list[Message], ids: list[str | None], retain_full: bool, view: StoredView) -> tuple[str, Kept]:
+    """The outcome, and what is kept of which messages before the base layer."""
+    conversation = [i for i, m in enumerate(messages) if m.role != "system"]
+    if not conversation:
+        return "empty", {}
+    if retain_full:
+        return "retain-full-input", dict.fromkeys(conversation)
+    last = conversation[-1]
+    tail = messages[last]
+    if tail.role not in ("user", "assistant"):
+        return "unchanged", dict.fromkeys(conversation)
+
+    boundary = None
+    run: list[int] = []
+    if tail.role == "user":
+        boundary = next((i for i in reversed(conversation) if messages[i].role == "assistant"), None)
+        if boundary is None:
+            return "unchanged", dict.fromkeys(conversation)
+    else:
+        run = _trailing_outcomes(tail)
+
+    if view.size == 0:
+        return "seeded", dict.fromkeys(conversation)
+
+    if boundary is not None:
+        kept: Kept = {i: None for i in conversation if i > boundary}
+        if ids[boundary] in view.rows:
+            stored = view.row(ids[boundary])
+            parts = messages[boundary].content.parts
+            outcomes = [j for j, p in enumerate(parts) if is_client_outcome(p) and apply_outcomes(stored, [p]) is not None]
+            if outcomes:
+                kept[boundary] = outcomes
+        return "user-tail", kept
+
+    if run:
+        return "tool-outcomes", {last: run}
+    if ids[last] in view.rows:
+        return "stored-echo-dropped", {}
+    return "unpersisted-assistant-kept", dict.fromkeys(conversation)
+
+
+def decide(request: Request, view: StoredView, timestamp_ms: int) -> Decision:
+    """The filter's decision for one validated request against its thread's stored view."""
+    shape = request.shape
+    ids = request.ids
+    try:
+        _check_thread(shape)
+        _check_storage(shape, view, ids)
+    except Rejected as e:
+        return Decision("rejected", [], [], [], error=Rejection(e.type, e.message))
+
+    outcome, kept = _select(shape.messages, ids, shape.retainFullInput, view)
+    clock = _Clock(timestamp_ms, view.newest_ms)
+    out: list[Any] = []
+    persist: list[Msg] = []
+    for pos, message in enumerate(shape.messages):
+        if message.role == "system":
+            out.append(request.raw[pos])
+            continue
+        if pos not in kept:
+            continue
+        part_indices = kept[pos]
+        mid = ids[pos]
+        if mid in view.rows:  # the base layer: the stored copy goes on
+            parts = message.content.parts
+            outcomes = [parts[j] for j in (part_indices or range(len(parts))) if is_client_outcome(parts[j])]
+            updated = apply_outcomes(view.row(mid), outcomes) if outcomes else None
+            out.append(updated or msgspec.Raw(view.rows[mid]))
+            row = updated and _saveable(updated)
+        else:
+            new = _new_message(msgspec.json.decode(request.raw[pos]), mid, part_indices, outcome == "seeded", shape, clock)
+            out.append(new)
+            row = _saveable(new)
+        if row:
+            persist.append(row)
+    return Decision(outcome, out, _dropped(shape.messages, kept, view, outcome), persist)
+
+
+def _new_message(
+    m: Msg, mid: str, part_indices: list[int] | None, seed: bool, shape: ChatRequestOf[Message], clock: _Clock
+) -> Msg:
+    """A message not stored in this thread, as it goes on and is saved: trimmed to its kept
+    outcomes, or stripped of provider metadata as a seed; id, createdAt, threadId and
+    resourceId filled in where missing."""
+    if part_indices is not None:
+        parts = m["content"]["parts"]
+        m = {**m, "content": {**m["content"], "content": "", "parts": [parts[j] for j in part_indices]}}
+    elif seed and m["role"] == "assistant":
+        m = _strip_provider_metadata(m)
+    m.setdefault("id", mid)
+    if "createdAt" not in m:
+        m["createdAt"] = clock.next()
+    m.setdefault("threadId", shape.threadId)
+    m.setdefault("resourceId", shape.resourceId)
+    return m
+
+
 def _strip_provider_metadata(message: Msg) -> Msg:
     """An assistant message as a seed: provider item references removed, outcomes kept."""
-    if message["role"] != "assistant":
-        return message
     content = {k: v for k, v in message["content"].items() if k != "providerMetadata"}
     content["parts"] = [
         p
-        if is_client_outcome(p)
+        if p.get("type") == "tool-invocation" and p["toolInvocation"].get("state") in CLIENT_OUTCOME_STATES
         else {k: v for k, v in p.items() if k not in ("providerMetadata", "providerOptions")}
         for p in content["parts"]
     ]
     return {**message, "content": content}
 
 
-def _select(messages: list[Msg], retain_full: bool, view: StoredView) -> tuple[str, dict[int, Msg]]:
-    """The outcome, and the messages kept (by input position) before the base layer."""
-    conversation = [i for i, m in enumerate(messages) if m["role"] != "system"]
-    if not conversation:
-        return "empty", {}
-    whole = {i: messages[i] for i in conversation}
-    if retain_full:
-        return "retain-full-input", whole
-    last = conversation[-1]
-    tail = messages[last]
-    if tail["role"] not in ("user", "assistant"):
-        return "unchanged", whole
-
-    boundary = None
-    run: list[Msg] = []
-    if tail["role"] == "user":
-        boundary = next((i for i in reversed(conversation) if messages[i]["role"] == "assistant"), None)
-        if boundary is None:
-            return "unchanged", whole
+def _dropped(messages: list[Message], kept: Kept, view: StoredView, outcome: str) -> list[Dropped]:
+    """Every id the client sent that does not go on (ids are unique: see `_check_messages`)."""
+    if outcome == "stored-echo-dropped":
+        unstored = "the request ends in a stored assistant turn"
     else:
-        run = _trailing_outcomes(tail)
-
-    if view.size == 0:
-        return "seeded", {i: _strip_provider_metadata(m) for i, m in whole.items()}
-
-    if boundary is not None:
-        kept = {i: messages[i] for i in conversation if i > boundary}
-        answered = messages[boundary]
-        stored = view.rows.get(answered["id"])
-        if stored is not None:
-            outcomes = [
-                p for p in answered["content"]["parts"] if is_client_outcome(p) and apply_outcomes(stored, [p]) is not None
-            ]
-            if outcomes:
-                kept[boundary] = _with_parts(answered, outcomes)
-        return "user-tail", kept
-
-    if run:
-        return "tool-outcomes", {last: _with_parts(tail, run)}
-    if tail["id"] in view.rows:
-        return "stored-echo-dropped", {}
-    return "unpersisted-assistant-kept", whole
-
-
-def decide(request: ChatRequest, view: StoredView, *, request_id: str, timestamp_ms: int) -> Decision:
-    """The filter's decision for one validated request against its thread's stored view."""
-    messages = with_ids(request, request_id)
-    try:
-        check_thread(request)
-        check_storage(request, view, [m["id"] for m in messages if m["role"] != "system"])
-    except Rejected as e:
-        return Decision("rejected", [], [], [], error=Rejection(e.type, e.message))
-
-    outcome, kept = _select(messages, request.retainFullInput, view)
-    clock = _Clock(timestamp_ms, view.newest_ms)
-    out: list[Msg] = []
-    persist: list[Msg] = []
-    for pos, message in enumerate(messages):
-        if message["role"] == "system":
-            out.append(message)
-            continue
-        keep = kept.get(pos)
-        if keep is None:
-            continue
-        stored = view.rows.get(keep["id"])
-        if stored is not None:  # the base layer: the stored copy goes on
-            updated = apply_outcomes(stored, keep["content"]["parts"])
-            out.append(updated or stored)
-            row = updated and _saveable(updated)
-        else:
-            new = _complete(keep, request, clock)
-            out.append(new)
-            row = _saveable(new)
-        if row:
-            persist.append(row)
-    return Decision(outcome, out, _dropped(request.messages, out, view, outcome), persist)
-
-
-def _dropped(messages: list[Msg], out: list[Msg], view: StoredView, outcome: str) -> list[Dropped]:
-    kept_ids = {m.get("id") for m in out}
-    dropped: list[Dropped] = []
-    for m in messages:
-        mid = m.get("id")
-        if mid is None or mid in kept_ids:
-            continue
-        kept_ids.add(mid)
-        if mid in view.rows:
-            reason = "echo of a stored message"
-        elif outcome == "stored-echo-dropped":
-            reason = "the request ends in a stored assistant turn"
-        else:
-            reason = "before the kept tail and never stored"
-        dropped.append(Dropped(mid, reason))
-    return dropped
-
-
-def _complete(message: Msg, request: ChatRequest, clock: _Clock) -> Msg:
-    """A new message as it is saved: createdAt, threadId and resourceId where missing."""
-    new = dict(message)
-    if "createdAt" not in new:
-        new["createdAt"] = clock.next()
-    new.setdefault("threadId", request.threadId)
-    new.setdefault("resourceId", request.resourceId)
-    return new
+        unstored = "before the kept tail and never stored"
+    return [
+        Dropped(m.id, "echo of a stored message" if m.id in view.rows else unstored)
+        for pos, m in enumerate(messages)
+        if pos not in kept and m.id is not UNSET and m.role != "system"
+    ]
 
 
 def _saveable(row: Msg) -> Msg | None:

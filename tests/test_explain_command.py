@@ -52,13 +52,11 @@ class TestRequestsTheProcessorWouldRejectAreDecisions:
             ({"messages": [user("u1", role="tool")]}, "schema"),
             ({"messages": [{"role": "user", "content": {"format": 1, "parts": []}}]}, "schema"),
             ({"messages": [user("u1"), user("u1")]}, "schema"),
-            ({"messages": [{"role": "assistant", "content": {"format": 2, "parts": [{"type": "tool-invocation"}]}}]}, "schema"),
             ({"messages": [user("u1", threadId="t2")]}, "thread-mismatch"),
             ({"messages": [user(str(i)) for i in range(1001)]}, "too-large"),
             ({"messages": [user("u1", text="x" * (1 << 20))]}, "too-large"),
         ],
-        ids=["threadId not a string", "empty threadId", "role tool", "format 1", "duplicate ids",
-             "tool part without invocation", "message of another thread", "too many messages", "too many bytes"],
+        ids=["threadId not a string", "empty threadId", "role tool", "format 1", "duplicate ids", "message of another thread", "too many messages", "too many bytes"],
     )
     def test_rejected_with_the_error_type_of_the_contract(self, request_, error_type):
         result = explain(json.dumps(case(**request_)).encode())

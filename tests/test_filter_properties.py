@@ -15,8 +15,8 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.wire import ChatRequest
-from streams.filter import TERMINAL_STATES, StoredView, advances, decide, decode_request, lookup_ids, parse_ms, with_ids
+from streams.filter import Request
+from streams.filter import TERMINAL_STATES, Decision, StoredView, advances, decide, decode_request, lookup_ids, parse_ms
 
 EXAMPLES = settings(max_examples=2000, deadline=None)
 STATES = ["partial-call", "call", "approval-requested", "approval-responded", "result", "output-error", "output-denied"]
@@ -116,12 +116,12 @@ class Thread:
         self.rows = {r["id"]: r for r in rows}
         self.elsewhere = {r["id"]: r["threadId"] for r in elsewhere}
 
-    def view(self, request: ChatRequest, request_id: str) -> StoredView:
-        ids = lookup_ids(request, request_id)
+    def view(self, request: Request) -> StoredView:
+        ids = lookup_ids(request)
         stamps = [parse_ms(r.get("createdAt")) for r in self.rows.values()]
         owner = next(iter(self.rows.values()))["resourceId"] if self.rows else None
         return StoredView(
-            rows={i: self.rows[i] for i in ids if i in self.rows},
+            rows={i: msgspec.json.encode(self.rows[i]) for i in ids if i in self.rows},
             elsewhere={i: self.elsewhere[i] for i in ids if i in self.elsewhere},
             owner=owner,
             size=len(self.rows),
@@ -133,14 +133,19 @@ class Thread:
             self.rows[row["id"]] = row
 
 
-def decide_bytes(request: dict, thread: Thread, request_id="req-1"):
-    req = decode_request(msgspec.json.encode(request))
-    return decide(req, thread.view(req, request_id), request_id=request_id, timestamp_ms=1772366400000)
+def decision_json(request: dict, thread: Thread) -> bytes:
+    req = decode_request(msgspec.json.encode(request), "chat-requests-0-0")
+    return msgspec.json.encode(decide(req, thread.view(req), 1772366400000))
+
+
+def decide_bytes(request: dict, thread: Thread) -> Decision:
+    """The decision for `request` against `thread`, as JSON values (as consumers see it)."""
+    return msgspec.json.decode(decision_json(request, thread), type=Decision)
 
 
 def valid(request: dict) -> bool:
     try:
-        decode_request(msgspec.json.encode(request))
+        decode_request(msgspec.json.encode(request), "q")
     except Exception:
         return False
     return True
@@ -230,9 +235,9 @@ class TestReplaysAreHarmless:
         request, stored, elsewhere = w
         if not valid(request):
             return
-        first = decide_bytes(copy.deepcopy(request), Thread(copy.deepcopy(stored), elsewhere))
-        second = decide_bytes(copy.deepcopy(request), Thread(copy.deepcopy(stored), elsewhere))
-        assert msgspec.json.encode(first) == msgspec.json.encode(second)
+        first = decision_json(copy.deepcopy(request), Thread(copy.deepcopy(stored), elsewhere))
+        second = decision_json(copy.deepcopy(request), Thread(copy.deepcopy(stored), elsewhere))
+        assert first == second
 
     @EXAMPLES
     @given(world())
@@ -253,7 +258,7 @@ class TestLossless:
         if not valid(request):
             return
         raw = msgspec.json.encode(request)
-        assert msgspec.json.encode(decode_request(raw).messages) == msgspec.json.encode(request["messages"])
+        assert msgspec.json.encode(decode_request(raw, "q").raw) == msgspec.json.encode(request["messages"])
 
     @EXAMPLES
     @given(world())
@@ -263,7 +268,7 @@ class TestLossless:
         if not valid(request):
             return
         d = decide_bytes(request, thread)
-        sent = {m.get("id"): m for m in with_ids(decode_request(msgspec.json.encode(request)), "req-1")}
+        sent = dict(zip(decode_request(msgspec.json.encode(request), "q").ids, request["messages"]))
         for out in d.messages:
             if out["role"] == "system" or out["id"] in thread.rows:
                 continue

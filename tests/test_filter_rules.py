@@ -8,8 +8,9 @@ from streams.filter import Limits, Rejected, StoredView, advances, check_key, de
 T0 = 1772366400000  # 2026-03-01T12:00:00Z
 
 
-def request(*messages, **fields):
-    return decode_request(msgspec.json.encode({"threadId": "t1", "resourceId": "r1", "messages": list(messages), **fields}))
+def request(*messages, request_id="q", **fields):
+    raw = msgspec.json.encode({"threadId": "t1", "resourceId": "r1", "messages": list(messages), **fields})
+    return decode_request(raw, request_id)
 
 
 def user(mid=None, text="hi", **extra):
@@ -31,6 +32,15 @@ def stored_row(m, created="2026-03-01T10:00:00.000Z"):
 
 def empty_view():
     return StoredView(rows={}, elsewhere={})
+
+
+def view_of(*rows, **fields):
+    return StoredView(rows={r["id"]: msgspec.json.encode(r) for r in rows}, elsewhere={}, owner="r1", size=len(rows), **fields)
+
+
+def as_json(decision):
+    """A decision as consumers see it: messages and rows as JSON values."""
+    return msgspec.json.decode(msgspec.json.encode(decision))
 
 
 class TestAdvances:
@@ -60,22 +70,22 @@ class TestAdvances:
 class TestDecoding:
     def test_bytes_that_are_not_json_are_a_decode_error(self):
         with pytest.raises(Rejected) as e:
-            decode_request(b"\xff{")
+            decode_request(b"\xff{", "q")
         assert e.value.type == "decode"
 
     def test_json_of_the_wrong_shape_is_a_schema_error_naming_the_field(self):
         with pytest.raises(Rejected) as e:
-            decode_request(b'{"threadId": "t1", "resourceId": "r1", "messages": [{"role": "user", "content": {"format": 2, "parts": [{"type": 3}]}}]}')
+            decode_request(b'{"threadId": "t1", "resourceId": "r1", "messages": [{"role": "user", "content": {"format": 2, "parts": [{"type": 3}]}}]}', "q")
         assert e.value.type == "schema"
         assert "messages[0].content.parts[0].type" in e.value.message
 
     def test_limits_are_configurable(self):
         raw = msgspec.json.encode({"threadId": "t1", "resourceId": "r1", "messages": [user("a"), user("b")]})
         with pytest.raises(Rejected) as e:
-            decode_request(raw, Limits(max_messages=1))
+            decode_request(raw, "q", Limits(max_messages=1))
         assert e.value.type == "too-large" and "MEMFILTER_MAX_MESSAGES" in e.value.message
         with pytest.raises(Rejected) as e:
-            decode_request(raw, Limits(max_bytes=10))
+            decode_request(raw, "q", Limits(max_bytes=10))
         assert e.value.type == "too-large"
 
     def test_a_record_keyed_by_another_thread_is_a_key_mismatch(self):
@@ -87,55 +97,57 @@ class TestDecoding:
 class TestServerMadeIdsAndTimestamps:
     def test_new_messages_get_increasing_stamps_after_the_newest_stored_row(self):
         view = StoredView(rows={}, elsewhere={}, owner="r1", size=1, newest_ms=T0 + 5000)
-        d = decide(request(user(), user()), view, request_id="q", timestamp_ms=T0)
+        d = decide(request(user(), user()), view, T0)
         stamps = [m["createdAt"] for m in d.persist]
         assert stamps == [iso_ms(T0 + 5001), iso_ms(T0 + 5002)]
 
     def test_stamps_follow_the_record_timestamp_when_it_is_newer(self):
         view = StoredView(rows={}, elsewhere={}, owner="r1", size=1, newest_ms=T0 - 1)
-        d = decide(request(user()), view, request_id="q", timestamp_ms=T0)
+        d = decide(request(user()), view, T0)
         assert parse_ms(d.persist[0]["createdAt"]) == T0
 
     def test_a_stamp_the_client_sent_is_kept(self):
-        d = decide(request(user(createdAt="1999-01-01T00:00:00Z")), empty_view(), request_id="q", timestamp_ms=T0)
+        d = decide(request(user(createdAt="1999-01-01T00:00:00Z")), empty_view(), T0)
         assert d.persist[0]["createdAt"] == "1999-01-01T00:00:00Z"
 
     def test_ids_are_the_same_for_the_same_request_and_differ_between_requests(self):
-        req = request(user(), user())
-        first = decide(req, empty_view(), request_id="q1", timestamp_ms=T0)
-        again = decide(req, empty_view(), request_id="q1", timestamp_ms=T0)
-        other = decide(req, empty_view(), request_id="q2", timestamp_ms=T0)
+        first = decide(request(user(), user(), request_id="q1"), empty_view(), T0)
+        again = decide(request(user(), user(), request_id="q1"), empty_view(), T0)
+        other = decide(request(user(), user(), request_id="q2"), empty_view(), T0)
         ids = [m["id"] for m in first.persist]
         assert ids == [m["id"] for m in again.persist]
         assert len(set(ids)) == 2 and not set(ids) & {m["id"] for m in other.persist}
 
+    def test_a_request_id_sent_by_the_client_wins_over_the_derived_one(self):
+        sent = decide(request(user(), requestId="client-1", request_id="chat-requests-0-5"), empty_view(), T0)
+        same = decide(request(user(), requestId="client-1", request_id="chat-requests-3-9"), empty_view(), T0)
+        assert sent.persist == same.persist
+
     def test_a_replayed_request_finds_its_assigned_ids_stored_and_saves_nothing(self):
-        req = request(user())
-        first = decide(req, empty_view(), request_id="q1", timestamp_ms=T0)
+        first = decide(request(user(), request_id="q1"), empty_view(), T0)
         row = first.persist[0]
-        view = StoredView(rows={row["id"]: row}, elsewhere={}, owner="r1", size=1)
-        again = decide(req, view, request_id="q1", timestamp_ms=T0 + 10)
-        assert again.persist == [] and again.messages == [row]
+        again = decide(request(user(), request_id="q1"), view_of(row), T0 + 10)
+        assert again.persist == [] and as_json(again)["messages"] == [row]
 
 
 class TestWhatIsSaved:
     def test_partial_calls_are_removed_from_saved_rows(self):
         req = request(user("u1"), assistant("a1", {"type": "text", "text": "x"}, tool("partial-call")))
-        d = decide(req, empty_view(), request_id="q", timestamp_ms=T0)
+        d = decide(req, empty_view(), T0)
         assert d.outcome == "seeded"
         assert d.persist[1]["content"]["parts"] == [{"type": "text", "text": "x"}]
 
     def test_a_row_left_without_parts_is_not_saved(self):
         req = request(user("u1"), assistant("a1", tool("partial-call")))
-        d = decide(req, empty_view(), request_id="q", timestamp_ms=T0)
+        d = decide(req, empty_view(), T0)
         assert [m["id"] for m in d.persist] == ["u1"]
 
     def test_an_applied_outcome_saves_the_whole_stored_row_with_its_other_keys(self):
         stored = stored_row(assistant("a1", {"type": "text", "text": "t", "providerMetadata": {"k": 1}}, tool("call", title="T")))
-        view = StoredView(rows={"a1": stored}, elsewhere={}, owner="r1", size=1)
+        view = view_of(stored)
         echo = assistant("a1", {"type": "text", "text": "t "}, tool("result") | {"x": 1})
         echo["content"]["parts"][1]["toolInvocation"]["result"] = 42
-        d = decide(request(echo), view, request_id="q", timestamp_ms=T0)
+        d = decide(request(echo), view, T0)
         assert d.outcome == "tool-outcomes"
         saved = d.persist[0]
         assert saved["content"]["parts"][0] == stored["content"]["parts"][0]
@@ -146,10 +158,10 @@ class TestWhatIsSaved:
 
 class TestDropped:
     def test_every_id_sent_and_not_kept_is_listed_once_with_a_reason(self):
-        stored = {m["id"]: stored_row(m) for m in (user("u1"), assistant("a1", {"type": "text", "text": "x"}))}
-        view = StoredView(rows=stored, elsewhere={}, owner="r1", size=2)
-        req = request(user("u0"), user("u1"), stored["a1"], user("u2"))
-        d = decide(req, view, request_id="q", timestamp_ms=T0)
+        u1, a1 = stored_row(user("u1")), stored_row(assistant("a1", {"type": "text", "text": "x"}))
+        view = view_of(u1, a1)
+        req = request(user("u0"), u1, a1, user("u2"))
+        d = decide(req, view, T0)
         assert d.outcome == "user-tail"
         assert [(x.id, x.reason) for x in d.dropped] == [
             ("u0", "before the kept tail and never stored"),
