@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -25,6 +26,25 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stack(args: argparse.Namespace) -> int:
+    from streams import stack
+
+    settings = stack.Settings.from_env()
+    if args.partitions is not None:
+        settings = dataclasses.replace(settings, partitions=args.partitions)
+    try:
+        if args.action == "up":
+            print(stack.up(settings).exports())
+        elif args.action == "down":
+            print("stopped" if stack.down(settings) else f"no stack recorded in {settings.dir}")
+        else:
+            print(stack.status(settings))
+    except stack.StackError as e:
+        print(f"memfilter stack {args.action}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfilter", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -32,6 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="the filter's decision for a request and a history, without Kafka or Redis")
     p.add_argument("file", nargs="?", help="a case or JSON array of cases (default: stdin)")
     p.set_defaults(run=cmd_explain)
+
+    p = sub.add_parser(
+        "stack",
+        help="a local Kafka (KRaft) and Redis for the product and its tests",
+        description="Start, stop or show a local single-node Kafka broker and Redis server on loopback ports. "
+        "Settings: MEMFILTER_STACK_DIR (default .stack/ in the checkout), MEMFILTER_KAFKA_PORT (9092), "
+        "MEMFILTER_CONTROLLER_PORT (9093), MEMFILTER_REDIS_PORT (6379), MEMFILTER_PARTITIONS (8), "
+        "MEMFILTER_MAVEN_SETTINGS (a Maven settings.xml, optional).",
+    )
+    p.add_argument("action", choices=["up", "down", "status"], help='up prints `export` lines: eval "$(memfilter stack up)"')
+    p.add_argument("--partitions", type=int, help="partitions of each topic created by `up` (default 8)")
+    p.set_defaults(run=cmd_stack)
     return parser
 
 

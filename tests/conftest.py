@@ -1,0 +1,60 @@
+"""Shared fixtures: the real Kafka broker and Redis server the processor's tests run against.
+
+If `KAFKA_BOOTSTRAP_SERVERS` and `REDIS_URL` are both set, the tests use those services.
+Otherwise the session starts the project's own stack (`memfilter stack up`) in
+`.stack/tests/` on ports of its own (19092, 19093, 16379, overridable with the usual
+`MEMFILTER_*_PORT` settings), so a developer's `.stack/` on the default ports is left alone,
+and stops it at the end if it started it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Services:
+    bootstrap: str
+    redis_url: str
+    stack_dir: Path | None  # None when the services were given, not started here
+
+
+def stack_env(**overrides: str) -> dict[str, str]:
+    """The environment of a `memfilter stack` call for the test stack."""
+    env = dict(os.environ)
+    env.setdefault("MEMFILTER_STACK_DIR", str(REPO / ".stack" / "tests"))
+    env.setdefault("MEMFILTER_KAFKA_PORT", "19092")
+    env.setdefault("MEMFILTER_CONTROLLER_PORT", "19093")
+    env.setdefault("MEMFILTER_REDIS_PORT", "16379")
+    env.update(overrides)
+    return env
+
+
+def memfilter(*argv: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "streams", *argv], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO
+    )
+
+
+@pytest.fixture(scope="session")
+def services():
+    given = os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), os.environ.get("REDIS_URL")
+    if all(given):
+        yield Services(given[0], given[1], None)
+        return
+    env = stack_env()
+    was_running = "running" in memfilter("stack", "status", env=env).stdout.split("\n")[0]
+    up = memfilter("stack", "up", env=env)
+    assert up.returncode == 0, f"memfilter stack up failed: {up.stderr}"
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines())
+    yield Services(exports["KAFKA_BOOTSTRAP_SERVERS"], exports["REDIS_URL"], Path(env["MEMFILTER_STACK_DIR"]))
+    if not was_running:
+        memfilter("stack", "down", env=env)

@@ -1,0 +1,226 @@
+"""The local stack: real Kafka and Redis answer, Faust works on them, and failures are clear.
+
+Smoke tests run on the session's stack (see conftest). Failure tests provoke each failure on
+a throwaway stack folder and check: one line naming the cause, a non-zero exit, and no
+process of that folder left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.structs import TopicPartition
+
+from conftest import memfilter, stack_env
+from streams.stack import TOPICS
+
+
+def processes_of(folder: Path) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(folder) in cmd and "pytest" not in cmd:
+            found.append(f"{proc.name}: {cmd[:120]}")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_line_failure(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode != 0, result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.startswith("memfilter stack up:")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+class TestTheStackAnswers:
+    @pytest.mark.parametrize("topic", TOPICS)
+    def test_each_topic_round_trips_a_keyed_record_through_aiokafka(self, services, topic):
+        async def round_trip():
+            producer = AIOKafkaProducer(bootstrap_servers=services.bootstrap, acks="all")
+            await producer.start()
+            value = uuid.uuid4().hex.encode()
+            try:
+                sent = await producer.send_and_wait(topic, value, key=b"thread-1", headers=[("h", b"1")])
+            finally:
+                await producer.stop()
+            consumer = AIOKafkaConsumer(bootstrap_servers=services.bootstrap, enable_auto_commit=False)
+            await consumer.start()
+            try:
+                tp = TopicPartition(topic, sent.partition)
+                consumer.assign([tp])
+                consumer.seek(tp, sent.offset)
+                record = await asyncio.wait_for(consumer.getone(), 20)
+            finally:
+                await consumer.stop()
+            return value, record
+
+        value, record = asyncio.run(round_trip())
+        assert (record.key, record.value, list(record.headers)) == (b"thread-1", value, [("h", b"1")])
+
+    def test_topics_have_the_configured_partitions(self, services):
+        async def partitions():
+            admin = AIOKafkaAdminClient(bootstrap_servers=services.bootstrap)
+            await admin.start()
+            try:
+                return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(list(TOPICS))}
+            finally:
+                await admin.close()
+
+        assert asyncio.run(partitions()) == dict.fromkeys(TOPICS, 8)
+
+    def test_a_redis_lua_script_and_a_pipeline(self, services):
+        async def redis_round_trip():
+            r = aioredis.from_url(services.redis_url)
+            key = f"smoke:{uuid.uuid4().hex}"
+            try:
+                incr_by = r.register_script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
+                assert await incr_by(keys=[key], args=[5]) == 5
+                async with r.pipeline(transaction=True) as pipe:
+                    results = await pipe.incr(key).get(key).delete(key).execute()
+                return results
+            finally:
+                await r.aclose()
+
+        assert asyncio.run(redis_round_trip()) == [6, b"6", 1]
+
+    def test_a_faust_worker_joins_a_group_and_consumes_one_event(self, services, tmp_path):
+        """A Faust worker on the real broker: it joins its group and its agent gets an event."""
+        app = tmp_path / "smoke_app.py"
+        app.write_text(textwrap.dedent(f"""
+            import faust, redis
+            app = faust.App("smoke-{uuid.uuid4().hex[:8]}", broker="kafka://{services.bootstrap}",
+                            web_enabled=False, store="memory://", datadir="{tmp_path}/data")
+            topic = app.topic("chat-requests", key_serializer="raw", value_serializer="raw")
+            store = redis.Redis.from_url("{services.redis_url}")
+
+            @app.agent(topic)
+            async def record(stream):
+                async for event in stream.events():
+                    store.set(b"faust-smoke:" + event.key, event.value)
+            if __name__ == "__main__":
+                app.main()
+        """))
+        key = uuid.uuid4().hex.encode()
+        worker = subprocess.Popen(
+            [sys.executable, str(app), "worker", "-l", "warn", "--without-web"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        try:
+            got = asyncio.run(self._publish_until_seen(services, key))
+        finally:
+            worker.terminate()
+            output = worker.communicate(timeout=30)[0].decode(errors="replace")
+        assert got == b"faust says hi", output[-2000:]
+
+    @staticmethod
+    async def _publish_until_seen(services, key: bytes) -> bytes | None:
+        """Publish one event once the worker's group has partitions, then wait for its effect."""
+        r = aioredis.from_url(services.redis_url)
+        producer = AIOKafkaProducer(bootstrap_servers=services.bootstrap)
+        await producer.start()
+        try:
+            deadline = time.monotonic() + 90
+            sent_at = None
+            while time.monotonic() < deadline:
+                if sent_at is None or time.monotonic() - sent_at > 10:
+                    # Re-sent until seen: the first may land before the worker's group has joined
+                    # and is then still consumed (a new group starts from the earliest offset).
+                    await producer.send_and_wait("chat-requests", b"faust says hi", key=key)
+                    sent_at = time.monotonic()
+                value = await r.get(b"faust-smoke:" + key)
+                if value is not None:
+                    return value
+                await asyncio.sleep(0.2)
+            return None
+        finally:
+            await producer.stop()
+            await r.aclose()
+
+
+@pytest.fixture(scope="class")
+def second_stack(tmp_path_factory):
+    """A stack of its own folder and free ports, for what needs a stack besides the session's."""
+    folder = tmp_path_factory.mktemp("second") / "stack"
+    ports = {k: str(free_port()) for k in ("MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT")}
+    env = stack_env(MEMFILTER_STACK_DIR=str(folder), MEMFILTER_PARTITIONS="2", **ports)
+    up = memfilter("stack", "up", env=env)
+    assert up.returncode == 0, up.stderr
+    yield env, up
+    down = memfilter("stack", "down", env=env)
+    assert down.returncode == 0 and processes_of(folder) == []
+
+
+class TestStackUpIsIdempotent:
+    def test_up_again_reuses_the_running_stack(self, second_stack):
+        env, first = second_stack
+        before = memfilter("stack", "status", env=env).stdout
+        assert before.startswith("running from")
+        again = memfilter("stack", "up", env=env)
+        assert again.returncode == 0
+        assert again.stdout == first.stdout
+        assert "already running" in again.stderr
+        assert memfilter("stack", "status", env=env).stdout == before
+
+    def test_a_stack_of_another_folder_on_the_same_ports_is_named(self, second_stack, tmp_path):
+        env, _ = second_stack
+        other = {**env, "MEMFILTER_STACK_DIR": str(tmp_path / "stack")}
+        line = one_line_failure(memfilter("stack", "up", env=other))
+        assert "held by a stack of another folder" in line and env["MEMFILTER_STACK_DIR"] in line
+        assert processes_of(tmp_path) == []
+
+
+class TestFailuresAreOneLineAndLeaveNothingRunning:
+    def test_no_java(self, tmp_path):
+        env = stack_env(MEMFILTER_STACK_DIR=str(tmp_path / "stack"), PATH=str(tmp_path))
+        line = one_line_failure(memfilter("stack", "up", env=env))
+        assert "no `java` on PATH" in line
+        assert processes_of(tmp_path) == []
+
+    def test_maven_unreachable(self, tmp_path):
+        settings = tmp_path / "settings.xml"
+        settings.write_text(textwrap.dedent(f"""
+            <settings>
+              <localRepository>{tmp_path}/m2</localRepository>
+              <mirrors><mirror><id>nowhere</id><mirrorOf>*</mirrorOf><url>http://127.0.0.1:9/</url></mirror></mirrors>
+            </settings>
+        """))
+        ports = {k: str(free_port()) for k in ("MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT")}
+        env = stack_env(MEMFILTER_STACK_DIR=str(tmp_path / "stack"), MEMFILTER_MAVEN_SETTINGS=str(settings), **ports)
+        line = one_line_failure(memfilter("stack", "up", env=env))
+        assert "Maven could not fetch the Kafka jars" in line
+        assert processes_of(tmp_path) == []
+
+    def test_a_port_taken_by_another_program(self, tmp_path):
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            env = stack_env(
+                MEMFILTER_STACK_DIR=str(tmp_path / "stack"),
+                MEMFILTER_KAFKA_PORT=str(free_port()),
+                MEMFILTER_CONTROLLER_PORT=str(free_port()),
+                MEMFILTER_REDIS_PORT=str(port),
+            )
+            line = one_line_failure(memfilter("stack", "up", env=env))
+        assert f"port {port} for Redis is taken by pid {os.getpid()}" in line
+        assert "MEMFILTER_REDIS_PORT" in line
+        assert processes_of(tmp_path) == []
