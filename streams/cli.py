@@ -45,6 +45,41 @@ def cmd_stack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reachable(settings) -> str | None:
+    """None if Kafka and Redis answer, else a one-line reason."""
+    import asyncio
+
+    import redis
+
+    from streams.stack import broker_answers
+
+    try:
+        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3).ping()
+    except redis.RedisError as e:
+        return f"Redis at {settings.redis_url} does not answer ({e}); start it (memfilter stack up) or set REDIS_URL"
+    if not asyncio.run(broker_answers(settings.bootstrap, timeout=10)):
+        return f"Kafka at {settings.bootstrap} does not answer; start it (memfilter stack up) or set KAFKA_BOOTSTRAP_SERVERS"
+    return None
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import faust
+
+    from streams.app import create_app
+    from streams.settings import WorkerSettings
+
+    settings = WorkerSettings.from_env()
+    if args.web_port is not None:
+        settings = dataclasses.replace(settings, web_port=args.web_port)
+    reason = _reachable(settings)
+    if reason is not None:
+        print(f"memfilter worker: {reason}", file=sys.stderr)
+        return 1
+    app = create_app(settings)
+    faust.Worker(app, loglevel=args.loglevel).execute_from_commandline()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfilter", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -52,6 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="the filter's decision for a request and a history, without Kafka or Redis")
     p.add_argument("file", nargs="?", help="a case or JSON array of cases (default: stdin)")
     p.set_defaults(run=cmd_explain)
+
+    p = sub.add_parser(
+        "worker",
+        help="run a processor worker (a Faust worker); several workers form one consumer group",
+        description="Consume chat-requests and persist-messages; settings from the environment "
+        "(KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, MEMFILTER_GROUP, MEMFILTER_REDIS_PREFIX, MEMFILTER_TOPIC_*, "
+        "MEMFILTER_BATCH_MAX, MEMFILTER_BATCH_WITHIN, MEMFILTER_MAX_BYTES, MEMFILTER_MAX_MESSAGES, MEMFILTER_WEB_PORT).",
+    )
+    p.add_argument("--web-port", type=int, help="port of the worker's web server (default MEMFILTER_WEB_PORT or 6066)")
+    p.add_argument("--loglevel", default="warn", choices=["crit", "error", "warn", "info", "debug"])
+    p.set_defaults(run=cmd_worker)
 
     p = sub.add_parser(
         "stack",

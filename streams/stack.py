@@ -289,6 +289,21 @@ def _redis_answers(port: int) -> bool:
         return False
 
 
+async def broker_answers(bootstrap: str, timeout: float) -> bool:
+    """Does a Kafka broker answer a metadata request at `bootstrap` within `timeout` seconds?"""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout * 1000))
+    try:
+        await asyncio.wait_for(admin.start(), timeout)
+        await asyncio.wait_for(admin.list_topics(), timeout)
+        return True
+    except Exception:
+        return False
+    finally:
+        await admin.close()
+
+
 async def _create_topics(s: Settings, deadline: float) -> None:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 

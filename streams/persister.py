@@ -1,0 +1,72 @@
+"""The persister: `persist-messages` written by other services, applied to the history store.
+
+Services that save messages of a thread (the agent runner saving its replies) publish them
+on `persist-messages`, and so does the processor. This applies each event's rows to its
+thread: new rows are appended in order, a changed row replaces the stored one, an unchanged
+row does nothing, so the processor's own events (and any event applied twice) change nothing.
+It never moves or changes a message of another thread: an event naming an id that another
+thread owns, or a thread owned by another resource, goes to the dead-letter topic whole.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from schemas.wire import Message, PersistMessages
+from streams.filter import Rejection, parse_ms
+from streams.history import HistoryStore
+from streams.processor import Out, Record, dead_letter
+
+_EVENT = msgspec.json.Decoder(PersistMessages)
+
+
+def _validate(event: PersistMessages) -> list[tuple[str, bytes]]:
+    """The event's rows as (id, JSON); raise ValueError naming what is wrong."""
+    try:
+        messages = msgspec.convert(event.messages, list[Message])
+    except msgspec.ValidationError as e:
+        raise ValueError(f"schema: messages do not match Message: {e}") from None
+    rows = []
+    for i, (m, raw) in enumerate(zip(messages, event.messages)):
+        if m.id is msgspec.UNSET:
+            raise ValueError(f"schema: messages[{i}] has no id; saved rows need one")
+        for field, got, want in (("threadId", m.threadId, event.threadId), ("resourceId", m.resourceId, event.resourceId)):
+            if got is not msgspec.UNSET and got != want:
+                raise ValueError(f"thread-mismatch: messages[{i}] has {field} {got!r}, the event is for {want!r}")
+        rows.append((m.id, msgspec.json.encode(raw)))
+    return rows
+
+
+class Persister:
+    def __init__(self, store: HistoryStore, dlq_topic: str):
+        self.store = store
+        self.dlq_topic = dlq_topic
+
+    async def process(self, records: list[Record]) -> list[Out]:
+        """Apply each record in order; return the dead letters."""
+        outs = []
+        for record in records:
+            error = await self._apply(record)
+            if error is not None:
+                outs.append(dead_letter(record, self.dlq_topic, error))
+        return outs
+
+    async def _apply(self, record: Record) -> Rejection | None:
+        try:
+            event = _EVENT.decode(record.value)
+            rows = _validate(event)
+        except msgspec.DecodeError as e:
+            kind = "schema" if isinstance(e, msgspec.ValidationError) else "decode"
+            return Rejection(kind, f"persist-messages value is not PersistMessages: {e}")
+        except ValueError as e:
+            kind, message = str(e).split(": ", 1)
+            return Rejection(kind, message)
+        held = await self.store.claim([(mid, event.threadId) for mid, _ in rows])
+        for (mid, _), other in zip(rows, held):
+            if other is not None:
+                return Rejection("foreign-message-id", f"message id {mid} belongs to thread {other}; not saved in {event.threadId}")
+        newest = max((parse_ms(m.get("createdAt")) or -1 for m in event.messages), default=-1)
+        owner = await self.store.apply(event.threadId, event.resourceId, newest, rows)
+        if owner is not None:
+            return Rejection("ownership", f"thread {event.threadId} belongs to resource {owner}; rows from {event.resourceId} not saved")
+        return None

@@ -1,0 +1,234 @@
+"""The processor: a batch of `chat-requests` records in, the records to emit out.
+
+This is the imperative shell around the filter (`streams/filter.py`), without Kafka: the Faust
+agent in `streams/app.py` hands it batches of records and sends what it returns. For a batch:
+
+1. decode every record (a record that does not decode, or is keyed by another thread, is
+   rejected here and goes to the dead-letter topic);
+2. read, in one pipelined round trip, every thread of the batch: its meta, the stored rows and
+   id owners of every message id its requests name, and which of its request ids were
+   already processed;
+3. decide each thread's requests in offset order, each seeing what the earlier ones of the
+   batch saved (an overlay on what was read), so per-thread order and read-your-writes hold
+   within a batch as across batches;
+4. claim the new message ids (one round trip), then commit every request's rows and record
+   (one round trip, `HistoryStore.commit`);
+5. return the filtered input, the rows to persist, or the dead letter for each record.
+
+A request already recorded as processed is not decided again: what was recorded is emitted
+again, byte for byte, so re-delivery after a crash changes nothing. A thread whose stored
+version moved under the batch (another writer) or whose new id was claimed meanwhile by
+another thread is read and decided again from that request on.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import msgspec
+
+from schemas.wire import FilteredInput, PersistMessages, Source
+from streams.filter import (
+    Limits,
+    Rejected,
+    Rejection,
+    Request,
+    StoredView,
+    check_key,
+    decide,
+    decode_request,
+    lookup_ids,
+    parse_ms,
+)
+from streams.history import HistoryStore, Recorded, ThreadState, Write, encode_recorded
+
+
+@dataclass(frozen=True)
+class Record:
+    """A consumed Kafka record, as the processor needs it."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+
+@dataclass(frozen=True)
+class Out:
+    """A record to produce."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+    timestamp_ms: int
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+
+@dataclass(frozen=True)
+class Topics:
+    requests: str = "chat-requests"
+    filtered: str = "filtered-inputs"
+    persist: str = "persist-messages"
+    dlq: str = "chat-requests-dlq"
+
+
+def dead_letter(record: Record, dlq_topic: str, error: Rejection) -> Out:
+    """The rejected record, bytes unchanged, with the reason and its source in headers."""
+    headers = (
+        *record.headers,
+        ("error.type", error.type.encode()),
+        ("error.message", error.message.encode()),
+        ("source.topic", record.topic.encode()),
+        ("source.partition", str(record.partition).encode()),
+        ("source.offset", str(record.offset).encode()),
+    )
+    return Out(dlq_topic, record.key, record.value, record.timestamp_ms, headers)
+
+
+@dataclass
+class _Pending:
+    index: int  # position in the batch
+    record: Record
+    request: Request
+
+
+@dataclass
+class _Thread:
+    """A thread's requests of the batch, and how far they got."""
+
+    requests: list[_Pending]
+    next: int = 0  # first request not yet committed
+    planned: list[tuple[_Pending, Write | None, Recorded]] = field(default_factory=list)
+
+
+class Processor:
+    def __init__(self, store: HistoryStore, topics: Topics = Topics(), limits: Limits = Limits()):
+        self.store = store
+        self.topics = topics
+        self.limits = limits
+        self.round_trips = 0  # Redis round trips so far (a metric)
+
+    async def process(self, records: list[Record]) -> list[Out]:
+        outs: list[list[Out]] = [[] for _ in records]
+        threads: dict[str, _Thread] = {}
+        for i, record in enumerate(records):
+            try:
+                request = decode_request(record.value, f"{record.topic}-{record.partition}-{record.offset}", self.limits)
+                check_key(request, record.key.decode(errors="replace") if record.key is not None else None)
+            except Rejected as e:
+                outs[i].append(dead_letter(record, self.topics.dlq, Rejection(e.type, e.message)))
+                continue
+            threads.setdefault(request.shape.threadId, _Thread([])).requests.append(_Pending(i, record, request))
+
+        while threads:
+            threads = await self._round(threads, outs)
+        return [out for per_record in outs for out in per_record]
+
+    async def _round(self, threads: dict[str, _Thread], outs: list[list[Out]]) -> dict[str, _Thread]:
+        """Read, decide, claim and commit what is left of each thread; the threads to redo."""
+        wanted = {}
+        for thread, t in threads.items():
+            todo = t.requests[t.next :]
+            ids = list(dict.fromkeys(mid for p in todo for mid in lookup_ids(p.request)))
+            wanted[thread] = (ids, [p.request.request_id for p in todo])
+        states = await self.store.read(wanted)
+        self.round_trips += 1
+        for thread, t in threads.items():
+            t.planned = self._decide_thread(thread, t, states[thread])
+
+        # New ids are claimed first; a thread whose id another thread holds by now is cut
+        # there (its earlier requests go on) and decided again on a fresh read.
+        redo: set[str] = set()
+        claims = [(mid, thread) for thread, t in threads.items() for _, w, _ in t.planned if w for mid in w.new_ids]
+        if claims:
+            held = await self.store.claim(claims)
+            self.round_trips += 1
+            taken = {(thread, mid) for (mid, thread), other in zip(claims, held) if other is not None}
+            for thread, t in threads.items():
+                cut = next((k for k, (_, w, _) in enumerate(t.planned) if w and any((thread, m) in taken for m in w.new_ids)), None)
+                if cut is not None:
+                    del t.planned[cut:]
+                    redo.add(thread)
+
+        writes = [w for t in threads.values() for _, w, _ in t.planned if w is not None]
+        results = iter(await self.store.commit(writes) if writes else [])
+        if writes:
+            self.round_trips += 1
+        for thread, t in threads.items():
+            failed = False
+            for p, w, rec in t.planned:
+                status, value = next(results) if w is not None else ("recorded", None)
+                if failed or status == "stale":
+                    failed = True  # this and what the thread decided after it: again
+                    continue
+                outs[p.index] = self._emit(p, value if status == "dup" else rec)
+                t.next += 1
+            if failed:
+                redo.add(thread)
+        return {thread: threads[thread] for thread in redo if threads[thread].next < len(threads[thread].requests)}
+
+    def _decide_thread(self, thread: str, t: _Thread, state: ThreadState) -> list[tuple[_Pending, Write | None, Recorded]]:
+        """Decide a thread's remaining requests in order, each on what the earlier ones saved."""
+        planned = []
+        recorded_here: dict[str, Recorded] = {}
+        after = ""
+        for p in t.requests[t.next :]:
+            request = p.request
+            earlier = state.done.get(request.request_id) or recorded_here.get(request.request_id)
+            if earlier is not None:
+                planned.append((p, None, earlier))
+                continue
+            ids = lookup_ids(request)
+            view = StoredView(
+                rows={mid: state.rows[mid] for mid in ids if mid in state.rows},
+                elsewhere={mid: state.elsewhere[mid] for mid in ids if mid in state.elsewhere},
+                owner=state.owner,
+                size=state.size,
+                newest_ms=state.newest_ms,
+            )
+            decision = decide(request, view, p.record.timestamp_ms)
+            rec, rows = self._record(p, decision, state.version)
+            newest = max((parse_ms(r.get("createdAt")) or -1 for r in decision.persist), default=-1)
+            new_ids = [mid for mid, _ in rows if mid not in state.rows]
+            write = Write(
+                thread, request.request_id, state.version, after, request.shape.resourceId, newest, rows, encode_recorded(rec), new_ids
+            )
+            planned.append((p, write, rec))
+            recorded_here[request.request_id] = rec
+            after = request.request_id
+            if rows:  # the overlay: what the next request of the batch sees
+                state.size += sum(1 for mid, _ in rows if mid not in state.rows)
+                state.rows.update(rows)
+                state.version += 1
+                state.owner = state.owner or request.shape.resourceId
+                state.newest_ms = max(state.newest_ms or -1, newest)
+        return planned
+
+    def _record(self, p: _Pending, decision, version: int) -> tuple[Recorded, list[tuple[str, bytes]]]:
+        shape = p.request.shape
+        if decision.error is not None:
+            return Recorded(error=decision.error), []
+        source = Source(p.record.topic, p.record.partition, p.record.offset)
+        filtered = FilteredInput(
+            p.request.request_id, shape.threadId, shape.resourceId, decision.outcome, decision.messages, decision.dropped, source, version
+        )
+        rows = [(row["id"], msgspec.json.encode(row)) for row in decision.persist]
+        persist = None
+        if rows:
+            persist = msgspec.json.encode(
+                PersistMessages(p.request.request_id, shape.threadId, shape.resourceId, [msgspec.Raw(r) for _, r in rows])
+            )
+        return Recorded(msgspec.json.encode(filtered), persist), rows
+
+    def _emit(self, p: _Pending, rec: Recorded) -> list[Out]:
+        key, ts = p.record.key, p.record.timestamp_ms
+        if rec.error is not None:
+            return [dead_letter(p.record, self.topics.dlq, rec.error)]
+        outs = [Out(self.topics.filtered, key, rec.filtered, ts)]
+        if rec.persist is not None:
+            outs.append(Out(self.topics.persist, key, rec.persist, ts))
+        return outs

@@ -1,0 +1,143 @@
+"""Helpers for tests of the running processor: its own topics, workers, publishing, reading.
+
+Each test gets a `Pipeline`: four topics of its own (8 partitions), a consumer group and a
+Redis key prefix of its own, so tests never see each other's records or rows. Workers are
+real `memfilter worker` processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.structs import ConsumerRecord
+
+from streams.history import HistoryStore
+from streams.processor import Topics
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Pipeline:
+    bootstrap: str
+    redis_url: str
+    name: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
+    partitions: int = 8
+    workers: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(*(f"{t}-{self.name}" for t in ("chat-requests", "filtered-inputs", "persist-messages", "dlq")))
+
+    @property
+    def prefix(self) -> str:
+        return f"test-{self.name}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        t = self.topics
+        return {
+            **os.environ,
+            "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap,
+            "REDIS_URL": self.redis_url,
+            "MEMFILTER_GROUP": f"memfilter-{self.name}",
+            "MEMFILTER_REDIS_PREFIX": self.prefix,
+            "MEMFILTER_TOPIC_REQUESTS": t.requests,
+            "MEMFILTER_TOPIC_FILTERED": t.filtered,
+            "MEMFILTER_TOPIC_PERSIST": t.persist,
+            "MEMFILTER_TOPIC_DLQ": t.dlq,
+            "MEMFILTER_DATA_DIR": f"/tmp/memfilter-test-{self.name}",
+            **extra,
+        }
+
+    async def create_topics(self) -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(t, self.partitions, 1) for t in self.topics.__dict__.values()])
+        finally:
+            await admin.close()
+
+    def start_worker(self, **extra_env: str) -> subprocess.Popen:
+        log = open(f"/tmp/memfilter-test-{self.name}-worker{len(self.workers)}.log", "ab")
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "streams", "worker", "--web-port", str(free_port()), "--loglevel", "warn"],
+            env=self.env(**extra_env),
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.workers.append(worker)
+        return worker
+
+    def kill(self, worker: subprocess.Popen) -> None:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(30)
+
+    def stop_all(self) -> None:
+        for w in self.workers:
+            if w.poll() is None:
+                w.terminate()
+        for w in self.workers:
+            try:
+                w.wait(30)
+            except subprocess.TimeoutExpired:
+                w.kill()
+
+    def store(self) -> tuple[aioredis.Redis, HistoryStore]:
+        client = aioredis.from_url(self.redis_url)
+        return client, HistoryStore(client, self.prefix)
+
+
+async def publish(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, bytes, int]]) -> int:
+    """Publish (key, value, timestamp ms) records in order; the number published."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_request_size=4 << 20)
+    await producer.start()
+    n = 0
+    try:
+        pending = []
+        for key, value, ts in records:
+            pending.append(await producer.send(topic, value, key=key, timestamp_ms=ts))
+            n += 1
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+    return n
+
+
+async def read(bootstrap: str, topics: list[str], until, timeout: float = 120) -> list[ConsumerRecord]:
+    """Read `topics` from the beginning until `until(records)` holds or `timeout` passes."""
+    consumer = AIOKafkaConsumer(*topics, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None)
+    await consumer.start()
+    records: list[ConsumerRecord] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while not until(records) and time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=500, max_records=5000)
+            for recs in batch.values():
+                records.extend(recs)
+    finally:
+        await consumer.stop()
+    return records
+
+
+def header(record: ConsumerRecord, name: str) -> str | None:
+    return next((v.decode() for k, v in record.headers if k == name), None)

@@ -1,0 +1,107 @@
+"""End to end: every conformance case through a real worker, Kafka and Redis.
+
+For each case the thread's history (and the other threads' rows) is saved to Redis first,
+the request is published to the requests topic, and what the worker emits must be exactly
+what `memfilter explain` gives for the same case: the filtered input, the rows to persist, or
+the dead letter with the same error type. Each case gets thread and message ids of its own (`c<i>-<id>`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from pipeline import Pipeline, header, publish, read
+from streams.explain import explain
+from streams.filter import parse_ms
+
+CASES = json.loads((Path(__file__).parent / "data" / "conformance-cases.json").read_text())
+
+
+def renamed(value, prefix: str):
+    """The case with every thread and message id prefixed, so each case has its own."""
+    if isinstance(value, dict):
+        return {
+            k: (f"{prefix}{v}" if k in ("threadId", "id") and isinstance(v, str) else renamed(v, prefix))
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [renamed(v, prefix) for v in value]
+    return value
+
+
+async def save_history(pipeline: Pipeline, case: dict) -> None:
+    client, store = pipeline.store()
+    thread = case["request"]["threadId"]
+    try:
+        groups = defaultdict(list)
+        for row in case["stored"]:
+            groups[thread].append(row)
+        for row in case["storedElsewhere"]:
+            groups[row["threadId"]].append(row)
+        for t, rows in groups.items():
+            owner = case.get("owner") if t == thread and case.get("owner") else rows[0]["resourceId"]
+            newest = max((parse_ms(r.get("createdAt")) or -1 for r in rows), default=-1)
+            await store.claim([(r["id"], t) for r in rows])
+            assert await store.apply(t, owner, newest, [(r["id"], msgspec.json.encode(r)) for r in rows]) is None
+        if case.get("owner") and not case["stored"]:
+            await client.hset(store.keys(thread)[2], "owner", case["owner"])
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture(scope="module")
+def outputs(services):
+    """Publish every case against a worker; the worker's records and explain's answers."""
+    pipeline = Pipeline(services.bootstrap, services.redis_url)
+    cases = [renamed(c["case"], f"c{i}-") for i, c in enumerate(CASES)]
+    expected = json.loads(explain(json.dumps(cases).encode()))
+
+    async def run():
+        await pipeline.create_topics()
+        for case in cases:
+            await save_history(pipeline, case)
+        pipeline.start_worker()
+        await publish(
+            services.bootstrap,
+            pipeline.topics.requests,
+            [(c["request"]["threadId"].encode(), json.dumps(c["request"]).encode(), c["timestamp"]) for c in cases],
+        )
+        t = pipeline.topics
+        return await read(
+            services.bootstrap,
+            [t.filtered, t.persist, t.dlq],
+            until=lambda recs: sum(r.topic in (t.filtered, t.dlq) for r in recs) >= len(cases),
+        )
+
+    try:
+        records = asyncio.run(run())
+    finally:
+        pipeline.stop_all()
+    by_key = defaultdict(dict)
+    for r in records:
+        by_key[r.key.decode()].setdefault(r.topic, []).append(r)
+    return pipeline.topics, cases, expected, by_key
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_the_worker_emits_what_explain_decides(index, outputs):
+    topics, cases, expected, by_key = outputs
+    want = expected[index]
+    got = by_key[cases[index]["request"]["threadId"]]
+    if want["outcome"] == "rejected":
+        assert [header(r, "error.type") for r in got.get(topics.dlq, [])] == [want["error"]["type"]]
+        assert got.get(topics.dlq)[0].value == json.dumps(cases[index]["request"]).encode()
+        assert topics.filtered not in got and topics.persist not in got
+        return
+    [filtered] = got[topics.filtered]
+    event = json.loads(filtered.value)
+    assert (event["outcome"], event["messages"], event["dropped"]) == (want["outcome"], want["messages"], want["dropped"])
+    assert event["requestId"] == cases[index]["request"]["requestId"]
+    persisted = [json.loads(r.value)["messages"] for r in got.get(topics.persist, [])]
+    assert persisted == ([want["persist"]] if want["persist"] else [])
