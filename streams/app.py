@@ -61,6 +61,8 @@ def create_app(settings: WorkerSettings) -> faust.App:
         web_bind="127.0.0.1",
         producer_acks=-1,
         consumer_auto_offset_reset="earliest",
+        broker_session_timeout=settings.session_timeout,
+        broker_heartbeat_interval=settings.session_timeout / 4,
     )
     client = aioredis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
     store = HistoryStore(client, settings.redis_prefix)

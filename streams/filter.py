@@ -115,10 +115,12 @@ def decode_request(raw: bytes, default_id: str, limits: Limits = Limits()) -> Re
         raise Rejected("too-large", f"request is {len(raw)} bytes; the limit is {limits.max_bytes} (MEMFILTER_MAX_BYTES)")
     try:
         shape = _TYPED.decode(raw)
-    except msgspec.ValidationError as e:
-        raise Rejected("schema", f"request does not match ChatRequest: {str(e).replace('`$.', '`')}") from None
     except msgspec.DecodeError as e:
-        raise Rejected("decode", f"request is not JSON: {e}") from None
+        try:  # a shape error can stop the decoder before it reaches malformed JSON
+            msgspec.json.decode(raw)
+        except msgspec.DecodeError as not_json:
+            raise Rejected("decode", f"request is not JSON: {not_json}") from None
+        raise Rejected("schema", f"request does not match ChatRequest: {str(e).replace('`$.', '`')}") from None
     if len(shape.messages) > limits.max_messages:
         raise Rejected(
             "too-large",

@@ -22,6 +22,7 @@ class WorkerSettings:
     batch_within: float  # seconds a batch waits to fill
     web_port: int
     data_dir: str
+    session_timeout: float  # seconds before a silent worker's partitions go to the others
 
     @classmethod
     def from_env(cls, env=os.environ) -> WorkerSettings:
@@ -45,4 +46,5 @@ class WorkerSettings:
             batch_within=float(env.get("MEMFILTER_BATCH_WITHIN", 0.05)),
             web_port=int(env.get("MEMFILTER_WEB_PORT", 6066)),
             data_dir=env.get("MEMFILTER_DATA_DIR", os.path.join(tempfile.gettempdir(), f"memfilter-{group}")),
+            session_timeout=float(env.get("MEMFILTER_SESSION_TIMEOUT", 10)),
         )

@@ -76,10 +76,13 @@ class Pipeline:
         finally:
             await admin.close()
 
+    def log_path(self, n: int) -> Path:
+        return Path(f"/tmp/memfilter-test-{self.name}-worker{n}.log")
+
     def start_worker(self, **extra_env: str) -> subprocess.Popen:
-        log = open(f"/tmp/memfilter-test-{self.name}-worker{len(self.workers)}.log", "ab")
+        log = open(self.log_path(len(self.workers)), "ab")
         worker = subprocess.Popen(
-            [sys.executable, "-m", "streams", "worker", "--web-port", str(free_port()), "--loglevel", "warn"],
+            [sys.executable, "-m", "streams", "worker", "--web-port", str(free_port()), "--loglevel", os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")],
             env=self.env(**extra_env),
             cwd=REPO,
             stdout=log,
@@ -141,3 +144,36 @@ async def read(bootstrap: str, topics: list[str], until, timeout: float = 120) -
 
 def header(record: ConsumerRecord, name: str) -> str | None:
     return next((v.decode() for k, v in record.headers if k == name), None)
+
+
+class Collector:
+    """Reads topics from the beginning in the background, while a test does other things."""
+
+    def __init__(self, bootstrap: str, topics: list[str]):
+        self.consumer = AIOKafkaConsumer(*topics, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None)
+        self.records: list[ConsumerRecord] = []
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> Collector:
+        await self.consumer.start()
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def _run(self) -> None:
+        while True:
+            batch = await self.consumer.getmany(timeout_ms=200, max_records=5000)
+            for recs in batch.values():
+                self.records.extend(recs)
+
+    async def wait_for(self, predicate, timeout: float = 180) -> bool:
+        deadline = time.monotonic() + timeout
+        while not predicate(self.records):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self.consumer.stop()

@@ -73,6 +73,11 @@ class TestDecoding:
             decode_request(b"\xff{", "q")
         assert e.value.type == "decode"
 
+    def test_malformed_json_is_a_decode_error_even_where_its_start_has_the_wrong_shape(self):
+        with pytest.raises(Rejected) as e:
+            decode_request(b"[1,2", "q")
+        assert e.value.type == "decode"
+
     def test_json_of_the_wrong_shape_is_a_schema_error_naming_the_field(self):
         with pytest.raises(Rejected) as e:
             decode_request(b'{"threadId": "t1", "resourceId": "r1", "messages": [{"role": "user", "content": {"format": 2, "parts": [{"type": 3}]}}]}', "q")

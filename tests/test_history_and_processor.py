@@ -1,0 +1,172 @@
+"""The processor and the persister against a real Redis, without Kafka: the batch rules.
+
+Concurrency the end-to-end tests cannot time reliably is provoked here by hand: another
+writer saving between a batch's read and its commit, two threads claiming one new id, the
+same request twice in one batch, and the persister applying events twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+
+from streams.history import HistoryStore
+from streams.persister import Persister
+from streams.processor import Processor, Record, Topics
+
+T0 = 1772366400000
+
+
+def msg(mid, role="user", text="hi", **extra):
+    return {"id": mid, "role": role, "content": {"format": 2, "parts": [{"type": "text", "text": text}]}, **extra}
+
+
+def record(thread: str, messages: list, offset: int = 0, request_id: str | None = None, **fields) -> Record:
+    value = {"threadId": thread, "resourceId": "r1", "messages": messages, **fields}
+    if request_id:
+        value["requestId"] = request_id
+    return Record("chat-requests", 0, offset, T0 + offset, thread.encode(), json.dumps(value).encode())
+
+
+def outputs(outs, topic):
+    return [json.loads(o.value) for o in outs if o.topic == topic]
+
+
+@pytest.fixture
+def with_store(services):
+    """Run `fn(store)` in an event loop of its own, on a key prefix of its own."""
+    prefix = f"unit-{uuid.uuid4().hex[:8]}"
+
+    def run(fn):
+        async def go():
+            client = aioredis.from_url(services.redis_url)
+            try:
+                return await fn(HistoryStore(client, prefix))
+            finally:
+                await client.aclose()
+
+        return asyncio.run(go())
+
+    return run
+
+
+class TestBatches:
+    def test_requests_of_one_thread_in_one_batch_see_each_others_writes(self, with_store):
+        async def go(store):
+            p = Processor(store)
+            outs = await p.process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0"), msg("u1")], 1, "q1")])
+            return outs, [json.loads(r) for r in await store.thread_rows("t")], p.round_trips
+
+        outs, rows, trips = with_store(go)
+        persisted = outputs(outs, Topics().persist)
+        assert [[m["id"] for m in p["messages"]] for p in persisted] == [["u0"], ["u1"]]
+        assert [r["id"] for r in rows] == ["u0", "u1"]
+        assert trips == 3  # read, claim, commit: for the whole batch
+
+    def test_the_same_request_twice_is_decided_once_and_emitted_twice_identically(self, with_store):
+        async def go(store):
+            p = Processor(store)
+            first = await p.process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0")], 0, "q0")])
+            again = await p.process([record("t", [msg("u0")], 0, "q0")])
+            return first, again
+
+        first, again = with_store(go)
+        filtered = [o.value for o in first + again if o.topic == Topics().filtered]
+        assert len(filtered) == 3 and len(set(filtered)) == 1
+
+    def test_a_write_by_another_writer_between_read_and_commit_is_seen_by_a_second_decision(self, with_store):
+        """The persister saves the assistant's reply while a batch is being decided."""
+
+        async def go(store):
+            p = Processor(store)
+            await p.process([record("t", [msg("u0")], 0, "q0")])
+            reply = msg("a0", role="assistant", text="answer", threadId="t", resourceId="r1")
+            commit = store.commit
+
+            async def commit_after_a_concurrent_save(writes):
+                if not getattr(commit_after_a_concurrent_save, "done", False):
+                    commit_after_a_concurrent_save.done = True
+                    await store.apply("t", "r1", T0, [("a0", msgspec.json.encode(reply))])
+                return await commit(writes)
+
+            store.commit = commit_after_a_concurrent_save
+            echo = [msg("u0"), msg("a0", role="assistant", text="answer "), msg("u1")]
+            outs = await p.process([record("t", echo, 1, "q1")])
+            return outs, [json.loads(r)["id"] for r in await store.thread_rows("t")]
+
+        outs, ids = with_store(go)
+        [filtered] = outputs(outs, Topics().filtered)
+        assert filtered["historyVersion"] == 2  # decided again, on the version with the reply
+        assert [d["reason"] for d in filtered["dropped"]] == ["echo of a stored message"] * 2
+        assert ids == ["u0", "a0", "u1"]
+
+    def test_a_new_id_claimed_by_another_thread_meanwhile_rejects_the_request(self, with_store):
+        async def go(store):
+            p = Processor(store)
+            claim = store.claim
+
+            async def claim_after_another_thread(claims):
+                await claim([("shared", "other-thread")])
+                return await claim(claims)
+
+            store.claim = claim_after_another_thread
+            return await p.process([record("t", [msg("shared")], 0, "q0")])
+
+        [dead] = with_store(go)
+        assert dict(dead.headers)["error.type"] == b"foreign-message-id"
+
+
+class TestPersister:
+    def event(self, thread, rows, resource="r1"):
+        value = {"requestId": "x", "threadId": thread, "resourceId": resource, "messages": rows}
+        return Record("persist-messages", 0, 0, T0, thread.encode(), json.dumps(value).encode())
+
+    def test_applying_an_event_twice_changes_nothing(self, with_store):
+        async def go(store):
+            persister = Persister(store, "dlq")
+            rows = [msg("a0", role="assistant", threadId="t", createdAt="2026-03-01T10:00:00Z")]
+            assert await persister.process([self.event("t", rows)]) == []
+            version = await store.redis.hget(store.keys("t")[2], "version")
+            assert await persister.process([self.event("t", rows)]) == []
+            return version, await store.redis.hget(store.keys("t")[2], "version"), await store.thread_rows("t")
+
+        before, after, rows = with_store(go)
+        assert before == after == b"1" and len(rows) == 1
+
+    def test_the_processors_own_events_applied_again_change_nothing(self, with_store):
+        async def go(store):
+            outs = await Processor(store).process([record("t", [msg("u0")], 0, "q0")])
+            [persist] = [o for o in outs if o.topic == Topics().persist]
+            version = await store.redis.hget(store.keys("t")[2], "version")
+            letters = await Persister(store, "dlq").process([Record("persist-messages", 0, 0, T0, b"t", persist.value)])
+            return letters, version, await store.redis.hget(store.keys("t")[2], "version")
+
+        letters, before, after = with_store(go)
+        assert letters == [] and before == after
+
+    @pytest.mark.parametrize(
+        "rows, resource, error",
+        [
+            ([msg("e1", threadId="t")], "r1", "foreign-message-id"),
+            ([msg("n1", threadId="t")], "intruder", "ownership"),
+            ([msg("n2", threadId="elsewhere")], "r1", "thread-mismatch"),
+            ([{"role": "user", "content": {"format": 2, "parts": []}}], "r1", "schema"),
+        ],
+        ids=["a message of another thread", "a thread of another resource", "a row naming another thread", "a row without id"],
+    )
+    def test_rows_it_must_not_save_are_dead_letters(self, with_store, rows, resource, error):
+        async def go(store):
+            persister = Persister(store, "dlq")
+            assert await persister.process([self.event("other", [msg("e1", threadId="other")])]) == []
+            assert await persister.process([self.event("t", [msg("t0", threadId="t")])]) == []
+            letters = await persister.process([self.event("t", rows, resource)])
+            return letters, [json.loads(r)["id"] for r in await store.thread_rows("t")]
+
+        [letter], ids = with_store(go)
+        assert dict(letter.headers)["error.type"] == error.encode()
+        assert ids == ["t0"]

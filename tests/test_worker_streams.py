@@ -1,0 +1,205 @@
+"""The worker on long interleaved streams: per-thread order, read-your-writes, crashes, outages.
+
+The stream: 1,000 threads of 10 requests each, published interleaved (every thread's first
+request, then every thread's second, ...). Request k of a thread is what `useChat` sends
+when the user types message k: the echo of messages 0..k-1 and the new message k, with the
+client's ids and no timestamps. So request k must see what request k-1 saved: its filtered
+input holds the stored copies of 0..k-1 (with their server-made `createdAt`) and only message
+k is saved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from pipeline import Collector, Pipeline, free_port, publish
+
+THREADS, TURNS = 1000, 10
+T0 = 1772366400000
+
+
+def user(thread: str, k: int) -> dict:
+    return {"id": f"{thread}-u{k}", "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": f"message {k}"}]}}
+
+
+def stream(threads: int = THREADS, turns: int = TURNS, tag: str = "s"):
+    """(key, value, timestamp) of every request, interleaved across threads."""
+    for k in range(turns):
+        for i in range(threads):
+            thread = f"{tag}{i}"
+            request = {
+                "requestId": f"{thread}-r{k}",
+                "threadId": thread,
+                "resourceId": f"user-{i % 50}",
+                "messages": [user(thread, j) for j in range(k + 1)],
+            }
+            yield thread.encode(), json.dumps(request).encode(), T0 + k
+
+
+def requests_seen(records, topic: str) -> int:
+    return len({json.loads(r.value)["requestId"] for r in records if r.topic == topic})
+
+
+def check(records, topics, threads: int = THREADS, turns: int = TURNS, tag: str = "s") -> dict[str, int]:
+    """Every request once in per-thread order (repeats byte-identical), each seeing its past."""
+    first: dict[str, bytes] = {}
+    order: dict[str, list[str]] = defaultdict(list)
+    persisted: dict[str, list] = {}
+    repeats = 0
+    for r in records:
+        if r.topic == topics.dlq:
+            raise AssertionError(f"unexpected dead letter: {dict(r.headers)}")
+        event = json.loads(r.value)
+        key = (r.topic, event["requestId"])
+        if key in first:
+            assert first[key] == r.value, f"a repeat of {key} differs from its first copy"
+            repeats += 1
+            continue
+        first[key] = r.value
+        if r.topic == topics.filtered:
+            order[event["threadId"]].append(event["requestId"])
+        else:
+            persisted[event["requestId"]] = event["messages"]
+
+    assert len(order) == threads
+    for i in range(threads):
+        thread = f"{tag}{i}"
+        assert order[thread] == [f"{thread}-r{k}" for k in range(turns)], f"{thread} out of order or missing"
+        stamps = []
+        for k in range(turns):
+            event = json.loads(first[(topics.filtered, f"{thread}-r{k}")])
+            assert [m["id"] for m in event["messages"]] == [f"{thread}-u{j}" for j in range(k + 1)]
+            [saved] = persisted[f"{thread}-r{k}"]
+            assert saved["id"] == f"{thread}-u{k}"
+            for j, m in enumerate(event["messages"][:-1]):
+                assert m == persisted[f"{thread}-r{j}"][0], f"{thread} request {k} did not see message {j} as saved"
+            stamps.append(saved["createdAt"])
+        assert stamps == sorted(stamps) and len(set(stamps)) == turns
+    return {"repeats": repeats}
+
+
+async def check_redis(pipeline: Pipeline, threads: int = THREADS, turns: int = TURNS, tag: str = "s") -> None:
+    """Redis holds every row of every thread once, in save order."""
+    client, store = pipeline.store()
+    try:
+        pipe = client.pipeline(transaction=False)
+        for i in range(threads):
+            rows, order, _, _ = store.keys(f"{tag}{i}")
+            pipe.lrange(order, 0, -1)
+            pipe.hlen(rows)
+        replies = await pipe.execute()
+    finally:
+        await client.aclose()
+    for i in range(threads):
+        ids, count = replies[2 * i], replies[2 * i + 1]
+        assert [x.decode() for x in ids] == [f"{tag}{i}-u{k}" for k in range(turns)]
+        assert count == turns
+
+
+def all_done(topics, n):
+    return lambda recs: requests_seen(recs, topics.filtered) >= n
+
+
+@pytest.fixture
+def pipeline(services):
+    p = Pipeline(services.bootstrap, services.redis_url)
+    asyncio.run(p.create_topics())
+    yield p
+    p.stop_all()
+
+
+def test_two_workers_keep_per_thread_order_and_each_request_sees_the_previous_ones_writes(pipeline):
+    t = pipeline.topics
+
+    async def run():
+        pipeline.start_worker()
+        pipeline.start_worker()
+        async with Collector(pipeline.bootstrap, [t.filtered, t.persist, t.dlq]) as seen:
+            await publish(pipeline.bootstrap, t.requests, stream())
+            assert await seen.wait_for(all_done(t, THREADS * TURNS)), "not every request came out"
+            await asyncio.sleep(1)  # anything still in flight
+            return list(seen.records)
+
+    records = asyncio.run(run())
+    check(records, t)
+    asyncio.run(check_redis(pipeline))
+
+
+def test_workers_killed_mid_stream_lose_nothing_and_change_nothing(pipeline):
+    """SIGKILL one worker a third of the way, restart it; kill the other at two thirds."""
+    t = pipeline.topics
+    total = THREADS * TURNS
+
+    async def run():
+        first, second = pipeline.start_worker(), pipeline.start_worker()
+        async with Collector(pipeline.bootstrap, [t.filtered, t.persist, t.dlq]) as seen:
+            publishing = asyncio.create_task(publish(pipeline.bootstrap, t.requests, stream()))
+            assert await seen.wait_for(all_done(t, total // 3))
+            pipeline.kill(first)
+            pipeline.start_worker()
+            assert await seen.wait_for(all_done(t, 2 * total // 3))
+            pipeline.kill(second)  # the restarted worker takes over its partitions
+            await publishing
+            assert await seen.wait_for(all_done(t, total)), "not every request came out after the crashes"
+            await asyncio.sleep(1)
+            return list(seen.records)
+
+    records = asyncio.run(run())
+    print(f"repeated events after the crashes: {check(records, t)['repeats']}")
+    asyncio.run(check_redis(pipeline))
+
+
+def test_a_redis_restart_mid_stream_stalls_the_worker_and_loses_nothing(services, tmp_path):
+    """The worker's Redis is stopped for a few seconds in the middle of the stream."""
+    port = free_port()
+    conf = tmp_path / "redis.conf"
+    conf.write_text(f"bind 127.0.0.1\nport {port}\ndir {tmp_path}\nappendonly yes\nappendfsync always\nsave \"\"\n")
+
+    def start_redis() -> subprocess.Popen:
+        server = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() != b"PONG":
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        return server
+
+    server = start_redis()
+    pipeline = Pipeline(services.bootstrap, f"redis://127.0.0.1:{port}/0")
+    asyncio.run(pipeline.create_topics())
+    t = pipeline.topics
+    threads = 300
+
+    async def run():
+        nonlocal server
+        pipeline.start_worker()
+        async with Collector(pipeline.bootstrap, [t.filtered, t.persist, t.dlq]) as seen:
+            await publish(pipeline.bootstrap, t.requests, stream(threads=threads))
+            assert await seen.wait_for(all_done(t, threads * TURNS // 3))
+            subprocess.run(["redis-cli", "-p", str(port), "shutdown"], capture_output=True)
+            server.wait(10)
+            at_outage = requests_seen(seen.records, t.filtered)
+            await asyncio.sleep(3)
+            assert requests_seen(seen.records, t.filtered) <= at_outage + 500  # at most the batch in flight
+            server = start_redis()
+            assert await seen.wait_for(all_done(t, threads * TURNS)), "the worker did not go on after Redis came back"
+            await asyncio.sleep(1)
+            return list(seen.records)
+
+    try:
+        records = asyncio.run(run())
+        check(records, t, threads=threads)
+        asyncio.run(check_redis(pipeline, threads=threads))
+        assert "Redis unavailable while filtering requests" in pipeline.log_path(0).read_text()
+    finally:
+        pipeline.stop_all()
+        server.terminate()
+        server.wait(10)
