@@ -43,39 +43,43 @@ Outcome = Literal[
 
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
+# Values the processor passes on without reading them stay JSON bytes (msgspec.Raw): decoding
+# them into Python objects only to encode them again costs allocations and garbage collection.
+AnyJSON = msgspec.Raw
+JSONObject = Annotated[msgspec.Raw, Meta(extra_json_schema={"type": "object"})]
 
 
-class ToolInvocation(Struct, omit_defaults=True):
+class ToolInvocation(Struct, omit_defaults=True, gc=False):
     """`part.toolInvocation`; other keys (`title`, `x-*`, ...) pass through untouched."""
 
     state: ToolState
     toolCallId: str
     toolName: str | UnsetType = UNSET
-    args: Any = UNSET
-    result: Any = UNSET
+    args: AnyJSON | UnsetType = UNSET
+    result: AnyJSON | UnsetType = UNSET
     errorText: str | UnsetType = UNSET
-    approval: Any = UNSET
+    approval: AnyJSON | UnsetType = UNSET
 
 
-class Part(Struct, omit_defaults=True):
+class Part(Struct, omit_defaults=True, gc=False):
     """One part of a message. `type` is open: unknown part types pass through."""
 
     type: str
     toolInvocation: ToolInvocation | UnsetType = UNSET
     providerExecuted: bool | UnsetType = UNSET
-    providerMetadata: dict[str, Any] | UnsetType = UNSET
-    providerOptions: dict[str, Any] | UnsetType = UNSET
+    providerMetadata: JSONObject | UnsetType = UNSET
+    providerOptions: JSONObject | UnsetType = UNSET
 
 
-class Content(Struct, omit_defaults=True):
+class Content(Struct, omit_defaults=True, gc=False):
     format: Literal[2]
     parts: list[Part]
     content: str | UnsetType = UNSET
-    metadata: dict[str, Any] | UnsetType = UNSET
-    providerMetadata: dict[str, Any] | UnsetType = UNSET
+    metadata: JSONObject | UnsetType = UNSET
+    providerMetadata: JSONObject | UnsetType = UNSET
 
 
-class Message(Struct, omit_defaults=True):
+class Message(Struct, omit_defaults=True, gc=False):
     """A Mastra DB message, format 2. Other keys on every level pass through untouched."""
 
     role: Role
@@ -112,7 +116,7 @@ class ChatRequestOf(Struct, Generic[M], omit_defaults=True):
 ChatRequest = ChatRequestOf[MessageDict]
 
 
-class Dropped(Struct):
+class Dropped(Struct, gc=False):
     id: str
     reason: str
 

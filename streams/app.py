@@ -20,11 +20,10 @@ import asyncio
 import logging
 
 import faust
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from streams.history import HistoryStore
+from streams.history import HistoryStore, connect
 from streams.persister import Persister
 from streams.processor import Out, Processor, Record
 from streams.settings import WorkerSettings
@@ -64,7 +63,7 @@ def create_app(settings: WorkerSettings) -> faust.App:
         broker_session_timeout=settings.session_timeout,
         broker_heartbeat_interval=settings.session_timeout / 4,
     )
-    client = aioredis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
+    client = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
     store = HistoryStore(client, settings.redis_prefix)
     processor = Processor(store, settings.topics, settings.limits)
     persister = Persister(store, settings.topics.dlq)
@@ -93,7 +92,16 @@ def create_app(settings: WorkerSettings) -> faust.App:
             if records:
                 await send(await _with_redis_retry("applying persisted messages", lambda: persister.process(records)))
 
-    app.memfilter = processor  # for metrics and tests
+    @app.page("/metrics")
+    async def metrics(web, request):
+        lines = [
+            "# TYPE memfilter_requests_total counter",
+            f"memfilter_requests_total {processor.requests}",
+            "# TYPE memfilter_redis_round_trips_total counter",
+            f"memfilter_redis_round_trips_total {processor.round_trips}",
+        ]
+        return web.text("\n".join(lines) + "\n", content_type="text/plain; version=0.0.4")
+
     return app
 
 

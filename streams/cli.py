@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import dataclasses
 import sys
 from pathlib import Path
@@ -76,7 +77,114 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"memfilter worker: {reason}", file=sys.stderr)
         return 1
     app = create_app(settings)
+    gc.freeze()  # what start-up made stays: the collector need not scan it on every batch
     faust.Worker(app, loglevel=args.loglevel).execute_from_commandline()
+    return 0
+
+
+def _requests_of(raw: bytes) -> list[tuple[int, bytes]]:
+    """(line or item number, request bytes) from a JSON array or JSON lines."""
+    import msgspec
+
+    if raw.lstrip().startswith(b"["):
+        try:
+            items = msgspec.json.decode(raw, type=list[msgspec.Raw])
+        except msgspec.DecodeError as e:
+            raise ValueError(f"input is not a JSON array: {e}") from None
+        return [(n, bytes(item)) for n, item in enumerate(items, 1)]
+    return [(n, line) for n, line in enumerate(raw.splitlines(), 1) if line.strip()]
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from streams.client import Client
+    from streams.filter import Rejected, decode_request
+    from streams.settings import WorkerSettings
+    from streams.stack import broker_answers
+
+    settings = WorkerSettings.from_env()
+    try:
+        numbered = _requests_of(_read_input(args.file))
+    except (OSError, ValueError) as e:
+        print(f"memfilter publish: {e}", file=sys.stderr)
+        return 2
+    good, bad = [], []
+    for n, value in numbered:
+        try:
+            decode_request(value, "publish", settings.limits)
+            good.append(value)
+        except Rejected as e:
+            bad.append(f"line {n}: {e.type}: {e.message}")
+    if bad and not args.skip_invalid:
+        print(f"memfilter publish: {bad[0]} (nothing published; --skip-invalid sends the valid ones)", file=sys.stderr)
+        return 1
+    for line in bad:
+        print(f"memfilter publish: skipped {line}", file=sys.stderr)
+    if not asyncio.run(broker_answers(settings.bootstrap, timeout=10)):
+        print(f"memfilter publish: Kafka at {settings.bootstrap} does not answer; set KAFKA_BOOTSTRAP_SERVERS", file=sys.stderr)
+        return 1
+
+    def progress(n: int) -> None:
+        if len(good) >= 1000 and (n % 1000 == 0 or n == len(good)):
+            print(f"\rpublished {n:,}/{len(good):,}", end="" if n < len(good) else "\n", file=sys.stderr, flush=True)
+
+    async def send() -> int:
+        async with Client(settings.bootstrap, settings.topics) as client:
+            return await client.publish(good, on_sent=progress)
+
+    print(f"published {asyncio.run(send())} requests to {settings.topics.requests}")
+    return 0
+
+
+def _readable(topic_kind: str, record) -> str:
+    import msgspec
+
+    key = record.key.decode(errors="replace") if record.key else "-"
+    if topic_kind == "dlq":
+        headers = {k: v.decode(errors="replace") for k, v in record.headers}
+        return f"{key}  {headers.get('error.type')}: {headers.get('error.message')}"
+    try:
+        event = msgspec.json.decode(record.value)
+    except msgspec.DecodeError:
+        return f"{key}  (not JSON) {record.value[:80]!r}"
+    ids = [m.get("id", "?") for m in event.get("messages", [])]
+    if topic_kind == "filtered":
+        dropped = len(event.get("dropped", []))
+        return f"{key}  {event.get('requestId')}  {event.get('outcome'):<26} kept {len(ids)} {ids}  dropped {dropped}"
+    return f"{key}  {event.get('requestId')}  {len(ids)} messages {ids}"
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from streams.client import Client
+    from streams.settings import WorkerSettings
+    from streams.stack import broker_answers
+
+    settings = WorkerSettings.from_env()
+    kinds = {v: k for k, v in vars(settings.topics).items()}
+    topic = args.topic or settings.topics.filtered
+    if topic not in kinds:
+        print(f"memfilter tail: {topic} is not one of the product's topics {sorted(kinds)}", file=sys.stderr)
+        return 2
+    if not asyncio.run(broker_answers(settings.bootstrap, timeout=10)):
+        print(f"memfilter tail: Kafka at {settings.bootstrap} does not answer; set KAFKA_BOOTSTRAP_SERVERS", file=sys.stderr)
+        return 1
+
+    async def follow() -> None:
+        shown = 0
+        client = Client(settings.bootstrap, settings.topics)
+        async for record in client.records(topic, args.thread, args.from_beginning, args.idle_ms):
+            print(record.value.decode(errors="replace") if args.json else _readable(kinds[topic], record), flush=True)
+            shown += 1
+            if args.max is not None and shown >= args.max:
+                return
+
+    try:
+        asyncio.run(follow())
+    except KeyboardInterrupt:
+        pass
     return 0
 
 
@@ -99,6 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--web-port", type=int, help="port of the worker's web server (default MEMFILTER_WEB_PORT or 6066)")
     p.add_argument("--loglevel", default="warn", choices=["crit", "error", "warn", "info", "debug"])
     p.set_defaults(run=cmd_worker)
+
+    p = sub.add_parser("publish", help="publish ChatRequests (JSON array or JSON lines) to chat-requests")
+    p.add_argument("file", nargs="?", help="requests file (default: stdin)")
+    p.add_argument("--skip-invalid", action="store_true", help="publish the valid requests and report the others")
+    p.set_defaults(run=cmd_publish)
+
+    p = sub.add_parser("tail", help="follow filtered-inputs (or another of the product's topics)")
+    p.add_argument("topic", nargs="?", help="topic name (default: filtered-inputs)")
+    p.add_argument("--json", action="store_true", help="print each event's value as one line of JSON")
+    p.add_argument("--thread", help="only this thread's events")
+    p.add_argument("--from-beginning", action="store_true", help="start at the topic's first event")
+    p.add_argument("--max", type=int, help="stop after this many events")
+    p.add_argument("--idle-ms", type=int, help="stop after this long without an event")
+    p.set_defaults(run=cmd_tail)
 
     p = sub.add_parser(
         "stack",

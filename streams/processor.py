@@ -5,9 +5,9 @@ agent in `streams/app.py` hands it batches of records and sends what it returns.
 
 1. decode every record (a record that does not decode, or is keyed by another thread, is
    rejected here and goes to the dead-letter topic);
-2. read, in one pipelined round trip, every thread of the batch: its meta, the stored rows and
-   id owners of every message id its requests name, and which of its request ids were
-   already processed;
+2. read, in one pipelined round trip, every thread of the batch: its meta, the stored rows of
+   every message id its requests name, and which of its request ids were already processed;
+   then, in a second, which threads own the ids not stored in their own thread;
 3. decide each thread's requests in offset order, each seeing what the earlier ones of the
    batch saved (an overlay on what was read), so per-thread order and read-your-writes hold
    within a batch as across batches;
@@ -23,7 +23,6 @@ another thread is read and decided again from that request on.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import msgspec
@@ -111,6 +110,7 @@ class Processor:
         self.topics = topics
         self.limits = limits
         self.round_trips = 0  # Redis round trips so far (a metric)
+        self.requests = 0  # records handled so far
 
     async def process(self, records: list[Record]) -> list[Out]:
         outs: list[list[Out]] = [[] for _ in records]
@@ -126,6 +126,7 @@ class Processor:
 
         while threads:
             threads = await self._round(threads, outs)
+        self.requests += len(records)
         return [out for per_record in outs for out in per_record]
 
     async def _round(self, threads: dict[str, _Thread], outs: list[list[Out]]) -> dict[str, _Thread]:
@@ -136,7 +137,11 @@ class Processor:
             ids = list(dict.fromkeys(mid for p in todo for mid in lookup_ids(p.request)))
             wanted[thread] = (ids, [p.request.request_id for p in todo])
         states = await self.store.read(wanted)
-        self.round_trips += 1
+        unknown = {mid for thread, (ids, _) in wanted.items() for mid in ids if mid not in states[thread].rows}
+        owners = await self.store.owners(sorted(unknown)) if unknown else {}
+        self.round_trips += 2 if unknown else 1
+        for thread, (ids, _) in wanted.items():
+            states[thread].elsewhere = {mid: owners[mid] for mid in ids if owners.get(mid, thread) != thread}
         for thread, t in threads.items():
             t.planned = self._decide_thread(thread, t, states[thread])
 
@@ -182,7 +187,7 @@ class Processor:
             if earlier is not None:
                 planned.append((p, None, earlier))
                 continue
-            ids = lookup_ids(request)
+            ids = request.ids
             view = StoredView(
                 rows={mid: state.rows[mid] for mid in ids if mid in state.rows},
                 elsewhere={mid: state.elsewhere[mid] for mid in ids if mid in state.elsewhere},
@@ -222,13 +227,16 @@ class Processor:
             persist = msgspec.json.encode(
                 PersistMessages(p.request.request_id, shape.threadId, shape.resourceId, [msgspec.Raw(r) for _, r in rows])
             )
-        return Recorded(msgspec.json.encode(filtered), persist), rows
+        recorded = Recorded(filtered=msgspec.Raw(msgspec.json.encode(filtered)))
+        if persist is not None:
+            recorded.persist = msgspec.Raw(persist)
+        return recorded, rows
 
     def _emit(self, p: _Pending, rec: Recorded) -> list[Out]:
         key, ts = p.record.key, p.record.timestamp_ms
-        if rec.error is not None:
+        if rec.error is not msgspec.UNSET:
             return [dead_letter(p.record, self.topics.dlq, rec.error)]
-        outs = [Out(self.topics.filtered, key, rec.filtered, ts)]
-        if rec.persist is not None:
-            outs.append(Out(self.topics.persist, key, rec.persist, ts))
+        outs = [Out(self.topics.filtered, key, bytes(rec.filtered), ts)]
+        if rec.persist is not msgspec.UNSET:
+            outs.append(Out(self.topics.persist, key, bytes(rec.persist), ts))
         return outs

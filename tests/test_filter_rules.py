@@ -154,7 +154,7 @@ class TestWhatIsSaved:
         echo["content"]["parts"][1]["toolInvocation"]["result"] = 42
         d = decide(request(echo), view, T0)
         assert d.outcome == "tool-outcomes"
-        saved = d.persist[0]
+        saved = as_json(d)["persist"][0]
         assert saved["content"]["parts"][0] == stored["content"]["parts"][0]
         assert saved["content"]["parts"][1] == tool("call", title="T") | {
             "toolInvocation": {"state": "result", "toolCallId": "c1", "toolName": "t", "result": 42}

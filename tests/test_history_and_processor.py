@@ -66,7 +66,7 @@ class TestBatches:
         persisted = outputs(outs, Topics().persist)
         assert [[m["id"] for m in p["messages"]] for p in persisted] == [["u0"], ["u1"]]
         assert [r["id"] for r in rows] == ["u0", "u1"]
-        assert trips == 3  # read, claim, commit: for the whole batch
+        assert trips == 4  # read, id owners, claim, commit: for the whole batch
 
     def test_the_same_request_twice_is_decided_once_and_emitted_twice_identically(self, with_store):
         async def go(store):

@@ -1,0 +1,251 @@
+"""Benchmark: the worker against a plain aiokafka consume-then-produce loop, same broker, same records.
+
+A realistic mix: threads whose stored history has 1 to 20 turns (2 to 40 messages, tool calls
+with results, provider metadata), some with a client tool call still pending, some new. Each
+request is a `useChat` full echo of its thread (answering the pending call where there is
+one) plus the user's new message; a thread's later requests echo what its earlier ones sent.
+
+In one run on the same Kafka and Redis (`memfilter stack up`; KAFKA_BOOTSTRAP_SERVERS and
+REDIS_URL as it prints):
+  (a) baseline: aiokafka consumes the requests and produces each value to another topic;
+  (b) the processor: one `memfilter worker` consumes the same records from a backlog;
+  (c) latency: with the worker caught up, requests published at a steady rate, the time
+      from publish to the filtered input arriving at a consumer.
+It prints requests/s of both and their ratio, p50/p99 latency, Redis round trips per request
+(from the worker's /metrics) and the worker's RSS after the first batches and at the end.
+
+    .venv/bin/python -m benchmarks.worker_throughput [--threads 10000] [--requests 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import msgspec
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from benchmarks.sample_threads import echo_of, stored_thread
+from streams.filter import parse_ms
+from streams.history import HistoryStore
+
+REPO = Path(__file__).resolve().parent.parent
+T0 = 1772366400000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_workload(threads: int, requests: int, seed: int = 1, tag: str = "q"):
+    """(history rows by thread, requests as (key, value)) for the mix described above."""
+    rnd = random.Random(seed)
+    history, plans = {}, []
+    for i in range(threads):
+        thread = f"bench-{i}"
+        turns = rnd.randint(1, 20)
+        kind = rnd.random()
+        rows = stored_thread(thread, "r-bench", turns, pending=kind < 0.3)
+        if kind >= 0.9:  # a new thread: nothing stored, the first request seeds it
+            history[thread] = []
+        else:
+            history[thread] = rows
+        plans.append((thread, rows))
+    out = []
+    per_thread = max(1, requests // threads)
+    for k in range(per_thread):
+        for thread, rows in plans:
+            if len(out) == requests:
+                break
+            messages = echo_of(rows, new_text="msg 0")[:-1]
+            for j in range(k + 1):
+                messages.append({"id": f"{thread}-n{j}", "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": f"msg {j}"}]}})
+            request = {"requestId": f"{thread}-{tag}{k}", "threadId": thread, "resourceId": "r-bench", "messages": messages}
+            out.append((thread.encode(), msgspec.json.encode(request)))
+    return history, out
+
+
+async def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(n, partitions, 1) for n in names])
+    finally:
+        await admin.close()
+
+
+async def publish(bootstrap: str, topic: str, records, rate: float | None = None) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, max_batch_size=1 << 20, max_request_size=4 << 20)
+    await producer.start()
+    try:
+        pending, start = [], time.monotonic()
+        for n, (key, value) in enumerate(records):
+            if rate is not None:
+                await asyncio.sleep(max(0.0, start + n / rate - time.monotonic()))
+                ts = int(time.time() * 1000)
+            else:
+                ts = T0
+            pending.append(await producer.send(topic, value, key=key, timestamp_ms=ts))
+            if len(pending) >= 5000:
+                await asyncio.gather(*pending)
+                pending = []
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+
+
+async def seed(redis_url: str, prefix: str, history: dict) -> None:
+    client = aioredis.from_url(redis_url)
+    store = HistoryStore(client, prefix)
+    try:
+        for thread, rows in history.items():
+            if rows:
+                await store.claim([(r["id"], thread) for r in rows])
+                newest = max(parse_ms(r["createdAt"]) for r in rows)
+                await store.apply(thread, "r-bench", newest, [(r["id"], msgspec.json.encode(r)) for r in rows])
+    finally:
+        await client.aclose()
+
+
+async def baseline(bootstrap: str, source: str, sink: str, n: int) -> float:
+    """(a) plain aiokafka: consume every record and produce its value; records/s."""
+    consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id=f"baseline-{uuid.uuid4().hex[:6]}",
+                                auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20, fetch_max_bytes=64 << 20)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, max_batch_size=1 << 20, max_request_size=4 << 20, acks=-1)
+    await consumer.start()
+    await producer.start()
+    done, start = 0, None
+    try:
+        while done < n:
+            batch = await consumer.getmany(timeout_ms=1000, max_records=2000)
+            pending = []
+            for tp, records in batch.items():
+                for r in records:
+                    start = start or time.monotonic()
+                    pending.append(await producer.send(sink, r.value, key=r.key, timestamp_ms=r.timestamp))
+            await asyncio.gather(*pending)
+            done += len(pending)
+            if pending:
+                await consumer.commit()
+        return n / (time.monotonic() - start)
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+async def count_until(bootstrap: str, topic: str, n: int, on_record=None, timeout: float = 900) -> tuple[float, float]:
+    """Read `topic` until n records arrived; (first arrival, last arrival) monotonic times."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest",
+                                fetch_max_wait_ms=10, max_partition_fetch_bytes=8 << 20)
+    await consumer.start()
+    seen, first, deadline = 0, None, time.monotonic() + timeout
+    try:
+        while seen < n and time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=200, max_records=5000)
+            now = time.monotonic()
+            for records in batch.values():
+                for r in records:
+                    first = first or now
+                    seen += 1
+                    if on_record:
+                        on_record(r)
+        if seen < n:
+            raise SystemExit(f"only {seen} of {n} records arrived on {topic}")
+        return first, time.monotonic()
+    finally:
+        await consumer.stop()
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def worker_metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=10_000)
+    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument("--latency-rate", type=float, default=1000, help="requests/s in the latency phase")
+    parser.add_argument("--latency-seconds", type=float, default=10)
+    parser.add_argument("--partitions", type=int, default=8)
+    args = parser.parse_args()
+    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+    redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    run = uuid.uuid4().hex[:8]
+    topics = {k: f"bench-{k}-{run}" for k in ("requests", "baseline-out", "filtered", "persist", "dlq")}
+    await create_topics(bootstrap, list(topics.values()), args.partitions)
+
+    history, requests = make_workload(args.threads, args.requests)
+    sizes = sorted(len(v) for _, v in requests)
+    print(f"workload: {len(requests):,} requests over {args.threads:,} threads, "
+          f"{sum(sizes) / len(sizes) / 1024:.1f} KiB mean, {sizes[len(sizes) // 2] / 1024:.1f} KiB median")
+    prefix = f"bench-{run}"
+    await seed(redis_url, prefix, history)
+    await publish(bootstrap, topics["requests"], requests)
+
+    rate_a = await baseline(bootstrap, topics["requests"], topics["baseline-out"], len(requests))
+    print(f"(a) aiokafka consume+produce:  {rate_a:9,.0f} requests/s")
+
+    web_port = free_port()
+    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "REDIS_URL": redis_url, "MEMFILTER_GROUP": f"bench-{run}",
+           "MEMFILTER_REDIS_PREFIX": prefix, "MEMFILTER_TOPIC_REQUESTS": topics["requests"],
+           "MEMFILTER_TOPIC_FILTERED": topics["filtered"], "MEMFILTER_TOPIC_PERSIST": topics["persist"],
+           "MEMFILTER_TOPIC_DLQ": topics["dlq"], "MEMFILTER_DATA_DIR": f"/tmp/bench-{run}"}
+    worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(web_port)], env=env, cwd=REPO,
+                              stdout=open(f"/tmp/bench-{run}-worker.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        rss = []
+
+        def note_rss(_record, seen=[0]):
+            seen[0] += 1
+            if seen[0] == 2000:
+                rss.append(rss_mb(worker.pid))
+
+        first, last = await count_until(bootstrap, topics["filtered"], len(requests), on_record=note_rss)
+        rate_b = (len(requests) - 1) / (last - first)
+        rss.append(rss_mb(worker.pid))
+        m = worker_metrics(web_port)
+        print(f"(b) memfilter worker:           {rate_b:9,.0f} requests/s   (b)/(a) = {rate_b / rate_a:.2f}")
+        print(f"    Redis round trips/request:  {m['memfilter_redis_round_trips_total'] / m['memfilter_requests_total']:.4f}")
+        print(f"    worker RSS: {rss[0]:.0f} MiB after 2,000 requests, {rss[-1]:.0f} MiB after {len(requests):,}")
+
+        latencies = []
+        n_latency = int(args.latency_rate * args.latency_seconds)
+        _, paced = make_workload(args.threads, n_latency, seed=2, tag="lat")
+        reader = asyncio.create_task(count_until(
+            bootstrap, topics["filtered"], len(requests) + n_latency,
+            on_record=lambda r: latencies.append(time.time() * 1000 - r.timestamp) if r.timestamp > T0 + 10**9 else None))
+        await asyncio.sleep(1)
+        await publish(bootstrap, topics["requests"], paced, rate=args.latency_rate)
+        await reader
+        latencies.sort()
+        print(f"(c) publish -> filtered input at {args.latency_rate:,.0f} requests/s: "
+              f"p50 {latencies[len(latencies) // 2]:.0f} ms, p99 {latencies[int(len(latencies) * 0.99)]:.0f} ms")
+    finally:
+        worker.terminate()
+        worker.wait(30)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,66 @@
+"""`memfilter publish` and `memfilter tail` as a user runs them, against a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import REPO, Pipeline, read
+
+SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
+
+
+def memfilter(pipeline: Pipeline, *argv: str, stdin: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "streams", *argv], input=stdin, capture_output=True, env=pipeline.env(), cwd=REPO, timeout=timeout
+    )
+
+
+@pytest.fixture
+def pipeline(services):
+    p = Pipeline(services.bootstrap, services.redis_url)
+    asyncio.run(p.create_topics())
+    yield p
+    p.stop_all()
+
+
+def test_a_bad_line_is_named_with_its_reason_and_nothing_is_sent(pipeline, tmp_path):
+    lines = SAMPLE.read_text().splitlines()
+    bad = json.loads(lines[1])
+    bad["messages"][0]["role"] = "tool"
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join([lines[0], json.dumps(bad), *lines[2:]]) + "\n")
+    result = memfilter(pipeline, "publish", str(requests))
+    assert result.returncode == 1
+    err = result.stderr.decode().strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memfilter publish: line 2: schema:") and "nothing published" in err[0]
+    sent = asyncio.run(read(pipeline.bootstrap, [pipeline.topics.requests], until=lambda r: False, timeout=3))
+    assert sent == []
+
+    skipped = memfilter(pipeline, "publish", "--skip-invalid", str(requests))
+    assert skipped.returncode == 0 and b"published 5 requests" in skipped.stdout and b"skipped line 2" in skipped.stderr
+
+
+def test_publish_worker_tail_shows_the_filtered_inputs_of_the_sample_session(pipeline):
+    pipeline.start_worker()
+    published = memfilter(pipeline, "publish", str(SAMPLE))
+    assert published.returncode == 0 and published.stdout.strip() == b"published 6 requests to " + pipeline.topics.requests.encode()
+
+    as_json = memfilter(pipeline, "tail", "--json", "--thread", "demo-thread", "--from-beginning", "--max", "6", "--idle-ms", "60000")
+    events = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert [e["requestId"] for e in events] == [f"demo-{k}" for k in range(6)]
+    assert [e["outcome"] for e in events] == ["unchanged"] + ["user-tail"] * 5
+    for sent, event in zip(SAMPLE.read_text().splitlines(), events):
+        messages = json.loads(sent)["messages"]
+        last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        assert [m["id"] for m in event["messages"]] == [m["id"] for m in messages[last_assistant + 1 :]]
+
+    readable = memfilter(pipeline, "tail", "--thread", "demo-thread", "--from-beginning", "--max", "6", "--idle-ms", "30000")
+    lines = readable.stdout.decode().splitlines()
+    assert len(lines) == 6 and all(line.startswith("demo-thread  demo-") for line in lines)
+    assert "user-tail" in lines[1] and "dropped 2" in lines[1]
