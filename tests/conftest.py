@@ -9,6 +9,7 @@ and stops it at the end if it started it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -42,6 +43,17 @@ def memfilter(*argv: str, env: dict[str, str] | None = None, timeout: float = 30
     return subprocess.run(
         [sys.executable, "-m", "streams", *argv], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO
     )
+
+
+@pytest.fixture
+def pipeline(services):
+    """Topics, a consumer group and a Redis prefix of the test's own; its workers stopped after."""
+    from pipeline import Pipeline
+
+    p = Pipeline(services.bootstrap, services.redis_url)
+    asyncio.run(p.create_topics())
+    yield p
+    p.stop_all()
 
 
 @pytest.fixture(scope="session")

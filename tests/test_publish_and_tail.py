@@ -6,9 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 
 from pipeline import REPO, Pipeline, read
 
@@ -19,14 +17,6 @@ def memfilter(pipeline: Pipeline, *argv: str, stdin: bytes | None = None, timeou
     return subprocess.run(
         [sys.executable, "-m", "streams", *argv], input=stdin, capture_output=True, env=pipeline.env(), cwd=REPO, timeout=timeout
     )
-
-
-@pytest.fixture
-def pipeline(services):
-    p = Pipeline(services.bootstrap, services.redis_url)
-    asyncio.run(p.create_topics())
-    yield p
-    p.stop_all()
 
 
 def test_a_bad_line_is_named_with_its_reason_and_nothing_is_sent(pipeline, tmp_path):

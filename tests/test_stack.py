@@ -24,6 +24,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
 from conftest import memfilter, stack_env
+from pipeline import free_port
 from streams.stack import TOPICS
 
 
@@ -37,12 +38,6 @@ def processes_of(folder: Path) -> list[str]:
         if str(folder) in cmd and "pytest" not in cmd:
             found.append(f"{proc.name}: {cmd[:120]}")
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_line_failure(result: subprocess.CompletedProcess) -> str:

@@ -13,13 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
-import pytest
-import redis.asyncio as aioredis
 
 from pipeline import Collector, Pipeline, free_port, publish
 
@@ -107,14 +103,6 @@ async def check_redis(pipeline: Pipeline, threads: int = THREADS, turns: int = T
 
 def all_done(topics, n):
     return lambda recs: requests_seen(recs, topics.filtered) >= n
-
-
-@pytest.fixture
-def pipeline(services):
-    p = Pipeline(services.bootstrap, services.redis_url)
-    asyncio.run(p.create_topics())
-    yield p
-    p.stop_all()
 
 
 def test_two_workers_keep_per_thread_order_and_each_request_sees_the_previous_ones_writes(pipeline):
