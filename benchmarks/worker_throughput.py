@@ -35,6 +35,7 @@ import msgspec
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.sample_threads import echo_of, stored_thread
 from streams.filter import parse_ms
@@ -177,8 +178,13 @@ def rss_mb(pid: int) -> float:
 
 
 def worker_metrics(port: int) -> dict[str, float]:
+    """Each sample of the worker's /metrics, summed over its labels."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
 
 
 async def main() -> None:

@@ -24,6 +24,7 @@ another thread is read and decided again from that request on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import msgspec
 
@@ -41,6 +42,7 @@ from streams.filter import (
     parse_ms,
 )
 from streams.history import HistoryStore, Recorded, ThreadState, Write, encode_recorded
+from streams.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class _Pending:
     index: int  # position in the batch
     record: Record
     request: Request
+    outcome: str = ""  # the filter's outcome, "rejected", or "redelivered" (a metric's label)
 
 
 @dataclass
@@ -105,12 +108,11 @@ class _Thread:
 
 
 class Processor:
-    def __init__(self, store: HistoryStore, topics: Topics = Topics(), limits: Limits = Limits()):
+    def __init__(self, store: HistoryStore, topics: Topics = Topics(), limits: Limits = Limits(), metrics: Metrics | None = None):
         self.store = store
         self.topics = topics
         self.limits = limits
-        self.round_trips = 0  # Redis round trips so far (a metric)
-        self.requests = 0  # records handled so far
+        self.metrics = metrics or Metrics()
 
     async def process(self, records: list[Record]) -> list[Out]:
         outs: list[list[Out]] = [[] for _ in records]
@@ -121,12 +123,12 @@ class Processor:
                 check_key(request, record.key.decode(errors="replace") if record.key is not None else None)
             except Rejected as e:
                 outs[i].append(dead_letter(record, self.topics.dlq, Rejection(e.type, e.message)))
+                self.metrics.requests.labels("rejected").inc()
                 continue
             threads.setdefault(request.shape.threadId, _Thread([])).requests.append(_Pending(i, record, request))
 
         while threads:
             threads = await self._round(threads, outs)
-        self.requests += len(records)
         return [out for per_record in outs for out in per_record]
 
     async def _round(self, threads: dict[str, _Thread], outs: list[list[Out]]) -> dict[str, _Thread]:
@@ -139,7 +141,7 @@ class Processor:
         states = await self.store.read(wanted)
         unknown = {mid for thread, (ids, _) in wanted.items() for mid in ids if mid not in states[thread].rows}
         owners = await self.store.owners(sorted(unknown)) if unknown else {}
-        self.round_trips += 2 if unknown else 1
+        self.metrics.round_trips.inc(2 if unknown else 1)
         for thread, (ids, _) in wanted.items():
             states[thread].elsewhere = {mid: owners[mid] for mid in ids if owners.get(mid, thread) != thread}
         for thread, t in threads.items():
@@ -151,7 +153,7 @@ class Processor:
         claims = [(mid, thread) for thread, t in threads.items() for _, w, _ in t.planned if w for mid in w.new_ids]
         if claims:
             held = await self.store.claim(claims)
-            self.round_trips += 1
+            self.metrics.round_trips.inc()
             taken = {(thread, mid) for (mid, thread), other in zip(claims, held) if other is not None}
             for thread, t in threads.items():
                 cut = next((k for k, (_, w, _) in enumerate(t.planned) if w and any((thread, m) in taken for m in w.new_ids)), None)
@@ -162,7 +164,7 @@ class Processor:
         writes = [w for t in threads.values() for _, w, _ in t.planned if w is not None]
         results = iter(await self.store.commit(writes) if writes else [])
         if writes:
-            self.round_trips += 1
+            self.metrics.round_trips.inc()
         for thread, t in threads.items():
             failed = False
             for p, w, rec in t.planned:
@@ -171,6 +173,7 @@ class Processor:
                     failed = True  # this and what the thread decided after it: again
                     continue
                 outs[p.index] = self._emit(p, value if status == "dup" else rec)
+                self.metrics.requests.labels("redelivered" if status == "dup" else p.outcome).inc()
                 t.next += 1
             if failed:
                 redo.add(thread)
@@ -185,6 +188,7 @@ class Processor:
             request = p.request
             earlier = state.done.get(request.request_id) or recorded_here.get(request.request_id)
             if earlier is not None:
+                p.outcome = "redelivered"
                 planned.append((p, None, earlier))
                 continue
             ids = request.ids
@@ -195,7 +199,10 @@ class Processor:
                 size=state.size,
                 newest_ms=state.newest_ms,
             )
+            started = perf_counter()
             decision = decide(request, view, p.record.timestamp_ms)
+            self.metrics.decision.observe(perf_counter() - started)
+            p.outcome = decision.outcome
             rec, rows = self._record(p, decision, state.version)
             newest = max((parse_ms(r.get("createdAt")) or -1 for r in decision.persist), default=-1)
             new_ids = [mid for mid, _ in rows if mid not in state.rows]

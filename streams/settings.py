@@ -21,6 +21,7 @@ class WorkerSettings:
     batch_max: int  # requests decided together (one Redis round trip for their reads)
     batch_within: float  # seconds a batch waits to fill
     web_port: int
+    web_bind: str  # address the web server listens on (0.0.0.0 in a container)
     data_dir: str
     session_timeout: float  # seconds before a silent worker's partitions go to the others
 
@@ -45,6 +46,7 @@ class WorkerSettings:
             batch_max=int(env.get("MEMFILTER_BATCH_MAX", 500)),
             batch_within=float(env.get("MEMFILTER_BATCH_WITHIN", 0.05)),
             web_port=int(env.get("MEMFILTER_WEB_PORT", 6066)),
+            web_bind=env.get("MEMFILTER_WEB_BIND", "127.0.0.1"),
             data_dir=env.get("MEMFILTER_DATA_DIR", os.path.join(tempfile.gettempdir(), f"memfilter-{group}")),
             session_timeout=float(env.get("MEMFILTER_SESSION_TIMEOUT", 10)),
         )

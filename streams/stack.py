@@ -223,6 +223,7 @@ transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
+message.max.bytes=8388608
 """
 
 REDIS_CONF = """\

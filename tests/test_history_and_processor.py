@@ -60,7 +60,7 @@ class TestBatches:
         async def go(store):
             p = Processor(store)
             outs = await p.process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0"), msg("u1")], 1, "q1")])
-            return outs, [json.loads(r) for r in await store.thread_rows("t")], p.round_trips
+            return outs, [json.loads(r) for r in await store.thread_rows("t")], p.metrics.value("memfilter_redis_round_trips_total")
 
         outs, rows, trips = with_store(go)
         persisted = outputs(outs, Topics().persist)

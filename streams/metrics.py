@@ -1,0 +1,47 @@
+"""The worker's Prometheus metrics, served on its web server at `/metrics`.
+
+One registry per worker (so tests can run several in one process). What an operator watches:
+
+| metric | type | what |
+|---|---|---|
+| `memfilter_requests_total{outcome}` | counter | requests handled, by the filter's outcome; `rejected` for dead letters, `redelivered` for a request already processed (its recorded events sent again) |
+| `memfilter_dead_letters_total{error_type}` | counter | records sent to the dead-letter topic, by `error.type` (persister rejections included) |
+| `memfilter_persisted_total` | counter | `persist-messages` events of other services applied to Redis |
+| `memfilter_decision_seconds` | histogram | the filter's decision for one request (pure CPU) |
+| `memfilter_end_to_end_seconds` | histogram | record timestamp to its outputs acknowledged by the broker |
+| `memfilter_batch_size` | histogram | records per batch |
+| `memfilter_redis_round_trips_total` | counter | pipelined Redis round trips |
+| `memfilter_consumer_lag{topic,partition}` | gauge | records not yet consumed, per assigned partition |
+| `memfilter_assigned_partitions` | gauge | partitions this worker holds |
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+_BATCH_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2000)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("memfilter_requests", "Requests handled, by outcome", ["outcome"], registry=r)
+        self.dead_letters = Counter("memfilter_dead_letters", "Records sent to the dead-letter topic", ["error_type"], registry=r)
+        self.persisted = Counter("memfilter_persisted", "persist-messages events of other services applied", registry=r)
+        self.decision = Histogram("memfilter_decision_seconds", "One request's filter decision", buckets=_DECISION_BUCKETS, registry=r)
+        self.end_to_end = Histogram(
+            "memfilter_end_to_end_seconds", "Record timestamp to outputs acknowledged", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram("memfilter_batch_size", "Records per batch", buckets=_BATCH_BUCKETS, registry=r)
+        self.round_trips = Counter("memfilter_redis_round_trips", "Pipelined Redis round trips", registry=r)
+        self.lag = Gauge("memfilter_consumer_lag", "Records not yet consumed", ["topic", "partition"], registry=r)
+        self.assigned = Gauge("memfilter_assigned_partitions", "Partitions this worker holds", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample's current value (0 when never set), e.g. `value("memfilter_requests_total", outcome="new")`."""
+        return self.registry.get_sample_value(name, labels) or 0.0
