@@ -41,11 +41,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from streams.history import HistoryStore, connect
 from streams.metrics import Metrics
 from streams.persister import Persister
-from streams.processor import Out, Processor, Record
+from streams.processor import ORIGIN, Out, Processor, Record
 from streams.settings import WorkerSettings
 
 log = logging.getLogger("memfilter")
-ORIGIN = ("memfilter.origin", b"processor")
 # Largest record fetched or sent: a request is at most MEMFILTER_MAX_BYTES (1 MiB), and its
 # filtered input adds stored rows and server fields. The stack's broker accepts this much.
 MAX_RECORD_BYTES = 8 << 20
@@ -74,6 +73,7 @@ class RecordLoop(mode.Service):
         self.persister = Persister(store, settings.topics.dlq)
         self.assigned: set[TopicPartition] = set()
         self._turn = asyncio.Lock()  # held while a batch is handled; a rebalance waits for it
+        self._epoch = 0  # partition revocations so far
         self._delivering: asyncio.Task | None = None  # the previous batch's sends and commit
 
     async def on_start(self) -> None:
@@ -128,9 +128,12 @@ class RecordLoop(mode.Service):
                 batch = await self._consumer.getmany(
                     timeout_ms=int(self.settings.batch_within * 1000), max_records=self.settings.batch_max
                 )
+                # Read with no await between: the batch came from the assignment of this epoch.
+                epoch = self._epoch
                 async with self._turn:
-                    batch = await self._still_ours(batch)
-                    if batch:
+                    # A rebalance between the fetch and here revoked these records' partitions;
+                    # whoever holds them now (this worker too) fetches them again from the commit.
+                    if batch and epoch == self._epoch:
                         await self._handle(batch)
         except ConsumerStoppedError:
             pass
@@ -142,19 +145,6 @@ class RecordLoop(mode.Service):
         # A worker that stays up but handles nothing is worse than one that exits: the
         # orchestrator restarts it and the group gives its partitions to the others meanwhile.
         os._exit(1)
-
-    async def _still_ours(self, batch: dict) -> dict:
-        """The batch without partitions a rebalance took or reset since it was fetched.
-
-        A rebalance between the fetch and here revoked them; whoever holds them now (this
-        worker too: its position went back to the last commit) fetches them again.
-        """
-        assigned = self._consumer.assignment()
-        return {
-            tp: records
-            for tp, records in batch.items()
-            if tp in assigned and await self._consumer.position(tp) == records[-1].offset + 1
-        }
 
     async def _handle(self, batch) -> None:
         topics = self.settings.topics
@@ -213,6 +203,7 @@ class _Rebalance(ConsumerRebalanceListener):
     async def on_partitions_revoked(self, revoked) -> None:
         async with self.loop._turn:
             await self.loop._drain()
+            self.loop._epoch += 1
         self.loop.assigned.clear()
         self.loop.metrics.lag.clear()
         self.loop.metrics.assigned.set(0)
@@ -239,7 +230,7 @@ def create_app(settings: WorkerSettings) -> faust.App:
         web_bind=settings.web_bind,
     )
     app.boot_strategy = _WebOnly(app)
-    client = connect(settings.redis_url, socket_timeout=10, socket_connect_timeout=5)
+    client = connect(settings.redis_url)
     metrics = Metrics()
     loop = RecordLoop(settings, HistoryStore(client, settings.redis_prefix), metrics)
     app.add_dependency(loop)

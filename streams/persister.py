@@ -1,7 +1,7 @@
 """The persister: `persist-messages` written by other services, applied to the history store.
 
 Services that save messages of a thread (the agent runner saving its replies) publish them
-on `persist-messages`, and so does the processor. This applies each event's rows to its
+on `persist-messages`, and so does the processor. This applies each event's rows, byte for byte, to its
 thread: new rows are appended in order, a changed row replaces the stored one, an unchanged
 row does nothing, so the processor's own events (and any event applied twice) change nothing.
 It never moves or changes a message of another thread: an event naming an id that another
@@ -17,23 +17,37 @@ from streams.filter import Rejection, parse_ms
 from streams.history import HistoryStore
 from streams.processor import Out, Record, dead_letter
 
+class _TypedMessages(msgspec.Struct):
+    """The same value read for validation: its messages as typed `Message`s."""
+
+    messages: list[Message]
+
+
+class _RawMessages(msgspec.Struct):
+    """And as they were sent: a row is saved byte for byte, as the processor saves its own."""
+
+    messages: list[msgspec.Raw]
+
+
 _EVENT = msgspec.json.Decoder(PersistMessages)
+_TYPED = msgspec.json.Decoder(_TypedMessages)
+_RAW = msgspec.json.Decoder(_RawMessages)
 
 
-def _validate(event: PersistMessages) -> list[tuple[str, bytes]]:
+def _validate(value: bytes, event: PersistMessages) -> list[tuple[str, bytes]]:
     """The event's rows as (id, JSON); raise ValueError naming what is wrong."""
     try:
-        messages = msgspec.convert(event.messages, list[Message])
+        messages = _TYPED.decode(value).messages
     except msgspec.ValidationError as e:
         raise ValueError(f"schema: messages do not match Message: {e}") from None
     rows = []
-    for i, (m, raw) in enumerate(zip(messages, event.messages)):
+    for i, (m, raw) in enumerate(zip(messages, _RAW.decode(value).messages)):
         if m.id is msgspec.UNSET:
             raise ValueError(f"schema: messages[{i}] has no id; saved rows need one")
         for field, got, want in (("threadId", m.threadId, event.threadId), ("resourceId", m.resourceId, event.resourceId)):
             if got is not msgspec.UNSET and got != want:
                 raise ValueError(f"thread-mismatch: messages[{i}] has {field} {got!r}, the event is for {want!r}")
-        rows.append((m.id, msgspec.json.encode(raw)))
+        rows.append((m.id, bytes(raw)))
     return rows
 
 
@@ -54,7 +68,7 @@ class Persister:
     async def _apply(self, record: Record) -> Rejection | None:
         try:
             event = _EVENT.decode(record.value)
-            rows = _validate(event)
+            rows = _validate(record.value, event)
         except msgspec.DecodeError as e:
             kind = "schema" if isinstance(e, msgspec.ValidationError) else "decode"
             return Rejection(kind, f"persist-messages value is not PersistMessages: {e}")

@@ -45,6 +45,10 @@ from streams.history import HistoryStore, Recorded, ThreadState, Write, encode_r
 from streams.metrics import Metrics
 
 
+# Header on the processor's own `persist-messages` events: saved already, the persister skips them.
+ORIGIN = ("memfilter.origin", b"processor")
+
+
 @dataclass(frozen=True)
 class Record:
     """A consumed Kafka record, as the processor needs it."""

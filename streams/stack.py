@@ -224,6 +224,9 @@ share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
 message.max.bytes=8388608
+# Keep every record: audits replay the topics, and records stamped in the past (replays of old
+# traffic, fixed test timestamps) would otherwise be deleted by time retention within minutes.
+log.retention.ms=-1
 """
 
 REDIS_CONF = """\

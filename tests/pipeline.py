@@ -80,14 +80,17 @@ class Pipeline:
         return Path(f"/tmp/memfilter-test-{self.name}-worker{n}.log")
 
     def start_worker(self, **extra_env: str) -> subprocess.Popen:
+        """A worker process; its web server's port is `worker.web_port`."""
         log = open(self.log_path(len(self.workers)), "ab")
+        port = free_port()
         worker = subprocess.Popen(
-            [sys.executable, "-m", "streams", "worker", "--web-port", str(free_port()), "--loglevel", os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")],
+            [sys.executable, "-m", "streams", "worker", "--web-port", str(port), "--loglevel", os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")],
             env=self.env(**extra_env),
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+        worker.web_port = port
         self.workers.append(worker)
         return worker
 

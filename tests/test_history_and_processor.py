@@ -138,6 +138,17 @@ class TestPersister:
         before, after, rows = with_store(go)
         assert before == after == b"1" and len(rows) == 1
 
+    def test_saves_an_assistant_turn_whose_tool_call_carries_arguments_and_a_result(self, with_store):
+        call = {"state": "result", "toolCallId": "c1", "toolName": "book", "args": {"seats": 2}, "result": {"ok": True}}
+        turn = {"id": "a1", "role": "assistant", "content": {"format": 2, "parts": [{"type": "tool-invocation", "toolInvocation": call}]}}
+
+        async def go(store):
+            letters = await Persister(store, "dlq").process([self.event("t", [turn])])
+            return letters, [json.loads(r) for r in await store.thread_rows("t")]
+
+        letters, rows = with_store(go)
+        assert letters == [] and rows == [turn]
+
     def test_the_processors_own_events_applied_again_change_nothing(self, with_store):
         async def go(store):
             outs = await Processor(store).process([record("t", [msg("u0")], 0, "q0")])

@@ -1,0 +1,252 @@
+"""History from `persist-messages`: the disaster-recovery rebuild and the audit replay.
+
+Every save of a thread's history is an event on `persist-messages`: the processor's own (one
+per request that saved rows, header `memfilter.origin: processor`) and other services' (the
+agent runner's replies). Applied in order per thread, they rebuild the history; each event that
+changes something moves the thread's version by one, exactly as the live writes did, so the
+version a decision saw (`historyVersion` on its filtered input) says how far to apply.
+
+- `rebuild`: replaces a key prefix's history with the whole topic applied by the persister's
+  own code, so rebuilding twice gives the same store. (Applying the topic again on top would
+  replay old saves over newer ones before the newer come again: same rows, moved versions.)
+  The record of processed requests is on no topic, so a rebuilt store decides a re-delivered
+  request again rather than re-emitting it.
+- `replay`: for a range of `chat-requests`, in an isolated key prefix (never the live
+  history), brings each thread to the version its recorded decision saw, decides the request
+  again with the processor's own code, and compares with what was recorded on
+  `filtered-inputs`, `persist-messages` and the dead-letter topic. Message ids of threads
+  outside the range are not rebuilt, so a decision that rejected an id as another thread's is
+  reported as different unless that thread also has requests in the range.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from schemas.wire import FilteredInput, PersistMessages
+from streams.filter import Limits
+from streams.history import HistoryStore
+from streams.persister import Persister
+from streams.processor import ORIGIN, Processor, Record, Topics
+
+Progress = Callable[[int, int], None]
+
+
+def _record(r) -> Record:
+    return Record(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value, tuple(r.headers or ()))
+
+
+def parse_position(text: str | None) -> int | datetime | dict[int, int] | None:
+    """`--from`/`--to`: an offset for every partition (`120`), offsets by partition
+    (`0:120,3:98`), or a time (`2026-11-30T10:00:00Z`)."""
+    if text is None:
+        return None
+    if text.isdigit():
+        return int(text)
+    if ":" in text and all(part.split(":")[0].isdigit() and part.split(":")[1].isdigit() for part in text.split(",")):
+        return {int(p): int(o) for p, o in (part.split(":") for part in text.split(","))}
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not an offset, partition:offset list or ISO time") from None
+
+
+async def read_topic(bootstrap: str, topic: str, start=None, end=None) -> list[Record]:
+    """The topic's records from `start` (default: the beginning) to `end` (exclusive; default:
+    its end when called), partition by partition in offset order."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    await consumer.start()  # subscribed first: start() loads the topic's partitions
+    try:
+        partitions = sorted(consumer.partitions_for_topic(topic) or ())
+        if not partitions:
+            raise ValueError(f"topic {topic} does not exist on {bootstrap}")
+        tps = [TopicPartition(topic, p) for p in partitions]
+        consumer.unsubscribe()
+        first = await consumer.beginning_offsets(tps)
+        last = await consumer.end_offsets(tps)
+        lo = await _offsets(consumer, tps, start, first, last)
+        hi = await _offsets(consumer, tps, end, last, last)
+        consumer.assign(tps)
+        records: list[Record] = []
+        for tp in tps:
+            if lo[tp] >= hi[tp]:
+                continue
+            consumer.seek(tp, lo[tp])
+            while (await consumer.position(tp)) < hi[tp]:
+                batch = await consumer.getmany(tp, timeout_ms=1000, max_records=5000)
+                records += [_record(r) for r in batch.get(tp, []) if r.offset < hi[tp]]
+        return records
+    finally:
+        await consumer.stop()
+
+
+async def _offsets(consumer, tps, position, default, last) -> dict[TopicPartition, int]:
+    """Offsets by partition for a `parse_position` value (None: `default`), at most the end."""
+    if position is None:
+        return dict(default)
+    if isinstance(position, int):
+        return {tp: min(position, last[tp]) for tp in tps}
+    if isinstance(position, dict):
+        return {tp: min(position.get(tp.partition, default[tp]), last[tp]) for tp in tps}
+    found = await consumer.offsets_for_times({tp: int(position.timestamp() * 1000) for tp in tps})
+    return {tp: found[tp].offset if found[tp] is not None else last[tp] for tp in tps}
+
+
+async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, progress: Progress | None = None) -> tuple[int, int]:
+    """Replace what is under `store`'s prefix with every `persist-messages` event applied in
+    order; (events applied, events refused). Stop the workers using that prefix first."""
+    events = await read_topic(bootstrap, topics.persist)
+    await _drop(store)
+    persister = Persister(store, topics.dlq)
+    refused = 0
+    for n, record in enumerate(events, 1):
+        refused += len(await persister.process([record]))
+        if progress:
+            progress(n, len(events))
+    return len(events) - refused, refused
+
+
+@dataclass
+class Difference:
+    requestId: str
+    threadId: str
+    source: str  # topic-partition-offset of the request
+    diff: list[str]
+
+
+@dataclass
+class Report:
+    requests: int = 0
+    identical: int = 0
+    different: int = 0
+    differences: list[Difference] = field(default_factory=list)
+
+
+async def replay(
+    bootstrap: str,
+    topics: Topics,
+    store_of: Callable[[str], HistoryStore],
+    start=None,
+    end=None,
+    limits: Limits = Limits(),
+    progress: Progress | None = None,
+) -> Report:
+    """Decide the range's requests again on rebuilt history; compare with what was recorded.
+    `store_of(prefix)` gives the isolated store; its keys are deleted afterwards."""
+    requests = await read_topic(bootstrap, topics.requests, start, end)
+    filtered = await read_topic(bootstrap, topics.filtered)
+    persisted = await read_topic(bootstrap, topics.persist)
+    dead = await read_topic(bootstrap, topics.dlq)
+
+    decoder = msgspec.json.Decoder(FilteredInput)
+    recorded_filtered: dict[tuple[int, int], tuple[bytes, FilteredInput]] = {}
+    for r in filtered:
+        event = decoder.decode(r.value)
+        if event.source.topic == topics.requests:
+            recorded_filtered.setdefault((event.source.partition, event.source.offset), (r.value, event))
+    recorded_persist: dict[str, bytes] = {}
+    saves: dict[str, list[Record]] = {}  # thread -> its persist events in log order
+    persist_decoder = msgspec.json.Decoder(PersistMessages)
+    for r in persisted:
+        event = persist_decoder.decode(r.value)
+        if ORIGIN in r.headers:
+            recorded_persist.setdefault(event.requestId, r.value)
+        saves.setdefault(event.threadId, []).append(r)
+    recorded_dead = {}
+    for r in dead:
+        h = dict(r.headers)
+        if h.get("source.topic", b"").decode() == topics.requests:
+            key = (int(h["source.partition"]), int(h["source.offset"]))
+            recorded_dead.setdefault(key, h.get("error.type", b"").decode())
+
+    store = store_of(f"replay-{uuid.uuid4().hex[:12]}")
+    processor = Processor(store, topics, limits)
+    persister = Persister(store, topics.dlq)
+    applied: dict[str, int] = {}  # thread -> persist events applied so far
+    report = Report()
+    try:
+        for n, record in enumerate(requests, 1):
+            report.requests += 1
+            where = (record.partition, record.offset)
+            thread = record.key.decode(errors="replace") if record.key is not None else ""
+            source = f"{record.topic}-{record.partition}-{record.offset}"
+            diff: list[str]
+            if where in recorded_filtered:
+                raw, event = recorded_filtered[where]
+                diff = await _advance(store, persister, saves.get(event.threadId, []), applied, event.threadId, event.historyVersion)
+                if not diff:
+                    diff = _compare(await processor.process([record]), topics, raw, recorded_persist.get(event.requestId))
+                request_id, thread = event.requestId, event.threadId
+            elif where in recorded_dead:
+                outs = await processor.process([record])
+                got = [dict(o.headers).get("error.type", b"").decode() for o in outs if o.topic == topics.dlq]
+                want = recorded_dead[where]
+                diff = [] if got == [want] else [f"recorded: rejected ({want}); replayed: {got[0] if got else 'accepted'}"]
+                request_id = source
+            else:
+                diff, request_id = ["nothing recorded for this request (not processed yet?)"], source
+            if diff:
+                report.different += 1
+                report.differences.append(Difference(request_id, thread, source, diff))
+            else:
+                report.identical += 1
+            if progress:
+                progress(n, len(requests))
+    finally:
+        await _drop(store)
+    return report
+
+
+async def _advance(store, persister, saves, applied, thread: str, version: int) -> list[str]:
+    """Apply the thread's saves in log order until its version is `version`."""
+    state = (await store.read({thread: ([], [])}))[thread]
+    while state.version < version and applied.get(thread, 0) < len(saves):
+        await persister.process([saves[applied.get(thread, 0)]])
+        applied[thread] = applied.get(thread, 0) + 1
+        state = (await store.read({thread: ([], [])}))[thread]
+    if state.version != version:
+        return [f"the decision saw history version {version}; persist-messages rebuilds version {state.version}"]
+    return []
+
+
+def _compare(outs, topics: Topics, filtered: bytes, persist: bytes | None) -> list[str]:
+    got_filtered = next((o.value for o in outs if o.topic == topics.filtered), None)
+    got_persist = next((o.value for o in outs if o.topic == topics.persist), None)
+    if got_filtered is None:
+        error = next((dict(o.headers).get("error.type", b"").decode() for o in outs if o.topic == topics.dlq), "?")
+        return [f"recorded: a filtered input; replayed: rejected ({error})"]
+    diff = _json_diff("filtered", msgspec.json.decode(filtered), msgspec.json.decode(got_filtered))
+    if (persist is None) != (got_persist is None):
+        diff.append(f"persist: recorded {'nothing' if persist is None else 'rows'}, replayed {'nothing' if got_persist is None else 'rows'}")
+    elif persist is not None:
+        diff += _json_diff("persist", msgspec.json.decode(persist), msgspec.json.decode(got_persist))
+    return diff
+
+
+def _json_diff(path: str, recorded, replayed, limit: int = 20) -> list[str]:
+    """Readable differences: `path: recorded X, replayed Y`, deepest paths first found."""
+    if recorded == replayed:
+        return []
+    if isinstance(recorded, dict) and isinstance(replayed, dict):
+        out = []
+        for k in list(dict.fromkeys([*recorded, *replayed])):
+            out += _json_diff(f"{path}.{k}", recorded.get(k, "<absent>"), replayed.get(k, "<absent>"), limit)
+        return out[:limit]
+    if isinstance(recorded, list) and isinstance(replayed, list) and len(recorded) == len(replayed):
+        out = []
+        for i, (a, b) in enumerate(zip(recorded, replayed)):
+            out += _json_diff(f"{path}[{i}]", a, b, limit)
+        return out[:limit]
+    show = lambda v: msgspec.json.encode(v).decode()[:200]  # noqa: E731
+    return [f"{path}: recorded {show(recorded)}, replayed {show(replayed)}"]
+
+
+async def _drop(store: HistoryStore) -> None:
+    async for key in store.redis.scan_iter(match=f"{store.prefix}:*", count=1000):
+        await store.redis.delete(key)

@@ -1,0 +1,239 @@
+"""What operators do with a running processor: audit replay, history rebuild and show, metrics and health.
+
+One stream is processed once for the module (the sample session, 120 interleaved requests, and
+a thread whose assistant turn another service saves between two requests); the tests then
+replay it, rebuild its history and read the worker's metrics, all on the real Kafka and Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from pipeline import REPO, Collector, Pipeline, free_port, publish
+from test_worker_streams import stream
+
+SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
+CALL = {"state": "call", "toolCallId": "c1", "toolName": "confirm", "args": {"what": "a table for two"}}
+
+
+def memfilter(pipeline: Pipeline, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streams", *argv], capture_output=True, text=True, env=pipeline.env(), cwd=REPO, timeout=timeout)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def request(thread: str, k: int, messages: list[dict]) -> tuple[bytes, bytes, int]:
+    body = {"requestId": f"{thread}-r{k}", "threadId": thread, "resourceId": "user-ops", "messages": messages}
+    return thread.encode(), json.dumps(body).encode(), now_ms()
+
+
+def user(thread: str, k: int) -> dict:
+    return {"id": f"{thread}-u{k}", "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": f"message {k}"}]}}
+
+
+def assistant(thread: str, invocation: dict) -> dict:
+    return {"id": f"{thread}-a0", "role": "assistant", "content": {"format": 2, "parts": [{"type": "tool-invocation", "toolInvocation": invocation}]}}
+
+
+async def a_tool_turn(pipeline: Pipeline, seen: Collector, thread: str, tamper: bool = False) -> None:
+    """r0 saves the user message; another service saves the assistant's pending tool call; the
+    client then sends the call's result (r1). With `tamper`, the stored call is altered in the
+    live history before r1 is processed."""
+    t = pipeline.topics
+    await publish(pipeline.bootstrap, t.requests, [request(thread, 0, [user(thread, 0)])])
+    assert await seen.wait_for(lambda recs: any(r.key == thread.encode() for r in recs if r.topic == t.filtered))
+    saved = dict(assistant(thread, CALL), createdAt="2026-11-30T00:00:00.000Z")
+    event = {"requestId": f"{thread}-runner", "threadId": thread, "resourceId": "user-ops", "messages": [saved]}
+    await publish(pipeline.bootstrap, t.persist, [(thread.encode(), json.dumps(event).encode(), now_ms())])
+    client, store = pipeline.store()
+    deadline = time.monotonic() + 60
+    while len(await store.thread_rows(thread)) < 2:
+        assert time.monotonic() < deadline, "the persister did not save the runner's event"
+        await asyncio.sleep(0.1)
+    if tamper:
+        altered = dict(saved, content={"format": 2, "parts": [{"type": "tool-invocation", "toolInvocation": dict(CALL, args={"what": "TAMPERED"})}]})
+        await client.hset(store.keys(thread)[0], saved["id"], json.dumps(altered))
+    await client.aclose()
+    answered = assistant(thread, dict(CALL, state="result", result={"booked": True}))
+    await publish(pipeline.bootstrap, t.requests, [request(thread, 1, [user(thread, 0), answered])])
+    assert await seen.wait_for(lambda recs: sum(r.key == thread.encode() for r in recs if r.topic == t.filtered) == 2)
+
+
+async def end_offsets(bootstrap: str, topic: str) -> str:
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        return ",".join(f"{tp.partition}:{o}" for tp, o in (await consumer.end_offsets(tps)).items())
+    finally:
+        await consumer.stop()
+
+
+@pytest.fixture(scope="module")
+def processed(services):
+    """The stream, processed by one worker: (pipeline, worker, requests published, end offsets
+    of chat-requests after the normal part, before the tampered thread)."""
+    pipeline = Pipeline(services.bootstrap, services.redis_url)
+    t = pipeline.topics
+
+    async def run():
+        await pipeline.create_topics()
+        worker = pipeline.start_worker()
+        async with Collector(pipeline.bootstrap, [t.filtered]) as seen:
+            sample = [(json.loads(line)["threadId"].encode(), line.encode(), now_ms()) for line in SAMPLE.read_text().splitlines()]
+            await publish(pipeline.bootstrap, t.requests, sample)
+            await publish(pipeline.bootstrap, t.requests, stream(threads=40, turns=3, tag="ops"))
+            await a_tool_turn(pipeline, seen, "runner-t")
+            assert await seen.wait_for(lambda recs: len(recs) >= len(sample) + 120 + 2)
+            normal_end = await end_offsets(pipeline.bootstrap, t.requests)
+            await a_tool_turn(pipeline, seen, "tamper-t", tamper=True)
+            return worker, len(sample) + 120 + 4, normal_end
+
+    worker, published, normal_end = asyncio.run(run())
+    yield pipeline, worker, published, normal_end
+    pipeline.stop_all()
+
+
+class TestReplay:
+    def test_a_range_processed_normally_replays_with_no_difference(self, processed, tmp_path):
+        pipeline, _, published, normal_end = processed
+        report = tmp_path / "report.json"
+        result = memfilter(pipeline, "replay", "--to", normal_end, "--strict", "--report", str(report))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.strip().endswith(f"replayed {published - 2} requests: {published - 2} identical, 0 different")
+        assert json.loads(report.read_text())["different"] == 0
+
+    def test_a_stored_row_changed_before_its_request_was_processed_is_named(self, processed, tmp_path):
+        pipeline, _, published, normal_end = processed
+        report = tmp_path / "report.json"
+        result = memfilter(pipeline, "replay", "--strict", "--report", str(report))
+        assert result.returncode == 1
+        assert f"replayed {published} requests: {published - 1} identical, 1 different" in result.stdout
+        [difference] = json.loads(report.read_text())["differences"]
+        assert difference["requestId"] == "tamper-t-r1" and difference["threadId"] == "tamper-t"
+        assert any("TAMPERED" in line and "a table for two" in line for line in difference["diff"])
+
+        only_the_tampered_part = memfilter(pipeline, "replay", "--from", normal_end)
+        assert only_the_tampered_part.returncode == 0  # differences reported, exit 0 without --strict
+        assert "replayed 2 requests: 1 identical, 1 different" in only_the_tampered_part.stdout
+        assert "DIFFERENT tamper-t-r1" in only_the_tampered_part.stdout
+
+    def test_replay_leaves_no_keys_behind_and_never_touches_the_live_history(self, processed):
+        pipeline, *_ = processed
+
+        async def keys():
+            client, _ = pipeline.store()
+            found = [k async for k in client.scan_iter(match="replay-*")]
+            await client.aclose()
+            return found
+
+        assert asyncio.run(keys()) == []
+
+
+async def dump(pipeline: Pipeline, prefix: str) -> dict:
+    """Every thread's rows, order and meta, and the id index, under `prefix` (processed-request
+    records are on no topic, so a rebuild does not restore them)."""
+    client, _ = pipeline.store()
+    out = {}
+    async for key in client.scan_iter(match=f"{prefix}:*"):
+        name = key.decode().removeprefix(prefix)
+        kind = await client.type(key)
+        if name.endswith(":done"):
+            continue
+        out[name] = await client.lrange(key, 0, -1) if kind == b"list" else await client.hgetall(key)
+    await client.aclose()
+    return out
+
+
+class TestHistory:
+    def test_rebuild_into_an_empty_store_restores_every_thread_as_live(self, processed):
+        pipeline, *_ = processed
+        target = f"rebuilt-{pipeline.name}"
+        result = memfilter(pipeline, "history", "rebuild", "--prefix", target)
+        assert result.returncode == 0, result.stderr
+        live, rebuilt = asyncio.run(dump(pipeline, pipeline.prefix)), asyncio.run(dump(pipeline, target))
+        assert len(live) > 130  # rows, order and meta of 44 threads, and the id index
+        assert rebuilt == live  # the tampered row too: the processor saved it, altered, with its result
+
+        again = memfilter(pipeline, "history", "rebuild", "--prefix", target)
+        assert again.returncode == 0 and asyncio.run(dump(pipeline, target)) == rebuilt  # idempotent
+
+    def test_show_prints_a_thread_in_save_order(self, processed):
+        pipeline, *_ = processed
+        shown = memfilter(pipeline, "history", "show", "runner-t", "--json")
+        assert [json.loads(line)["id"] for line in shown.stdout.splitlines()] == ["runner-t-u0", "runner-t-a0"]
+        readable = memfilter(pipeline, "history", "show", "ops3").stdout.splitlines()
+        assert [line.split()[1] for line in readable] == ["ops3-u0", "ops3-u1", "ops3-u2"]
+        missing = memfilter(pipeline, "history", "show", "no-such-thread")
+        assert missing.returncode == 1 and "no-such-thread has no stored messages" in missing.stderr
+
+
+def scrape(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def sample_value(text: str, name: str, **labels: str) -> float:
+    want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + want + " ") or line == name + want)
+
+
+class TestMetricsAndHealth:
+    def test_metrics_count_what_was_published(self, processed):
+        pipeline, worker, published, _ = processed
+        status, text = scrape(worker.web_port, "/metrics")
+        assert status == 200
+        total = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("memfilter_requests_total{"))
+        assert total == published
+        assert sample_value(text, "memfilter_requests_total", outcome="tool-outcomes") == 2
+        assert sample_value(text, "memfilter_persisted_total") == 2  # the runner's two saves
+        assert sample_value(text, "memfilter_end_to_end_seconds_count") == published
+        assert sample_value(text, "memfilter_assigned_partitions") == 16
+
+    def test_readyz_goes_not_ready_when_redis_stops_and_ready_when_it_is_back(self, services, tmp_path):
+        port = free_port()
+        conf = tmp_path / "redis.conf"
+        conf.write_text(f"bind 127.0.0.1\nport {port}\ndir {tmp_path}\nsave \"\"\n")
+        server = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL)
+        pipeline = Pipeline(services.bootstrap, f"redis://127.0.0.1:{port}/0")
+        asyncio.run(pipeline.create_topics())
+        try:
+            worker = pipeline.start_worker()
+            assert wait_for_status(worker.web_port, "/readyz", 200), "the worker never became ready"
+            assert scrape(worker.web_port, "/healthz") == (200, "ok\n")
+            server.terminate()
+            server.wait(10)
+            assert wait_for_status(worker.web_port, "/readyz", 503)
+            assert "Redis not answering" in scrape(worker.web_port, "/readyz")[1]
+            server = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL)
+            assert wait_for_status(worker.web_port, "/readyz", 200)
+        finally:
+            pipeline.stop_all()
+            server.terminate()
+            server.wait(10)
+
+
+def wait_for_status(port: int, path: str, status: int, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if scrape(port, path)[0] == status:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
