@@ -1,0 +1,73 @@
+"""docker-compose.yml, the Dockerfile and the Kubernetes manifests, checked without Docker or a
+cluster (neither exists here): they parse, and every setting they pass is one the worker reads."""
+
+from __future__ import annotations
+
+import yaml
+
+from pipeline import REPO
+from streams.settings import WorkerSettings
+
+
+class _Recording(dict):
+    """An environment that records which names the worker's settings ask for."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: set[str] = set()
+
+    def get(self, name, default=None):
+        self.asked.add(name)
+        return default
+
+
+def names_the_worker_reads() -> set[str]:
+    env = _Recording()
+    WorkerSettings.from_env(env)
+    return env.asked
+
+
+def test_the_worker_reads_the_settings_the_readme_documents():
+    readme = (REPO / "README.md").read_text()
+    for name in names_the_worker_reads():
+        assert f"`{name}`" in readme, f"{name} is read by the worker but missing from the README's settings table"
+
+
+def test_compose_runs_kafka_redis_topics_and_two_workers_with_settings_the_worker_reads():
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"kafka", "redis", "topics", "worker-1", "worker-2"} <= services.keys()
+    assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
+    created = " ".join(services["topics"]["command"]).replace(";", " ").split()
+    assert {"chat-requests", "filtered-inputs", "persist-messages", "chat-requests-dlq"} <= set(created)
+    read = names_the_worker_reads()
+    for name in ("worker-1", "worker-2"):
+        worker = services[name]
+        assert worker["build"] == "." and worker["environment"].keys() <= read
+        assert worker["environment"]["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:19092"
+        assert "/readyz" in " ".join(worker["healthcheck"]["test"])
+    assert services["worker-1"]["ports"] != services["worker-2"]["ports"]
+
+
+def test_the_image_runs_the_worker_with_its_web_server_reachable():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert 'CMD ["memfilter", "worker"' in dockerfile
+    env_line = next(line for line in dockerfile.splitlines() if line.startswith("ENV "))
+    names = {pair.split("=")[0] for pair in env_line.removeprefix("ENV ").split()}
+    assert names <= names_the_worker_reads() and "MEMFILTER_WEB_BIND=0.0.0.0" in env_line
+
+
+def test_kubernetes_workers_take_settings_from_a_configmap_and_are_ready_on_readyz():
+    docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "deploy" / "k8s" / "worker.yaml").read_text())}
+    assert docs.keys() == {"ConfigMap", "Deployment", "Service"}
+    assert docs["ConfigMap"]["data"].keys() <= names_the_worker_reads()
+    pod = docs["Deployment"]["spec"]["template"]
+    [container] = pod["spec"]["containers"]
+    assert container["envFrom"] == [{"configMapRef": {"name": docs["ConfigMap"]["metadata"]["name"]}}]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    port = int(docs["ConfigMap"]["data"]["MEMFILTER_WEB_PORT"])
+    assert container["ports"][0]["containerPort"] == port
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    assert docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
