@@ -152,7 +152,7 @@ class RecordLoop(mode.Service):
         for tp, records in batch.items():
             offsets[tp] = OffsetAndMetadata(records[-1].offset + 1, "")
             for r in records:
-                record = Record(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value, tuple(r.headers))
+                record = Record.of(r)
                 if r.topic == topics.requests:
                     requests.append(record)
                 elif ORIGIN not in record.headers:

@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a processor worker (a Faust worker); several workers form one consumer group",
         description="Consume chat-requests and persist-messages; settings from the environment "
         "(KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, MEMFILTER_GROUP, MEMFILTER_REDIS_PREFIX, MEMFILTER_TOPIC_*, "
-        "MEMFILTER_BATCH_MAX, MEMFILTER_BATCH_WITHIN, MEMFILTER_MAX_BYTES, MEMFILTER_MAX_MESSAGES, MEMFILTER_WEB_PORT, "
+        "MEMFILTER_BATCH_MAX, MEMFILTER_BATCH_WITHIN, MEMFILTER_MAX_BYTES, MEMFILTER_MAX_MESSAGES, MEMFILTER_WEB_PORT, MEMFILTER_WEB_BIND, "
         "MEMFILTER_SESSION_TIMEOUT, MEMFILTER_DATA_DIR).",
     )
     p.add_argument("--web-port", type=int, help="port of the worker's web server (default MEMFILTER_WEB_PORT or 6066)")

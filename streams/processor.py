@@ -1,7 +1,7 @@
 """The processor: a batch of `chat-requests` records in, the records to emit out.
 
-This is the imperative shell around the filter (`streams/filter.py`), without Kafka: the Faust
-agent in `streams/app.py` hands it batches of records and sends what it returns. For a batch:
+This is the imperative shell around the filter (`streams/filter.py`), without Kafka: the record
+loop in `streams/app.py` (and the audit replay) hands it batches of records and sends what it returns. For a batch:
 
 1. decode every record (a record that does not decode, or is keyed by another thread, is
    rejected here and goes to the dead-letter topic);
@@ -60,6 +60,11 @@ class Record:
     key: bytes | None
     value: bytes
     headers: tuple[tuple[str, bytes], ...] = ()
+
+    @classmethod
+    def of(cls, r) -> Record:
+        """From an aiokafka `ConsumerRecord`."""
+        return cls(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value, tuple(r.headers or ()))
 
 
 @dataclass(frozen=True)

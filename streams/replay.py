@@ -38,10 +38,6 @@ from streams.processor import ORIGIN, Processor, Record, Topics
 Progress = Callable[[int, int], None]
 
 
-def _record(r) -> Record:
-    return Record(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value, tuple(r.headers or ()))
-
-
 def parse_position(text: str | None) -> int | datetime | dict[int, int] | None:
     """`--from`/`--to`: an offset for every partition (`120`), offsets by partition
     (`0:120,3:98`), or a time (`2026-11-30T10:00:00Z`)."""
@@ -80,7 +76,7 @@ async def read_topic(bootstrap: str, topic: str, start=None, end=None) -> list[R
             consumer.seek(tp, lo[tp])
             while (await consumer.position(tp)) < hi[tp]:
                 batch = await consumer.getmany(tp, timeout_ms=1000, max_records=5000)
-                records += [_record(r) for r in batch.get(tp, []) if r.offset < hi[tp]]
+                records += [Record.of(r) for r in batch.get(tp, []) if r.offset < hi[tp]]
         return records
     finally:
         await consumer.stop()

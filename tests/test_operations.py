@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from pipeline import REPO, Collector, Pipeline, free_port, publish
@@ -141,10 +142,10 @@ class TestReplay:
         assert asyncio.run(keys()) == []
 
 
-async def dump(pipeline: Pipeline, prefix: str) -> dict:
+async def dump(pipeline: Pipeline, prefix: str, url: str | None = None) -> dict:
     """Every thread's rows, order and meta, and the id index, under `prefix` (processed-request
     records are on no topic, so a rebuild does not restore them)."""
-    client, _ = pipeline.store()
+    client = aioredis.from_url(url or pipeline.redis_url)
     out = {}
     async for key in client.scan_iter(match=f"{prefix}:*"):
         name = key.decode().removeprefix(prefix)
@@ -157,17 +158,18 @@ async def dump(pipeline: Pipeline, prefix: str) -> dict:
 
 
 class TestHistory:
-    def test_rebuild_into_an_empty_store_restores_every_thread_as_live(self, processed):
+    def test_rebuild_into_an_empty_redis_restores_every_thread_as_live(self, processed):
         pipeline, *_ = processed
-        target = f"rebuilt-{pipeline.name}"
-        result = memfilter(pipeline, "history", "rebuild", "--prefix", target)
+        empty = pipeline.redis_url.rsplit("/", 1)[0] + "/1"  # another database of the same server
+        assert asyncio.run(dump(pipeline, pipeline.prefix, empty)) == {}
+        result = memfilter(pipeline, "history", "rebuild", "--redis-url", empty)
         assert result.returncode == 0, result.stderr
-        live, rebuilt = asyncio.run(dump(pipeline, pipeline.prefix)), asyncio.run(dump(pipeline, target))
+        live, rebuilt = asyncio.run(dump(pipeline, pipeline.prefix)), asyncio.run(dump(pipeline, pipeline.prefix, empty))
         assert len(live) > 130  # rows, order and meta of 44 threads, and the id index
         assert rebuilt == live  # the tampered row too: the processor saved it, altered, with its result
 
-        again = memfilter(pipeline, "history", "rebuild", "--prefix", target)
-        assert again.returncode == 0 and asyncio.run(dump(pipeline, target)) == rebuilt  # idempotent
+        again = memfilter(pipeline, "history", "rebuild", "--redis-url", empty)
+        assert again.returncode == 0 and asyncio.run(dump(pipeline, pipeline.prefix, empty)) == rebuilt  # idempotent
 
     def test_show_prints_a_thread_in_save_order(self, processed):
         pipeline, *_ = processed
