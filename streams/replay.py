@@ -142,10 +142,12 @@ async def replay(
 
     decoder = msgspec.json.Decoder(FilteredInput)
     recorded_filtered: dict[tuple[int, int], tuple[bytes, FilteredInput]] = {}
+    recorded_by_id: dict[str, tuple[bytes, FilteredInput]] = {}
     for r in filtered:
         event = decoder.decode(r.value)
         if event.source.topic == topics.requests:
             recorded_filtered.setdefault((event.source.partition, event.source.offset), (r.value, event))
+            recorded_by_id.setdefault(event.requestId, (r.value, event))
     recorded_persist: dict[str, bytes] = {}
     saves: dict[str, list[Record]] = {}  # thread -> its persist events in log order
     persist_decoder = msgspec.json.Decoder(PersistMessages)
@@ -179,6 +181,12 @@ async def replay(
                 if not diff:
                     diff = _compare(await processor.process([record]), topics, raw, recorded_persist.get(event.requestId))
                 request_id, thread = event.requestId, event.threadId
+            elif (rid := _request_id(record)) in recorded_by_id:
+                # A request id decided before (published again, or re-delivered): the worker
+                # sent what it recorded then, and so does a replay that decided the first copy.
+                raw, event = recorded_by_id[rid]
+                diff = _compare(await processor.process([record]), topics, raw, recorded_persist.get(rid))
+                request_id, thread = rid, event.threadId
             elif where in recorded_dead:
                 outs = await processor.process([record])
                 got = [dict(o.headers).get("error.type", b"").decode() for o in outs if o.topic == topics.dlq]
@@ -197,6 +205,17 @@ async def replay(
     finally:
         await _drop(store)
     return report
+
+
+class _Id(msgspec.Struct):
+    requestId: str | None = None
+
+
+def _request_id(record: Record) -> str | None:
+    try:
+        return msgspec.json.decode(record.value, type=_Id).requestId
+    except msgspec.DecodeError:
+        return None
 
 
 async def _advance(store, persister, saves, applied, thread: str, version: int) -> list[str]:

@@ -84,7 +84,8 @@ async def end_offsets(bootstrap: str, topic: str) -> str:
 @pytest.fixture(scope="module")
 def processed(services):
     """The stream, processed by one worker: (pipeline, worker, requests published, end offsets
-    of chat-requests after the normal part, before the tampered thread)."""
+    of chat-requests after the normal part, before the tampered thread). The sample's last
+    request is published twice: the worker sends what it recorded, and a replay must agree."""
     pipeline = Pipeline(services.bootstrap, services.redis_url)
     t = pipeline.topics
 
@@ -96,10 +97,11 @@ def processed(services):
             await publish(pipeline.bootstrap, t.requests, sample)
             await publish(pipeline.bootstrap, t.requests, stream(threads=40, turns=3, tag="ops"))
             await a_tool_turn(pipeline, seen, "runner-t")
-            assert await seen.wait_for(lambda recs: len(recs) >= len(sample) + 120 + 2)
+            await publish(pipeline.bootstrap, t.requests, sample[-1:])  # the same request again
+            assert await seen.wait_for(lambda recs: len(recs) >= len(sample) + 1 + 120 + 2)
             normal_end = await end_offsets(pipeline.bootstrap, t.requests)
             await a_tool_turn(pipeline, seen, "tamper-t", tamper=True)
-            return worker, len(sample) + 120 + 4, normal_end
+            return worker, len(sample) + 1 + 120 + 4, normal_end
 
     worker, published, normal_end = asyncio.run(run())
     yield pipeline, worker, published, normal_end
@@ -202,6 +204,7 @@ class TestMetricsAndHealth:
         total = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("memfilter_requests_total{"))
         assert total == published
         assert sample_value(text, "memfilter_requests_total", outcome="tool-outcomes") == 2
+        assert sample_value(text, "memfilter_requests_total", outcome="redelivered") == 1
         assert sample_value(text, "memfilter_persisted_total") == 2  # the runner's two saves
         assert sample_value(text, "memfilter_end_to_end_seconds_count") == published
         assert sample_value(text, "memfilter_assigned_partitions") == 16
