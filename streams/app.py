@@ -187,6 +187,19 @@ class RecordLoop(mode.Service):
         for r in requests:
             self.metrics.end_to_end.observe(max(0.0, now_ms - r.timestamp_ms) / 1000)
 
+    async def partitions_revoked(self) -> None:
+        """Partitions leave only after the batch in hand is delivered and committed."""
+        async with self._turn:
+            await self._drain()
+            self._epoch += 1
+        self.assigned = set()
+        self.metrics.lag.clear()
+        self.metrics.assigned.set(0)
+
+    def partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.assigned = assigned
+        self.metrics.assigned.set(len(assigned))
+
     async def _drain(self) -> None:
         """Wait for the previous batch's sends and commit; a failure there stops the worker."""
         if self._delivering is not None:
@@ -195,22 +208,16 @@ class RecordLoop(mode.Service):
 
 
 class _Rebalance(ConsumerRebalanceListener):
-    """Partitions leave only after the batch in hand is delivered and committed."""
+    """Tells the loop when partitions leave and arrive."""
 
     def __init__(self, loop: RecordLoop):
         self.loop = loop
 
     async def on_partitions_revoked(self, revoked) -> None:
-        async with self.loop._turn:
-            await self.loop._drain()
-            self.loop._epoch += 1
-        self.loop.assigned.clear()
-        self.loop.metrics.lag.clear()
-        self.loop.metrics.assigned.set(0)
+        await self.loop.partitions_revoked()
 
     async def on_partitions_assigned(self, assigned) -> None:
-        self.loop.assigned = set(assigned)
-        self.loop.metrics.assigned.set(len(assigned))
+        self.loop.partitions_assigned(set(assigned))
 
 
 class _WebOnly(faust.App.BootStrategy):
