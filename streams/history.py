@@ -169,16 +169,6 @@ class Write:
     new_ids: list[str]  # ids of `rows` not stored in the thread before: to claim first
 
 
-class _HiredisPackConnection(aioredis.Connection):
-    """redis-py's asyncio connection packs commands in Python; a batch sends a few thousand
-    commands, so hiredis packs them."""
-
-    def pack_command(self, *args):
-        if " " in args[0]:  # "CONFIG RESETSTAT" and the like: one word per argument
-            args = (*args[0].split(), *args[1:])
-        return [hiredis.pack_command(args)]
-
-
 # A whole batch's commands must be answered within this; redis-py's own socket timeout would
 # arm a timer for every reply, a fifth of the cost of a batch's reads.
 TIMEOUT_S = 10.0
@@ -186,7 +176,7 @@ TIMEOUT_S = 10.0
 
 def connect(url: str, **options) -> aioredis.Redis:
     """A Redis client for the history store (`url` as in REDIS_URL)."""
-    return aioredis.from_url(url, connection_class=_HiredisPackConnection, socket_timeout=None, socket_connect_timeout=5, **options)
+    return aioredis.from_url(url, socket_timeout=None, socket_connect_timeout=5, **options)
 
 
 class HistoryStore:
