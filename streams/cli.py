@@ -202,10 +202,28 @@ def _progress(label: str):
     return show
 
 
+def _unreachable(e: Exception, settings) -> str:
+    """One line for a missing topic, a broker or a Redis that does not answer."""
+    from aiokafka.errors import KafkaConnectionError
+
+    if isinstance(e, KafkaConnectionError):
+        return f"Kafka at {settings.bootstrap} does not answer; set KAFKA_BOOTSTRAP_SERVERS"
+    if isinstance(e, ValueError):
+        return f"{e}; create it (`memfilter stack up` does) or set MEMFILTER_TOPIC_*"
+    return f"Redis does not answer ({e}); set REDIS_URL or --redis-url"
+
+
 def _store(url: str, prefix: str):
     from streams.history import HistoryStore, connect
 
     return HistoryStore(connect(url), prefix)
+
+
+def _unreachable_errors() -> tuple[type[Exception], ...]:
+    from aiokafka.errors import KafkaConnectionError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    return (KafkaConnectionError, RedisConnectionError, ValueError)
 
 
 def cmd_history(args: argparse.Namespace) -> int:
@@ -240,7 +258,11 @@ def cmd_history(args: argparse.Namespace) -> int:
         print(f"rebuilt history under prefix {prefix} from {applied + refused:,} events of {settings.topics.persist} ({refused:,} refused)")
         return 0
 
-    return asyncio.run(show() if args.action == "show" else rebuild_all())
+    try:
+        return asyncio.run(show() if args.action == "show" else rebuild_all())
+    except _unreachable_errors() as e:
+        print(f"memfilter history {args.action}: {_unreachable(e, settings)}", file=sys.stderr)
+        return 1
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -259,9 +281,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"memfilter replay: {e}", file=sys.stderr)
         return 2
     url = args.redis_url or settings.redis_url
-    report = asyncio.run(
-        replay(settings.bootstrap, settings.topics, lambda prefix: _store(url, prefix), start, end, settings.limits, _progress("replayed"))
-    )
+    try:
+        report = asyncio.run(
+            replay(settings.bootstrap, settings.topics, lambda prefix: _store(url, prefix), start, end, settings.limits, _progress("replayed"))
+        )
+    except _unreachable_errors() as e:
+        print(f"memfilter replay: {_unreachable(e, settings)}", file=sys.stderr)
+        return 1
     for d in report.differences:
         print(f"DIFFERENT {d.requestId} (thread {d.threadId}, {d.source})")
         for line in d.diff:

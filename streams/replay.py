@@ -56,12 +56,18 @@ def parse_position(text: str | None) -> int | datetime | dict[int, int] | None:
 async def read_topic(bootstrap: str, topic: str, start=None, end=None) -> list[Record]:
     """The topic's records from `start` (default: the beginning) to `end` (exclusive; default:
     its end when called), partition by partition in offset order."""
+    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    try:
+        await probe.start()
+        known = await probe.topics()
+    finally:
+        await probe.stop()
+    if topic not in known:
+        raise ValueError(f"topic {topic} does not exist on {bootstrap}")
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
     await consumer.start()  # subscribed first: start() loads the topic's partitions
     try:
         partitions = sorted(consumer.partitions_for_topic(topic) or ())
-        if not partitions:
-            raise ValueError(f"topic {topic} does not exist on {bootstrap}")
         tps = [TopicPartition(topic, p) for p in partitions]
         consumer.unsubscribe()
         first = await consumer.beginning_offsets(tps)

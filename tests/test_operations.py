@@ -132,6 +132,17 @@ class TestReplay:
         assert "replayed 2 requests: 1 identical, 1 different" in only_the_tampered_part.stdout
         assert "DIFFERENT tamper-t-r1" in only_the_tampered_part.stdout
 
+    def test_a_missing_topic_or_a_silent_broker_is_one_line_and_exit_1(self, processed):
+        pipeline, *_ = processed
+        run = lambda **env: subprocess.run(  # noqa: E731
+            [sys.executable, "-m", "streams", "replay"], capture_output=True, text=True, env=pipeline.env(**env), cwd=REPO, timeout=120
+        )
+        missing = run(MEMFILTER_TOPIC_REQUESTS="no-such-topic")
+        assert missing.returncode == 1
+        assert missing.stderr.strip().splitlines()[-1].startswith("memfilter replay: topic no-such-topic does not exist on ")
+        silent = run(KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}")
+        assert silent.returncode == 1 and silent.stderr.strip().splitlines()[-1].endswith("does not answer; set KAFKA_BOOTSTRAP_SERVERS")
+
     def test_replay_leaves_no_keys_behind_and_never_touches_the_live_history(self, processed):
         pipeline, *_ = processed
 
