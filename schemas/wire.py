@@ -144,13 +144,17 @@ class FilteredInput(Struct):
     historyVersion: int = 0
 
 
-class PersistMessages(Struct):
+# Generic like `ChatRequestOf`: the persister reads the same bytes typed and raw.
+class PersistMessagesOf(Struct, Generic[M]):
     """A value on `persist-messages`: rows to save in one thread."""
 
     requestId: str
     threadId: str
     resourceId: str
-    messages: list[MessageDict]
+    messages: list[M]
+
+
+PersistMessages = PersistMessagesOf[MessageDict]
 
 
 TOPIC_VALUES: dict[str, type] = {

@@ -12,42 +12,27 @@ from __future__ import annotations
 
 import msgspec
 
-from schemas.wire import Message, PersistMessages
+from schemas.wire import Message, PersistMessagesOf
 from streams.filter import Rejection, parse_ms
 from streams.history import HistoryStore
 from streams.processor import Out, Record, dead_letter
 
-class _TypedMessages(msgspec.Struct):
-    """The same value read for validation: its messages as typed `Message`s."""
-
-    messages: list[Message]
-
-
-class _RawMessages(msgspec.Struct):
-    """And as they were sent: a row is saved byte for byte, as the processor saves its own."""
-
-    messages: list[msgspec.Raw]
+# The value is decoded twice, as the filter does a request: typed to validate and read it,
+# raw to save each row byte for byte, as the processor saves its own.
+_TYPED = msgspec.json.Decoder(PersistMessagesOf[Message])
+_RAW = msgspec.json.Decoder(PersistMessagesOf[msgspec.Raw])
 
 
-_EVENT = msgspec.json.Decoder(PersistMessages)
-_TYPED = msgspec.json.Decoder(_TypedMessages)
-_RAW = msgspec.json.Decoder(_RawMessages)
-
-
-def _validate(value: bytes, event: PersistMessages) -> list[tuple[str, bytes]]:
+def _rows(event: PersistMessagesOf[Message], raw: PersistMessagesOf[msgspec.Raw]) -> list[tuple[str, bytes]]:
     """The event's rows as (id, JSON); raise ValueError naming what is wrong."""
-    try:
-        messages = _TYPED.decode(value).messages
-    except msgspec.ValidationError as e:
-        raise ValueError(f"schema: messages do not match Message: {e}") from None
     rows = []
-    for i, (m, raw) in enumerate(zip(messages, _RAW.decode(value).messages)):
+    for i, (m, row) in enumerate(zip(event.messages, raw.messages)):
         if m.id is msgspec.UNSET:
             raise ValueError(f"schema: messages[{i}] has no id; saved rows need one")
         for field, got, want in (("threadId", m.threadId, event.threadId), ("resourceId", m.resourceId, event.resourceId)):
             if got is not msgspec.UNSET and got != want:
                 raise ValueError(f"thread-mismatch: messages[{i}] has {field} {got!r}, the event is for {want!r}")
-        rows.append((m.id, bytes(raw)))
+        rows.append((m.id, bytes(row)))
     return rows
 
 
@@ -67,8 +52,8 @@ class Persister:
 
     async def _apply(self, record: Record) -> Rejection | None:
         try:
-            event = _EVENT.decode(record.value)
-            rows = _validate(record.value, event)
+            event = _TYPED.decode(record.value)
+            rows = _rows(event, _RAW.decode(record.value))
         except msgspec.DecodeError as e:
             kind = "schema" if isinstance(e, msgspec.ValidationError) else "decode"
             return Rejection(kind, f"persist-messages value is not PersistMessages: {e}")
@@ -79,7 +64,7 @@ class Persister:
         for (mid, _), other in zip(rows, held):
             if other is not None:
                 return Rejection("foreign-message-id", f"message id {mid} belongs to thread {other}; not saved in {event.threadId}")
-        newest = max((parse_ms(m.get("createdAt")) or -1 for m in event.messages), default=-1)
+        newest = max((parse_ms(m.createdAt) or -1 for m in event.messages), default=-1)
         owner = await self.store.apply(event.threadId, event.resourceId, newest, rows)
         if owner is not None:
             return Rejection("ownership", f"thread {event.threadId} belongs to resource {owner}; rows from {event.resourceId} not saved")
