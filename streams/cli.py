@@ -99,6 +99,16 @@ def _requests_of(raw: bytes) -> list[tuple[int, bytes]]:
     return [(n, line) for n, line in enumerate(raw.splitlines(), 1) if line.strip()]
 
 
+def _progress(label: str):
+    """A progress line on stderr for long runs (every 1,000 items and at the end)."""
+
+    def show(n: int, total: int) -> None:
+        if total >= 1000 and (n % 1000 == 0 or n == total):
+            print(f"\r{label} {n:,}/{total:,}", end="" if n < total else "\n", file=sys.stderr, flush=True)
+
+    return show
+
+
 def cmd_publish(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -129,13 +139,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
         print(f"memfilter publish: Kafka at {settings.bootstrap} does not answer; set KAFKA_BOOTSTRAP_SERVERS", file=sys.stderr)
         return 1
 
-    def progress(n: int) -> None:
-        if len(good) >= 1000 and (n % 1000 == 0 or n == len(good)):
-            print(f"\rpublished {n:,}/{len(good):,}", end="" if n < len(good) else "\n", file=sys.stderr, flush=True)
+    shown = _progress("published")
 
     async def send() -> int:
         async with Client(settings.bootstrap, settings.topics) as client:
-            return await client.publish(good, on_sent=progress)
+            return await client.publish(good, on_sent=lambda n: shown(n, len(good)))
 
     print(f"published {asyncio.run(send())} requests to {settings.topics.requests}")
     return 0
@@ -192,25 +200,26 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(label: str):
-    """A progress line on stderr for long runs (every 1,000 items and at the end)."""
+def _run_or_explain(command: str, settings, coroutine):
+    """Run `coroutine`; a missing topic, or a Kafka or Redis that does not answer, is one line
+    on stderr and exit 1 instead of a traceback."""
+    import asyncio
 
-    def show(n: int, total: int) -> None:
-        if total >= 1000 and (n % 1000 == 0 or n == total):
-            print(f"\r{label} {n:,}/{total:,}", end="" if n < total else "\n", file=sys.stderr, flush=True)
-
-    return show
-
-
-def _unreachable(e: Exception, settings) -> str:
-    """One line for a missing topic, a broker or a Redis that does not answer."""
     from aiokafka.errors import KafkaConnectionError
+    from redis.exceptions import ConnectionError as RedisConnectionError
 
-    if isinstance(e, KafkaConnectionError):
-        return f"Kafka at {settings.bootstrap} does not answer; set KAFKA_BOOTSTRAP_SERVERS"
-    if isinstance(e, ValueError):
-        return f"{e}; create it (`memfilter stack up` does) or set MEMFILTER_TOPIC_*"
-    return f"Redis does not answer ({e}); set REDIS_URL or --redis-url"
+    from streams.replay import TopicMissing
+
+    try:
+        return asyncio.run(coroutine)
+    except TopicMissing as e:
+        reason = f"{e}; create it (`memfilter stack up` does) or set MEMFILTER_TOPIC_*"
+    except KafkaConnectionError:
+        reason = f"Kafka at {settings.bootstrap} does not answer; set KAFKA_BOOTSTRAP_SERVERS"
+    except RedisConnectionError as e:
+        reason = f"Redis does not answer ({e}); set REDIS_URL or --redis-url"
+    print(f"memfilter {command}: {reason}", file=sys.stderr)
+    raise SystemExit(1)
 
 
 def _store(url: str, prefix: str):
@@ -219,16 +228,7 @@ def _store(url: str, prefix: str):
     return HistoryStore(connect(url), prefix)
 
 
-def _unreachable_errors() -> tuple[type[Exception], ...]:
-    from aiokafka.errors import KafkaConnectionError
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    return (KafkaConnectionError, RedisConnectionError, ValueError)
-
-
 def cmd_history(args: argparse.Namespace) -> int:
-    import asyncio
-
     import msgspec
 
     from streams.replay import rebuild
@@ -258,19 +258,10 @@ def cmd_history(args: argparse.Namespace) -> int:
         print(f"rebuilt history under prefix {prefix} from {applied + refused:,} events of {settings.topics.persist} ({refused:,} refused)")
         return 0
 
-    try:
-        return asyncio.run(show() if args.action == "show" else rebuild_all())
-    except _unreachable_errors() as e:
-        print(f"memfilter history {args.action}: {_unreachable(e, settings)}", file=sys.stderr)
-        return 1
+    return _run_or_explain(f"history {args.action}", settings, show() if args.action == "show" else rebuild_all())
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    import asyncio
-    import dataclasses
-
-    import msgspec
-
     from streams.replay import parse_position, replay
     from streams.settings import WorkerSettings
 
@@ -281,13 +272,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"memfilter replay: {e}", file=sys.stderr)
         return 2
     url = args.redis_url or settings.redis_url
-    try:
-        report = asyncio.run(
-            replay(settings.bootstrap, settings.topics, lambda prefix: _store(url, prefix), start, end, settings.limits, _progress("replayed"))
-        )
-    except _unreachable_errors() as e:
-        print(f"memfilter replay: {_unreachable(e, settings)}", file=sys.stderr)
-        return 1
+    report = _run_or_explain(
+        "replay",
+        settings,
+        replay(settings.bootstrap, settings.topics, lambda prefix: _store(url, prefix), start, end, settings.limits, _progress("replayed")),
+    )
     for d in report.differences:
         print(f"DIFFERENT {d.requestId} (thread {d.threadId}, {d.source})")
         for line in d.diff:
@@ -295,7 +284,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(f"replayed {report.requests:,} requests: {report.identical:,} identical, {report.different:,} different")
     if args.report:
         with open(args.report, "wb") as f:
-            f.write(msgspec.json.format(msgspec.json.encode(dataclasses.asdict(report))))
+            f.write(report.to_json())
     return 1 if args.strict and report.different else 0
 
 

@@ -38,6 +38,10 @@ from streams.processor import ORIGIN, Processor, Record, Topics
 Progress = Callable[[int, int], None]
 
 
+class TopicMissing(Exception):
+    """A topic to read is not on the broker."""
+
+
 def parse_position(text: str | None) -> int | datetime | dict[int, int] | None:
     """`--from`/`--to`: an offset for every partition (`120`), offsets by partition
     (`0:120,3:98`), or a time (`2026-11-30T10:00:00Z`)."""
@@ -63,7 +67,7 @@ async def read_topic(bootstrap: str, topic: str, start=None, end=None) -> list[R
     finally:
         await probe.stop()
     if topic not in known:
-        raise ValueError(f"topic {topic} does not exist on {bootstrap}")
+        raise TopicMissing(f"topic {topic} does not exist on {bootstrap}")
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
     await consumer.start()  # subscribed first: start() loads the topic's partitions
     try:
@@ -125,9 +129,19 @@ class Difference:
 @dataclass
 class Report:
     requests: int = 0
-    identical: int = 0
-    different: int = 0
     differences: list[Difference] = field(default_factory=list)
+
+    @property
+    def different(self) -> int:
+        return len(self.differences)
+
+    @property
+    def identical(self) -> int:
+        return self.requests - self.different
+
+    def to_json(self) -> bytes:
+        fields = {"requests": self.requests, "identical": self.identical, "different": self.different}
+        return msgspec.json.format(msgspec.json.encode({**fields, "differences": self.differences}))
 
 
 async def replay(
@@ -202,10 +216,7 @@ async def replay(
             else:
                 diff, request_id = ["nothing recorded for this request (not processed yet?)"], source
             if diff:
-                report.different += 1
                 report.differences.append(Difference(request_id, thread, source, diff))
-            else:
-                report.identical += 1
             if progress:
                 progress(n, len(requests))
     finally:
