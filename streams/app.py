@@ -71,7 +71,7 @@ class RecordLoop(mode.Service):
         self.metrics = metrics
         self.processor = Processor(store, settings.topics, settings.limits, metrics)
         self.persister = Persister(store, settings.topics.dlq)
-        self.assigned: set[TopicPartition] = set()
+        self._consumer: AIOKafkaConsumer | None = None
         self._turn = asyncio.Lock()  # held while a batch is handled; a rebalance waits for it
         self._epoch = 0  # partition revocations so far
         self._delivering: asyncio.Task | None = None  # the previous batch's sends and commit
@@ -187,17 +187,19 @@ class RecordLoop(mode.Service):
         for r in requests:
             self.metrics.end_to_end.observe(max(0.0, now_ms - r.timestamp_ms) / 1000)
 
+    @property
+    def assigned(self) -> set[TopicPartition]:
+        return self._consumer.assignment() if self._consumer is not None else set()
+
     async def partitions_revoked(self) -> None:
         """Partitions leave only after the batch in hand is delivered and committed."""
         async with self._turn:
             await self._drain()
             self._epoch += 1
-        self.assigned = set()
         self.metrics.lag.clear()
         self.metrics.assigned.set(0)
 
     def partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        self.assigned = assigned
         self.metrics.assigned.set(len(assigned))
 
     async def _drain(self) -> None:
