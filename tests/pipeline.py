@@ -76,6 +76,12 @@ class Pipeline:
         finally:
             await admin.close()
 
+    def memfilter(self, *argv: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+        """Run the command line with this pipeline's settings (and `env` on top); text output."""
+        return subprocess.run(
+            [sys.executable, "-m", "streams", *argv], capture_output=True, text=True, env=self.env(**env), cwd=REPO, timeout=timeout
+        )
+
     def log_path(self, n: int) -> Path:
         return Path(f"/tmp/memfilter-test-{self.name}-worker{n}.log")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,10 +23,6 @@ from test_worker_streams import stream
 
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
 CALL = {"state": "call", "toolCallId": "c1", "toolName": "confirm", "args": {"what": "a table for two"}}
-
-
-def memfilter(pipeline: Pipeline, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streams", *argv], capture_output=True, text=True, env=pipeline.env(), cwd=REPO, timeout=timeout)
 
 
 def now_ms() -> int:
@@ -112,7 +107,7 @@ class TestReplay:
     def test_a_range_processed_normally_replays_with_no_difference(self, processed, tmp_path):
         pipeline, _, published, normal_end = processed
         report = tmp_path / "report.json"
-        result = memfilter(pipeline, "replay", "--to", normal_end, "--strict", "--report", str(report))
+        result = pipeline.memfilter("replay", "--to", normal_end, "--strict", "--report", str(report))
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stdout.strip().endswith(f"replayed {published - 2} requests: {published - 2} identical, 0 different")
         assert json.loads(report.read_text())["different"] == 0
@@ -120,27 +115,24 @@ class TestReplay:
     def test_a_stored_row_changed_before_its_request_was_processed_is_named(self, processed, tmp_path):
         pipeline, _, published, normal_end = processed
         report = tmp_path / "report.json"
-        result = memfilter(pipeline, "replay", "--strict", "--report", str(report))
+        result = pipeline.memfilter("replay", "--strict", "--report", str(report))
         assert result.returncode == 1
         assert f"replayed {published} requests: {published - 1} identical, 1 different" in result.stdout
         [difference] = json.loads(report.read_text())["differences"]
         assert difference["requestId"] == "tamper-t-r1" and difference["threadId"] == "tamper-t"
         assert any("TAMPERED" in line and "a table for two" in line for line in difference["diff"])
 
-        only_the_tampered_part = memfilter(pipeline, "replay", "--from", normal_end)
+        only_the_tampered_part = pipeline.memfilter("replay", "--from", normal_end)
         assert only_the_tampered_part.returncode == 0  # differences reported, exit 0 without --strict
         assert "replayed 2 requests: 1 identical, 1 different" in only_the_tampered_part.stdout
         assert "DIFFERENT tamper-t-r1" in only_the_tampered_part.stdout
 
     def test_a_missing_topic_or_a_silent_broker_is_one_line_and_exit_1(self, processed):
         pipeline, *_ = processed
-        run = lambda **env: subprocess.run(  # noqa: E731
-            [sys.executable, "-m", "streams", "replay"], capture_output=True, text=True, env=pipeline.env(**env), cwd=REPO, timeout=120
-        )
-        missing = run(MEMFILTER_TOPIC_REQUESTS="no-such-topic")
+        missing = pipeline.memfilter("replay", MEMFILTER_TOPIC_REQUESTS="no-such-topic")
         assert missing.returncode == 1
         assert missing.stderr.strip().splitlines()[-1].startswith("memfilter replay: topic no-such-topic does not exist on ")
-        silent = run(KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}")
+        silent = pipeline.memfilter("replay", KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}")
         assert silent.returncode == 1 and silent.stderr.strip().splitlines()[-1].endswith("does not answer; set KAFKA_BOOTSTRAP_SERVERS")
 
     def test_replay_leaves_no_keys_behind_and_never_touches_the_live_history(self, processed):
@@ -175,22 +167,22 @@ class TestHistory:
         pipeline, *_ = processed
         empty = pipeline.redis_url.rsplit("/", 1)[0] + "/1"  # another database of the same server
         assert asyncio.run(dump(pipeline, pipeline.prefix, empty)) == {}
-        result = memfilter(pipeline, "history", "rebuild", "--redis-url", empty)
+        result = pipeline.memfilter("history", "rebuild", "--redis-url", empty)
         assert result.returncode == 0, result.stderr
         live, rebuilt = asyncio.run(dump(pipeline, pipeline.prefix)), asyncio.run(dump(pipeline, pipeline.prefix, empty))
         assert len(live) > 130  # rows, order and meta of 44 threads, and the id index
         assert rebuilt == live  # the tampered row too: the processor saved it, altered, with its result
 
-        again = memfilter(pipeline, "history", "rebuild", "--redis-url", empty)
+        again = pipeline.memfilter("history", "rebuild", "--redis-url", empty)
         assert again.returncode == 0 and asyncio.run(dump(pipeline, pipeline.prefix, empty)) == rebuilt  # idempotent
 
     def test_show_prints_a_thread_in_save_order(self, processed):
         pipeline, *_ = processed
-        shown = memfilter(pipeline, "history", "show", "runner-t", "--json")
+        shown = pipeline.memfilter("history", "show", "runner-t", "--json")
         assert [json.loads(line)["id"] for line in shown.stdout.splitlines()] == ["runner-t-u0", "runner-t-a0"]
-        readable = memfilter(pipeline, "history", "show", "ops3").stdout.splitlines()
+        readable = pipeline.memfilter("history", "show", "ops3").stdout.splitlines()
         assert [line.split()[1] for line in readable] == ["ops3-u0", "ops3-u1", "ops3-u2"]
-        missing = memfilter(pipeline, "history", "show", "no-such-thread")
+        missing = pipeline.memfilter("history", "show", "no-such-thread")
         assert missing.returncode == 1 and "no-such-thread has no stored messages" in missing.stderr
 
 

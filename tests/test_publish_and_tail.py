@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
-
-from pipeline import REPO, Pipeline, read
+from pipeline import REPO, read
 
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
-
-
-def memfilter(pipeline: Pipeline, *argv: str, stdin: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "streams", *argv], input=stdin, capture_output=True, env=pipeline.env(), cwd=REPO, timeout=timeout
-    )
 
 
 def test_a_bad_line_is_named_with_its_reason_and_nothing_is_sent(pipeline, tmp_path):
@@ -25,23 +16,23 @@ def test_a_bad_line_is_named_with_its_reason_and_nothing_is_sent(pipeline, tmp_p
     bad["messages"][0]["role"] = "tool"
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join([lines[0], json.dumps(bad), *lines[2:]]) + "\n")
-    result = memfilter(pipeline, "publish", str(requests))
+    result = pipeline.memfilter("publish", str(requests))
     assert result.returncode == 1
-    err = result.stderr.decode().strip().splitlines()
+    err = result.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("memfilter publish: line 2: schema:") and "nothing published" in err[0]
     sent = asyncio.run(read(pipeline.bootstrap, [pipeline.topics.requests], until=lambda r: False, timeout=3))
     assert sent == []
 
-    skipped = memfilter(pipeline, "publish", "--skip-invalid", str(requests))
-    assert skipped.returncode == 0 and b"published 5 requests" in skipped.stdout and b"skipped line 2" in skipped.stderr
+    skipped = pipeline.memfilter("publish", "--skip-invalid", str(requests))
+    assert skipped.returncode == 0 and "published 5 requests" in skipped.stdout and "skipped line 2" in skipped.stderr
 
 
 def test_publish_worker_tail_shows_the_filtered_inputs_of_the_sample_session(pipeline):
     pipeline.start_worker()
-    published = memfilter(pipeline, "publish", str(SAMPLE))
-    assert published.returncode == 0 and published.stdout.strip() == b"published 6 requests to " + pipeline.topics.requests.encode()
+    published = pipeline.memfilter("publish", str(SAMPLE))
+    assert published.returncode == 0 and published.stdout.strip() == "published 6 requests to " + pipeline.topics.requests
 
-    as_json = memfilter(pipeline, "tail", "--json", "--thread", "demo-thread", "--from-beginning", "--max", "6", "--idle-ms", "60000")
+    as_json = pipeline.memfilter("tail", "--json", "--thread", "demo-thread", "--from-beginning", "--max", "6", "--idle-ms", "60000")
     events = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert [e["requestId"] for e in events] == [f"demo-{k}" for k in range(6)]
     assert [e["outcome"] for e in events] == ["unchanged"] + ["user-tail"] * 5
@@ -50,7 +41,7 @@ def test_publish_worker_tail_shows_the_filtered_inputs_of_the_sample_session(pip
         last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         assert [m["id"] for m in event["messages"]] == [m["id"] for m in messages[last_assistant + 1 :]]
 
-    readable = memfilter(pipeline, "tail", "--thread", "demo-thread", "--from-beginning", "--max", "6", "--idle-ms", "30000")
-    lines = readable.stdout.decode().splitlines()
+    readable = pipeline.memfilter("tail", "--thread", "demo-thread", "--from-beginning", "--max", "6", "--idle-ms", "30000")
+    lines = readable.stdout.splitlines()
     assert len(lines) == 6 and all(line.startswith("demo-thread  demo-") for line in lines)
     assert "user-tail" in lines[1] and "dropped 2" in lines[1]
