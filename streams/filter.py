@@ -30,6 +30,7 @@ on as the bytes that were stored. Nothing here mutates what it was given.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from datetime import datetime, timezone
@@ -81,8 +82,8 @@ class Request(msgspec.Struct):
 class StoredView(msgspec.Struct):
     """What a decision sees of storage: the thread, and the ids its request names."""
 
-    rows: dict[str, bytes]  # stored JSON, in this thread, of the request's message ids
-    elsewhere: dict[str, str]  # request message id -> the other thread that stores it
+    rows: dict[str, bytes]  # stored JSON, in this thread, of (at least) the request's message ids
+    elsewhere: dict[str, str]  # request message id -> the other thread that stores it (others may be there too)
     owner: str | None = None  # resourceId owning the thread (recorded, else of its rows)
     size: int = 0  # rows the thread holds; 0 is an empty thread
     newest_ms: int | None = None  # newest createdAt among the thread's rows, epoch ms
@@ -413,7 +414,12 @@ class _Clock:
 
 def iso_ms(ms: int) -> str:
     seconds, millis = divmod(ms, 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+    return f"{_iso_seconds(seconds)}.{millis:03d}Z"
+
+
+@functools.lru_cache(maxsize=256)
+def _iso_seconds(seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
 def parse_ms(created_at: Any) -> int | None:
