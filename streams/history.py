@@ -155,8 +155,7 @@ class ThreadState:
     done: dict[str, Recorded] = field(default_factory=dict)  # asked-for request ids processed
 
 
-@dataclass(frozen=True)
-class Write:
+class Write(msgspec.Struct, frozen=True, gc=False):
     """One request's effect on its thread (see COMMIT)."""
 
     thread: str

@@ -15,8 +15,9 @@ loop in `streams/app.py` (and the audit replay) hands it batches of records and 
    (one round trip, `HistoryStore.commit`);
 5. return the filtered input, the rows to persist, or the dead letter for each record.
 
-Steps 2-4 run in `LANES` concurrent lanes, each with a share of the batch's threads, so that
-Redis works on one lane's commands while the worker decides another's.
+Steps 1-4 run in `LANES` concurrent lanes, each with a share of the batch's threads (and its
+own round trips), so that Redis works on one lane's commands while the worker decodes or
+decides another's.
 
 A request already recorded as processed is not decided again: what was recorded is emitted
 again, byte for byte, so re-delivery after a crash changes nothing. A thread whose stored
@@ -27,6 +28,7 @@ another thread is read and decided again from that request on.
 from __future__ import annotations
 
 import asyncio
+import zlib
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -51,15 +53,13 @@ from streams.metrics import Metrics
 
 # Header on the processor's own `persist-messages` events: saved already, the persister skips them.
 ORIGIN = ("memfilter.origin", b"processor")
-# A batch's threads are split into lanes that go through steps 2-4 concurrently, each on its
-# own Redis connection: while one lane waits for Redis, another decides. (Threads are
-# independent, so lanes need no ordering between them; measured: 2 lanes hide most of the
-# wait, more add round trips for little.)
+# A batch's threads are split into lanes that go through steps 1-4 concurrently, each on its
+# own Redis connection: while one lane waits for Redis, another decodes or decides. Threads
+# are independent, so lanes need no ordering between them.
 LANES = 2
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(msgspec.Struct, frozen=True, gc=False):
     """A consumed Kafka record, as the processor needs it."""
 
     topic: str
@@ -76,8 +76,7 @@ class Record:
         return cls(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value, tuple(r.headers or ()))
 
 
-@dataclass(frozen=True)
-class Out:
+class Out(msgspec.Struct, frozen=True, gc=False):
     """A record to produce."""
 
     topic: str
@@ -134,23 +133,35 @@ class Processor:
 
     async def process(self, records: list[Record]) -> list[Out]:
         outs: list[list[Out]] = [[] for _ in records]
-        threads: dict[str, _Thread] = {}
+        # A record goes to the lane of its key, the thread id; a record without a key is
+        # decoded here to learn its thread. A thread's records so share one lane, in order.
+        lanes: list[list[tuple[int, Record, Request | None]]] = [[] for _ in range(LANES)]
         for i, record in enumerate(records):
-            try:
-                request = decode_request(record.value, f"{record.topic}-{record.partition}-{record.offset}", self.limits)
-                check_key(request, record.key.decode(errors="replace") if record.key is not None else None)
-            except Rejected as e:
-                outs[i].append(dead_letter(record, self.topics.dlq, Rejection(e.type, e.message)))
-                self.metrics.requests.labels("rejected").inc()
-                continue
-            threads.setdefault(request.shape.threadId, _Thread([])).requests.append(_Pending(i, record, request))
-
-        lanes = [dict(list(threads.items())[k::LANES]) for k in range(LANES)]
-        await asyncio.gather(*(self._settle(lane, outs) for lane in lanes if lane))
+            if record.key is not None:
+                lanes[zlib.crc32(record.key) % LANES].append((i, record, None))
+            elif (request := self._decode(i, record, outs)) is not None:
+                lanes[zlib.crc32(request.shape.threadId.encode()) % LANES].append((i, record, request))
+        await asyncio.gather(*(self._lane(lane, outs) for lane in lanes if lane))
         return [out for per_record in outs for out in per_record]
 
-    async def _settle(self, threads: dict[str, _Thread], outs: list[list[Out]]) -> None:
-        """Rounds until every request of these threads is decided and committed."""
+    def _decode(self, i: int, record: Record, outs: list[list[Out]]) -> Request | None:
+        """The record's request, or None after putting its dead letter in `outs`."""
+        try:
+            request = decode_request(record.value, f"{record.topic}-{record.partition}-{record.offset}", self.limits)
+            check_key(request, record.key.decode(errors="replace") if record.key is not None else None)
+        except Rejected as e:
+            outs[i].append(dead_letter(record, self.topics.dlq, Rejection(e.type, e.message)))
+            self.metrics.requests.labels("rejected").inc()
+            return None
+        return request
+
+    async def _lane(self, items: list[tuple[int, Record, Request | None]], outs: list[list[Out]]) -> None:
+        """Decode a lane's records, then rounds until every request is decided and committed."""
+        threads: dict[str, _Thread] = {}
+        for i, record, request in items:
+            if request is None and (request := self._decode(i, record, outs)) is None:
+                continue
+            threads.setdefault(request.shape.threadId, _Thread([])).requests.append(_Pending(i, record, request))
         while threads:
             threads = await self._round(threads, outs)
 
@@ -165,8 +176,9 @@ class Processor:
         unknown = {mid for thread, (ids, _) in wanted.items() for mid in ids if mid not in states[thread].rows}
         owners = await self.store.owners(sorted(unknown)) if unknown else {}
         self.metrics.round_trips.inc(2 if unknown else 1)
-        for thread, (ids, _) in wanted.items():
-            states[thread].elsewhere = {mid: owners[mid] for mid in ids if owners.get(mid, thread) != thread}
+        if owners:
+            for thread, (ids, _) in wanted.items():
+                states[thread].elsewhere = {mid: owners[mid] for mid in ids if owners.get(mid, thread) != thread}
         for thread, t in threads.items():
             t.planned = self._decide_thread(thread, t, states[thread])
 
