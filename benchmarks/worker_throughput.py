@@ -12,7 +12,9 @@ REDIS_URL as it prints):
   (c) latency: with the worker caught up, requests published at a steady rate, the time
       from publish to the filtered input arriving at a consumer.
 It prints requests/s of both and their ratio, p50/p99 latency, Redis round trips per request
-(from the worker's /metrics) and the worker's RSS after the first batches and at the end.
+(from the worker's /metrics), the worker's CPU time per request and how busy it was during
+(b) (throughput varies ±10% from run to run on this machine; CPU per request much less),
+and the worker's RSS after the first batches and at the end.
 
     .venv/bin/python -m benchmarks.worker_throughput [--threads 10000] [--requests 100000]
 """
@@ -200,6 +202,12 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def worker_metrics(port: int) -> dict[str, float]:
     """Each sample of the worker's /metrics, summed over its labels."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -249,19 +257,24 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
     worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(web_port)], env=env, cwd=REPO,
                               stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
     try:
-        rss = []
+        rss, cpu = [], []
 
-        def note_rss(_record, seen=[0]):
+        def note_start(_record, seen=[0]):
             seen[0] += 1
+            if seen[0] == 1:
+                cpu.append(cpu_seconds(worker.pid))
             if seen[0] == 2000:
                 rss.append(rss_mb(worker.pid))
 
-        first, last = await count_until(bootstrap, topics["filtered"], len(requests), on_record=note_rss)
+        first, last = await count_until(bootstrap, topics["filtered"], len(requests), on_record=note_start)
         rate_b = (len(requests) - 1) / (last - first)
         rss.append(rss_mb(worker.pid))
+        cpu.append(cpu_seconds(worker.pid))
         m = worker_metrics(web_port)
         print(f"(b) memfilter worker:           {rate_b:9,.0f} requests/s   (b)/(a) = {rate_b / rate_a:.2f}")
         print(f"    Redis round trips/request:  {m['memfilter_redis_round_trips_total'] / m['memfilter_requests_total']:.4f}")
+        print(f"    worker CPU: {(cpu[1] - cpu[0]) / (len(requests) - 1) * 1e6:.0f} µs per request, "
+              f"busy {(cpu[1] - cpu[0]) / (last - first):.0%} of the time")
         print(f"    worker RSS: {rss[0]:.0f} MiB after 2,000 requests, {rss[-1]:.0f} MiB after {len(requests):,}")
 
         latencies = []
