@@ -13,7 +13,7 @@ REDIS_URL as it prints):
       from publish to the filtered input arriving at a consumer.
 It prints requests/s of both and their ratio, p50/p99 latency, Redis round trips per request
 (from the worker's /metrics), the worker's CPU time per request and how busy it was during
-(b) (throughput varies ±10% from run to run on this machine; CPU per request much less),
+(b) (throughput varies ±15% from run to run on this VM; CPU per request less),
 and the worker's RSS after the first batches and at the end.
 
     .venv/bin/python -m benchmarks.worker_throughput [--threads 10000] [--requests 100000]
@@ -146,8 +146,8 @@ async def clean_up(bootstrap: str, redis_url: str, topics: list[str], prefix: st
         await client.aclose()
 
 
-async def baseline(bootstrap: str, source: str, sink: str, n: int) -> float:
-    """(a) plain aiokafka: consume every record and produce its value; records/s."""
+async def baseline(bootstrap: str, source: str, sink: str, n: int) -> tuple[float, float]:
+    """(a) plain aiokafka: consume every record and produce its value; (records/s, CPU seconds per record)."""
     consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id=f"baseline-{uuid.uuid4().hex[:6]}",
                                 auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20, fetch_max_bytes=64 << 20)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, max_batch_size=1 << 20, max_request_size=4 << 20, acks=-1)
@@ -160,13 +160,14 @@ async def baseline(bootstrap: str, source: str, sink: str, n: int) -> float:
             pending = []
             for tp, records in batch.items():
                 for r in records:
-                    start = start or time.monotonic()
+                    if start is None:
+                        start, cpu = time.monotonic(), time.process_time()
                     pending.append(await producer.send(sink, r.value, key=r.key, timestamp_ms=r.timestamp))
             await asyncio.gather(*pending)
             done += len(pending)
             if pending:
                 await consumer.commit()
-        return n / (time.monotonic() - start)
+        return n / (time.monotonic() - start), (time.process_time() - cpu) / n
     finally:
         await consumer.stop()
         await producer.stop()
@@ -246,8 +247,8 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
     await seed(redis_url, prefix, history)
     await publish(bootstrap, topics["requests"], requests)
 
-    rate_a = await baseline(bootstrap, topics["requests"], topics["baseline-out"], len(requests))
-    print(f"(a) aiokafka consume+produce:  {rate_a:9,.0f} requests/s")
+    rate_a, cpu_a = await baseline(bootstrap, topics["requests"], topics["baseline-out"], len(requests))
+    print(f"(a) aiokafka consume+produce:  {rate_a:9,.0f} requests/s   CPU {cpu_a * 1e6:.0f} µs per request")
 
     web_port = free_port()
     env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "REDIS_URL": redis_url, "MEMFILTER_GROUP": prefix,
