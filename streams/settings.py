@@ -18,7 +18,7 @@ class WorkerSettings:
     redis_prefix: str
     topics: Topics
     limits: Limits
-    batch_max: int  # requests decided together (one Redis round trip for their reads)
+    batch_max: int  # records fetched and handled together (requests are decided in lanes of ~100)
     batch_within: float  # seconds a batch waits to fill
     web_port: int
     web_bind: str  # address the web server listens on (0.0.0.0 in a container)
@@ -43,7 +43,7 @@ class WorkerSettings:
                 max_bytes=int(env.get("MEMFILTER_MAX_BYTES", 1 << 20)),
                 max_messages=int(env.get("MEMFILTER_MAX_MESSAGES", 1000)),
             ),
-            batch_max=int(env.get("MEMFILTER_BATCH_MAX", 500)),
+            batch_max=int(env.get("MEMFILTER_BATCH_MAX", 1500)),
             batch_within=float(env.get("MEMFILTER_BATCH_WITHIN", 0.05)),
             web_port=int(env.get("MEMFILTER_WEB_PORT", 6066)),
             web_bind=env.get("MEMFILTER_WEB_BIND", "127.0.0.1"),

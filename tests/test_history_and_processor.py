@@ -121,6 +121,37 @@ class TestBatches:
         assert dict(dead.headers)["error.type"] == b"foreign-message-id"
 
 
+class TestLanes:
+    def test_a_large_batch_keeps_each_threads_order_across_lanes_with_and_without_keys(self, with_store):
+        """600 requests over 40 threads in one batch (several lanes): each thread's requests,
+        some keyed by thread and some without a key, are decided in offset order, each
+        seeing what the one before saved."""
+        threads = [f"lane-t{i}" for i in range(40)]
+        batch = []
+        for k in range(15):
+            for n, thread in enumerate(threads):
+                r = record(thread, [msg(f"{thread}-u{j}") for j in range(k + 1)], len(batch), f"{thread}-q{k}")
+                if (n + k) % 3 == 0:
+                    r = Record(r.topic, r.partition, r.offset, r.timestamp_ms, None, r.value)
+                batch.append(r)
+
+        async def go(store):
+            p = Processor(store)
+            outs = await p.process(batch)
+            return outs, {t: [json.loads(r)["id"] for r in await store.thread_rows(t)] for t in threads}
+
+        outs, stored = with_store(go)
+        filtered = outputs(outs, Topics().filtered)
+        assert len(filtered) == len(batch)
+        for thread in threads:
+            mine = [f for f in filtered if f["threadId"] == thread]
+            assert [f["requestId"] for f in mine] == [f"{thread}-q{k}" for k in range(15)]
+            assert [f["historyVersion"] for f in mine] == list(range(15))  # each saw the one before
+            saved = [[m["id"] for m in e["messages"]] for e in outputs(outs, Topics().persist) if e["threadId"] == thread]
+            assert saved == [[f"{thread}-u{k}"] for k in range(15)]  # only what the one before had not saved
+            assert stored[thread] == [f"{thread}-u{k}" for k in range(15)]
+
+
 class TestPersister:
     def event(self, thread, rows, resource="r1"):
         value = {"requestId": "x", "threadId": thread, "resourceId": resource, "messages": rows}
