@@ -5,7 +5,7 @@ loop in `streams/app.py` (and the audit replay) hands it batches of records and 
 
 1. decode every record (a record that does not decode, or is keyed by another thread, is
    rejected here and goes to the dead-letter topic);
-2. read, in one pipelined round trip, every thread of the batch: its meta, the stored rows of
+2. read, in one pipelined round trip, every thread (of the lane, below): its meta, the rows of
    every message id its requests name, and which of its request ids were already processed;
    then, in a second, which threads own the ids not stored in their own thread;
 3. decide each thread's requests in offset order, each seeing what the earlier ones of the
@@ -15,9 +15,9 @@ loop in `streams/app.py` (and the audit replay) hands it batches of records and 
    (one round trip, `HistoryStore.commit`);
 5. return the filtered input, the rows to persist, or the dead letter for each record.
 
-Steps 1-4 run in concurrent lanes, each with a share of the batch's threads (and its
-own round trips), so that Redis works on one lane's commands while the worker decodes or
-decides another's.
+Steps 1-4 run in concurrent lanes, each with a share of the batch's threads (all of a
+thread's records in one lane) and round trips of its own, so that Redis works on one lane's
+commands while the worker decodes or decides another's.
 
 A request already recorded as processed is not decided again: what was recorded is emitted
 again, byte for byte, so re-delivery after a crash changes nothing. A thread whose stored
