@@ -194,3 +194,30 @@ def test_a_redis_restart_mid_stream_stalls_the_worker_and_loses_nothing(services
         pipeline.stop_all()
         server.terminate()
         server.wait(10)
+
+
+def test_outputs_larger_than_a_producer_batch_come_out_whole_and_in_order(pipeline):
+    """Five 400 KB requests of one thread in one fetch: their outputs fill more than one
+    1 MiB producer batch of the same partition."""
+    t = pipeline.topics
+    text = "x" * 400_000
+    requests = [
+        (b"big", json.dumps({"requestId": f"big-r{k}", "threadId": "big", "resourceId": "r1",
+                             "messages": [{**user("big", k), "content": {"format": 2, "parts": [{"type": "text", "text": text}]}}]}).encode(), T0 + k)
+        for k in range(5)
+    ]
+
+    async def run():
+        await publish(pipeline.bootstrap, t.requests, requests)
+        pipeline.start_worker(MEMFILTER_MAX_BYTES=str(4 << 20))
+        async with Collector(pipeline.bootstrap, [t.filtered, t.persist, t.dlq]) as seen:
+            assert await seen.wait_for(lambda recs: sum(r.topic == t.persist for r in recs) >= 5), "not every output came out"
+            await asyncio.sleep(1)
+            return list(seen.records)
+
+    records = asyncio.run(run())
+    for topic in (t.filtered, t.persist):
+        events = [json.loads(r.value) for r in records if r.topic == topic]
+        assert [e["requestId"] for e in events] == [f"big-r{k}" for k in range(5)]
+        assert all(len(e["messages"][-1]["content"]["parts"][0]["text"]) == len(text) for e in events)
+    assert not [r for r in records if r.topic == t.dlq]
