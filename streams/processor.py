@@ -57,7 +57,7 @@ ORIGIN = ("memfilter.origin", b"processor")
 # own Redis connection: while some lanes wait for Redis, another decodes or decides. Threads
 # are independent, so lanes need no ordering between them. A lane per LANE_RECORDS records,
 # at most MAX_LANES: measured on the benchmark, the worker was busy 82% of the time with
-# 500-record batches in 2 lanes, 88-92% with 1,500 in 6 (a small batch, at a low rate, is
+# 500-record batches in 2 lanes, 82-92% with 1,500 in 6 (a small batch, at a low rate, is
 # one lane: its round trips stay few).
 LANE_RECORDS = 100
 MAX_LANES = 6
