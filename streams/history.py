@@ -14,7 +14,7 @@ tag `{<thread id>}`, so a thread's keys sit in one slot of a Redis Cluster):
 | `mf:t:{T}:done` | hash | processed request id -> what was emitted for it (`Recorded`, msgpack) |
 | `mf:ids:{B}` | hash | message id -> the thread that owns it, for the ids of bucket B (crc32 of the id mod 64) |
 
-A thread is read with plain commands, meta first, in one pipeline for the batch (a Lua
+A thread is read with plain commands, meta first, in one pipeline for its batch (a Lua
 script cost Redis six times as much; consistency comes from the write). A request's rows, its owner claim, the version
 bump and its processed record are written by one Lua script (`COMMIT`), atomically and once:
 it refuses a request already recorded (`dup`) and a decision made on a version that has since
@@ -24,7 +24,7 @@ slots, 64 buckets so that a batch reads it in at most 64 commands; ids are claim
 before the thread write, so a crash in between leaves claims the re-delivered request finds as
 its own.
 
-Every call here is one pipelined round trip for a whole batch of threads.
+Every call here is one pipelined round trip for all the threads it is given.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from redis._parsers.hiredis import NOT_ENOUGH_DATA
 from redis.exceptions import NoScriptError, ResponseError
 
 from streams.filter import Rejection
+from streams.metrics import Metrics
 
 # Scripts take lists as one msgpack argument: a batch of a few hundred requests names
 # thousands of ids. Rows go in as msgpack strings (Redis's cmsgpack reads no `bin` values);
@@ -180,9 +181,10 @@ def connect(url: str, **options) -> aioredis.Redis:
 
 
 class HistoryStore:
-    def __init__(self, client: aioredis.Redis, prefix: str = "mf"):
+    def __init__(self, client: aioredis.Redis, prefix: str = "mf", metrics: Metrics | None = None):
         self.redis = client
         self.prefix = prefix
+        self.metrics = metrics or Metrics()  # counts the round trips
         self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (CLAIM, COMMIT, APPLY)}
 
     async def _pipeline(self, commands: list[tuple]) -> list[Any]:
@@ -194,6 +196,7 @@ class HistoryStore:
         in step; a Redis that does not answer within TIMEOUT_S raises TimeoutError."""
         pool = self.redis.connection_pool
         conn = await pool.get_connection()
+        self.metrics.round_trips.inc()
         try:
             async with asyncio.timeout(TIMEOUT_S):
                 await conn.send_packed_command([hiredis.pack_command(c) for c in commands], check_health=False)

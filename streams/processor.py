@@ -133,7 +133,7 @@ class Processor:
         self.store = store
         self.topics = topics
         self.limits = limits
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or store.metrics
 
     async def process(self, records: list[Record]) -> list[Out]:
         outs: list[list[Out]] = [[] for _ in records]
@@ -180,7 +180,6 @@ class Processor:
         states = await self.store.read(wanted)
         unknown = {mid for thread, (ids, _) in wanted.items() for mid in ids if mid not in states[thread].rows}
         owners = await self.store.owners(sorted(unknown)) if unknown else {}
-        self.metrics.round_trips.inc(2 if unknown else 1)
         if owners:
             for thread, (ids, _) in wanted.items():
                 states[thread].elsewhere = {mid: owners[mid] for mid in ids if owners.get(mid, thread) != thread}
@@ -193,7 +192,6 @@ class Processor:
         claims = [(mid, thread) for thread, t in threads.items() for _, w, _ in t.planned if w for mid in w.new_ids]
         if claims:
             held = await self.store.claim(claims)
-            self.metrics.round_trips.inc()
             taken = {(thread, mid) for (mid, thread), other in zip(claims, held) if other is not None}
             for thread, t in threads.items():
                 cut = next((k for k, (_, w, _) in enumerate(t.planned) if w and any((thread, m) in taken for m in w.new_ids)), None)
@@ -203,8 +201,6 @@ class Processor:
 
         writes = [w for t in threads.values() for _, w, _ in t.planned if w is not None]
         results = iter(await self.store.commit(writes) if writes else [])
-        if writes:
-            self.metrics.round_trips.inc()
         for thread, t in threads.items():
             failed = False
             for p, w, rec in t.planned:
