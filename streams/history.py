@@ -196,7 +196,6 @@ class HistoryStore:
         in step; a Redis that does not answer within TIMEOUT_S raises TimeoutError."""
         pool = self.redis.connection_pool
         conn = await pool.get_connection()
-        self.metrics.round_trips.inc()
         try:
             async with asyncio.timeout(TIMEOUT_S):
                 await conn.send_packed_command([hiredis.pack_command(c) for c in commands], check_health=False)
@@ -217,6 +216,7 @@ class HistoryStore:
         error = next((r for r in replies if isinstance(r, ResponseError)), None)
         if error is not None:
             raise error
+        self.metrics.round_trips.inc()  # the round trips that did the work: not a refused try
         return replies
 
     async def _run(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
