@@ -40,7 +40,7 @@ import msgspec
 import redis.asyncio as aioredis
 from msgspec import UNSET, UnsetType
 from redis._parsers.hiredis import NOT_ENOUGH_DATA
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 
 from streams.filter import Rejection
 from streams.metrics import Metrics
@@ -193,7 +193,10 @@ class HistoryStore:
         ~3 µs of Python each (a batch has a few thousand), the reader's `gets` a tenth of that.
         (`_parser._reader` and `read_from_socket` are redis-py 8.1's hiredis parser, pinned in
         pyproject.) An error reply is raised once every reply is read, so the connection stays
-        in step; a Redis that does not answer within TIMEOUT_S raises TimeoutError."""
+        in step. The reader turns each into redis-py's exception for its prefix, and not all of
+        those are ResponseErrors: a Redis still loading its data after a restart answers LOADING,
+        a BusyLoadingError, which is a ConnectionError and so retried like an outage. A Redis that
+        does not answer within TIMEOUT_S raises TimeoutError."""
         pool = self.redis.connection_pool
         conn = await pool.get_connection()
         try:
@@ -213,7 +216,7 @@ class HistoryStore:
             raise
         finally:
             await pool.release(conn)
-        error = next((r for r in replies if isinstance(r, ResponseError)), None)
+        error = next((r for r in replies if isinstance(r, Exception)), None)
         if error is not None:
             raise error
         self.metrics.round_trips.inc()  # the round trips that did the work: not a refused try

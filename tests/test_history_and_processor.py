@@ -14,6 +14,8 @@ import uuid
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from streams.history import HistoryStore
 from streams.persister import Persister
@@ -150,6 +152,22 @@ class TestLanes:
             saved = [[m["id"] for m in e["messages"]] for e in outputs(outs, Topics().persist) if e["threadId"] == thread]
             assert saved == [[f"{thread}-u{k}"] for k in range(15)]  # only what the one before had not saved
             assert stored[thread] == [f"{thread}-u{k}" for k in range(15)]
+
+
+class TestRedisTrouble:
+    def test_an_error_reply_of_any_kind_is_raised_and_loading_counts_as_an_outage(self, with_store):
+        """A Redis loading its data after a restart answers LOADING, which redis-py makes a
+        BusyLoadingError: a ConnectionError, not a ResponseError. It must be raised (the worker
+        retries the batch), never handed back as if it were a reply."""
+
+        async def go(store):
+            loading = ("EVAL", "return redis.error_reply('LOADING Redis is loading the dataset in memory')", 0)
+            with pytest.raises(BusyLoadingError):
+                await store._pipeline([("PING",), loading, ("PING",)])
+            return await store._pipeline([("PING",)])  # every reply was read: still in step
+
+        assert with_store(go) == [b"PONG"]
+        assert issubclass(BusyLoadingError, RedisConnectionError)
 
 
 class TestPersister:
