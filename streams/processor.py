@@ -146,7 +146,16 @@ class Processor:
                 lanes[zlib.crc32(record.key) % n].append((i, record, None))
             elif (request := self._decode(i, record, outs)) is not None:
                 lanes[zlib.crc32(request.shape.threadId.encode()) % n].append((i, record, request))
-        await asyncio.gather(*(self._lane(lane, outs) for lane in lanes if lane))
+        tasks = [asyncio.ensure_future(self._lane(lane, outs)) for lane in lanes if lane]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            # A lane failed (Redis gone, say): the others are stopped too before the error goes
+            # up, so that no lane of this attempt still runs beside the batch's retry.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         return [out for per_record in outs for out in per_record]
 
     def _decode(self, i: int, record: Record, outs: list[list[Out]]) -> Request | None:

@@ -169,6 +169,33 @@ class TestRedisTrouble:
         assert with_store(go) == [b"PONG"]
         assert issubclass(BusyLoadingError, RedisConnectionError)
 
+    def test_when_one_lane_fails_the_other_lanes_of_the_batch_stop_before_it_is_retried(self, with_store):
+        """Redis goes away under one lane: the batch is retried as a whole, so a lane still
+        running from the failed attempt would save beside the retry."""
+        batch = [record(f"fail-t{i}", [msg(f"fail-t{i}-u0")], i, f"fail-q{i}") for i in range(400)]
+
+        async def go(store):
+            read, commit, committed = store.read, store.commit, []
+
+            async def first_read_fails(wanted):
+                if not committed and not getattr(first_read_fails, "failed", False):
+                    first_read_fails.failed = True
+                    raise RedisConnectionError("Connection closed by server.")
+                await asyncio.sleep(0.3)
+                return await read(wanted)
+
+            async def recorded_commit(writes):
+                committed.append(writes)
+                return await commit(writes)
+
+            store.read, store.commit = first_read_fails, recorded_commit
+            with pytest.raises(RedisConnectionError):
+                await Processor(store).process(batch)
+            await asyncio.sleep(1)
+            return committed
+
+        assert with_store(go) == []
+
 
 class TestPersister:
     def event(self, thread, rows, resource="r1"):
