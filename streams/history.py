@@ -40,6 +40,7 @@ import msgspec
 import redis.asyncio as aioredis
 from msgspec import UNSET, UnsetType
 from redis._parsers.hiredis import NOT_ENOUGH_DATA
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
 from streams.filter import Rejection
@@ -211,8 +212,12 @@ class HistoryStore:
                         await parser.read_from_socket()
                     else:
                         replies.append(reply)
-        except BaseException:
+        except BaseException as e:
             await conn.disconnect()  # mid-reply: its stream is no longer in step
+            if isinstance(e, RedisConnectionError):
+                # Redis dropped it (a restart, say) and so every idle one too, which the pool
+                # cannot tell until each is used: closed now, they reconnect on next use.
+                await pool.disconnect(inuse_connections=False)
             raise
         finally:
             await pool.release(conn)

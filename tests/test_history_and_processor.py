@@ -169,6 +169,28 @@ class TestRedisTrouble:
         assert with_store(go) == [b"PONG"]
         assert issubclass(BusyLoadingError, RedisConnectionError)
 
+    def test_after_redis_dropped_its_connections_only_the_first_round_trip_fails(self, services, with_store):
+        """A Redis restart closes every connection, and the pool cannot tell a closed idle one
+        from a live one until it is used. One failure must clear them all: otherwise each
+        batch after the restart could fail again on the next stale connection."""
+        name = f"drop-{uuid.uuid4().hex[:8]}"
+
+        async def go(store):
+            store.redis.connection_pool.connection_kwargs["client_name"] = name
+            await asyncio.gather(*(store._pipeline([("PING",)]) for _ in range(6)))  # six idle connections
+            admin = aioredis.from_url(services.redis_url)
+            try:
+                for client in await admin.client_list():
+                    if client["name"] == name:
+                        await admin.client_kill_filter(_id=client["id"])
+            finally:
+                await admin.aclose()
+            with pytest.raises(RedisConnectionError):
+                await store._pipeline([("PING",)])
+            return await asyncio.gather(*(store._pipeline([("PING",)]) for _ in range(6)))
+
+        assert with_store(go) == [[b"PONG"]] * 6
+
     def test_when_one_lane_fails_the_other_lanes_of_the_batch_stop_before_it_is_retried(self, with_store):
         """Redis goes away under one lane: the batch is retried as a whole, so a lane still
         running from the failed attempt would save beside the retry."""
