@@ -21,6 +21,20 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report ends with the last lines of every worker log written while it
+    ran: the workers are processes of their own, and on CI their logs are not kept."""
+    from pipeline import WORKER_LOGS
+
+    report = (yield).get_result()
+    if report.failed:
+        for log in sorted(WORKER_LOGS.glob("memfilter-test-*-worker*.log")):
+            if log.stat().st_mtime >= call.start:
+                tail = log.read_text(errors="replace").splitlines()[-20:]
+                report.sections.append((f"worker log {log}", "\n".join(line[:300] for line in tail)))
+
+
 @dataclass(frozen=True)
 class Services:
     bootstrap: str

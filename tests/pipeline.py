@@ -28,6 +28,7 @@ from streams.history import HistoryStore
 from streams.processor import Topics
 
 REPO = Path(__file__).resolve().parent.parent
+WORKER_LOGS = Path("/tmp")  # a worker's output: memfilter-test-<pipeline>-worker<n>.log
 
 
 def free_port() -> int:
@@ -83,7 +84,7 @@ class Pipeline:
         )
 
     def log_path(self, n: int) -> Path:
-        return Path(f"/tmp/memfilter-test-{self.name}-worker{n}.log")
+        return WORKER_LOGS / f"memfilter-test-{self.name}-worker{n}.log"
 
     def start_worker(self, **extra_env: str) -> subprocess.Popen:
         """A worker process; its web server's port is `worker.web_port`."""
