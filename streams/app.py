@@ -2,25 +2,35 @@
 
 Faust hosts the worker: its lifecycle, signals, logging and web server (`/metrics`,
 `/healthz`, `/readyz`). The records themselves flow through one plain aiokafka consumer and
-producer (`RecordLoop`), not through Faust's per-event streams: measured on this machine,
-Faust's stream path cost more per event than the whole filter decision, and on a large
-backlog it stopped fetching with nothing logged. The loop, a batch at a time:
+one transactional producer (`RecordLoop`), not through Faust's per-event streams: measured
+on this machine, Faust's stream path cost more per event than the whole filter decision,
+and on a large backlog it stopped fetching with nothing logged. The loop, a batch at a time:
 
 1. fetch up to `MEMFILTER_BATCH_MAX` records of the assigned partitions of both topics, in
    offset order per partition (several workers share the partitions as one consumer group);
 2. hand the `chat-requests` records to the `Processor` (decide against Redis, save, record)
    and the `persist-messages` written by other services to the `Persister` (the processor's
    own events, header `memfilter.origin: processor`, are already saved);
-3. send what they return to `filtered-inputs`, `persist-messages` and the dead-letter topic,
-   a producer batch per partition, and commit the batch's offsets once the broker has all of
-   it and the batch before it is committed; the next batch is decided and sent meanwhile
-   (its Redis writes come after this batch's, its records queue behind them).
+3. once the batch before is committed, send what they return (to `filtered-inputs`,
+   `persist-messages` and the dead-letter topic, a producer batch per partition) and the
+   batch's offsets in one Kafka transaction. The next batch is decided meanwhile (its Redis
+   writes come after this batch's).
 
 Per thread, order holds because a thread's records sit in one partition and batches are
-handled one after the other. Delivery is at least once: a batch whose outputs were not all
-acknowledged is consumed again after a crash, and the processor's record of processed
-requests makes that harmless. A Redis outage stalls the batch, retried until Redis answers.
-Anything else unexpected stops the worker (exit 1) rather than leave it up but idle.
+handled one after the other. Outputs are exactly once for `read_committed` consumers: a
+batch's outputs and its offsets are committed together or not at all, and a crash leaves at
+most an open transaction, which is aborted when its id is taken up again (below); the batch
+is then consumed again. Redis is outside the transaction: the processor's record of
+processed requests makes the second pass emit the same bytes without deciding again (a
+`read_uncommitted` consumer may see both copies). A Redis outage stalls the batch, retried
+until Redis answers. Anything else unexpected, a fenced producer among them, stops the worker
+(exit 1) rather than leave it up but idle.
+
+Transactional ids, so that a dead or stalled worker's transactions are aborted or fenced
+without waiting for a timeout: every input partition has one (`transactional_id`).
+A worker given partitions starts a producer with the id of each, which aborts what an earlier
+owner left open and fences that owner out, and keeps the one of its first partition for its
+own transactions. Whoever is given that partition next does the same to it.
 """
 
 from __future__ import annotations
@@ -39,7 +49,6 @@ import mode
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import ConsumerStoppedError
 from aiokafka.partitioner import murmur2
-from aiokafka.structs import OffsetAndMetadata
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -53,9 +62,14 @@ log = logging.getLogger("memfilter")
 # Largest record fetched or sent: a request is at most MEMFILTER_MAX_BYTES (1 MiB), and its
 # filtered input adds stored rows and server fields. The stack's broker accepts this much.
 MAX_RECORD_BYTES = 8 << 20
-# Batches whose outputs are sent but not yet all acknowledged and committed: the next batch is
-# decided and sent meanwhile (the producer keeps each partition in order).
+# Batches decided but not yet committed: the next batch is decided while the one before
+# commits its transaction.
 DELIVERIES_IN_FLIGHT = 2
+
+
+def transactional_id(group: str, tp: TopicPartition) -> str:
+    """The transactional id of an input partition (see the header)."""
+    return f"memfilter-{group}-{tp.topic}-{tp.partition}"
 
 
 async def _with_redis_retry(what: str, call):
@@ -96,7 +110,8 @@ class RecordLoop(mode.Service):
         self._consumer: AIOKafkaConsumer | None = None
         self._turn = asyncio.Lock()  # held while a batch is handled; a rebalance waits for it
         self._epoch = 0  # partition revocations so far
-        self._delivering: list[asyncio.Task] = []  # batches' sends and commits in flight, oldest first
+        self._delivering: list[asyncio.Task] = []  # batches' transactions in flight, oldest first
+        self._producer: AIOKafkaProducer | None = None  # transactional: made when partitions are assigned
 
     async def on_start(self) -> None:
         settings = self.settings  # the clients are made here, on the worker's event loop
@@ -111,17 +126,8 @@ class RecordLoop(mode.Service):
             session_timeout_ms=int(settings.session_timeout * 1000),
             heartbeat_interval_ms=int(settings.session_timeout * 250),
             metadata_max_age_ms=30_000,  # partitions added to a topic are picked up within 30 s
+            isolation_level="read_committed",  # persist events of an aborted transaction are not applied
         )
-        self._producer = AIOKafkaProducer(
-            bootstrap_servers=settings.bootstrap,
-            client_id=f"memfilter-{settings.group}",
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=5,
-            max_batch_size=1 << 20,
-            max_request_size=MAX_RECORD_BYTES,
-        )
-        await self._producer.start()
         await self._consumer.start()
         topics = [self.settings.topics.requests, self.settings.topics.persist]
         await self._wait_for(topics)
@@ -140,8 +146,8 @@ class RecordLoop(mode.Service):
     async def on_stop(self) -> None:
         async with self._turn:
             await self._drain()
+            await self._stop_producer()
         await self._consumer.stop()
-        await self._producer.stop()
 
     @mode.Service.task
     async def _run(self) -> None:
@@ -173,7 +179,7 @@ class RecordLoop(mode.Service):
         topics = self.settings.topics
         requests, persisted, offsets = [], [], {}
         for tp, records in batch.items():
-            offsets[tp] = OffsetAndMetadata(records[-1].offset + 1, "")
+            offsets[tp] = records[-1].offset + 1
             for r in records:
                 if r.topic == topics.requests:
                     requests.append(Record.of(r))
@@ -189,13 +195,12 @@ class RecordLoop(mode.Service):
             outs += rejected
         while len(self._delivering) >= DELIVERIES_IN_FLIGHT:
             await self._delivering.pop(0)
-        sends = await self._send(outs)
         before = self._delivering[-1] if self._delivering else None
-        self._delivering.append(asyncio.create_task(self._deliver(sends, offsets, requests, before)))
+        self._delivering.append(asyncio.create_task(self._deliver(outs, offsets, requests, before)))
         for tp, offset in offsets.items():
             end = self._consumer.highwater(tp)
             if end is not None:
-                self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, end - offset.offset))
+                self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, end - offset))
 
     async def _send(self, outs: list[Out]) -> list[asyncio.Future]:
         """Queue the records a batch per topic partition, in their order: the producer's
@@ -230,12 +235,15 @@ class RecordLoop(mode.Service):
             sends.append(await producer.send_batch(batch, topic, partition=partition))
         return sends
 
-    async def _deliver(self, sends: list[asyncio.Future], offsets: dict, requests: list[Record], before: asyncio.Task | None) -> None:
-        """Commit the batch once the broker has all of its outputs and the batch before it is committed."""
-        await asyncio.gather(*sends)
+    async def _deliver(self, outs: list[Out], offsets: dict[TopicPartition, int], requests: list[Record], before: asyncio.Task | None) -> None:
+        """Once the batch before is committed: the batch's outputs and offsets in one transaction."""
         if before is not None:
             await before
-        await self._consumer.commit(offsets)
+        producer = self._producer
+        await producer.begin_transaction()
+        await asyncio.gather(*await self._send(outs))
+        await producer.send_offsets_to_transaction(offsets, self.settings.group)
+        await producer.commit_transaction()
         now_ms = time.time() * 1000
         for r in requests:
             self.metrics.end_to_end.observe(max(0.0, now_ms - r.timestamp_ms) / 1000)
@@ -248,17 +256,54 @@ class RecordLoop(mode.Service):
         """Partitions leave only after the batch in hand is delivered and committed."""
         async with self._turn:
             await self._drain()
+            await self._stop_producer()
             self._epoch += 1
         self.metrics.lag.clear()
         self.metrics.assigned.set(0)
 
-    def partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+    async def partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        """Take up the transactional id of every assigned partition (see the module's header):
+        starting a producer with an id aborts the transaction its last user left open and
+        fences that user out. The first partition's producer is kept for this worker's own."""
         self.metrics.assigned.set(len(assigned))
+        if not assigned:
+            return
+        first, *others = sorted(assigned)
+        fencers = [self._transactional(tp) for tp in others]
+        self._producer = self._transactional(first)
+        try:
+            await asyncio.gather(self._producer.start(), *(p.start() for p in fencers))
+            await asyncio.gather(*(p.stop() for p in fencers))
+        except Exception:  # aiokafka would only log a listener's error and go on without a producer
+            log.critical("memfilter worker: stopping: no transactional producer (does the broker allow transactions?)", exc_info=True)
+            self._crash_process()
+
+    def _transactional(self, tp: TopicPartition) -> AIOKafkaProducer:
+        settings = self.settings
+        return AIOKafkaProducer(
+            bootstrap_servers=settings.bootstrap,
+            client_id=f"memfilter-{settings.group}",
+            transactional_id=transactional_id(settings.group, tp),
+            acks="all",
+            linger_ms=0,  # batches are built whole (`_send`) and sent at once
+            max_batch_size=1 << 20,
+            max_request_size=MAX_RECORD_BYTES,
+        )
+
+    async def _stop_producer(self) -> None:
+        if self._producer is not None:
+            producer, self._producer = self._producer, None
+            await producer.stop()
 
     async def _drain(self) -> None:
-        """Wait for the sends and commits in flight; a failure there stops the worker."""
-        while self._delivering:
-            await self._delivering.pop(0)
+        """Wait for the transactions in flight; a failure there (a fenced producer, say) stops
+        the worker, also during a rebalance, where aiokafka would only log the listener's error."""
+        try:
+            while self._delivering:
+                await self._delivering.pop(0)
+        except Exception:
+            log.critical("memfilter worker: stopping: a batch's transaction failed", exc_info=True)
+            self._crash_process()
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -271,7 +316,7 @@ class _Rebalance(ConsumerRebalanceListener):
         await self.loop.partitions_revoked()
 
     async def on_partitions_assigned(self, assigned) -> None:
-        self.loop.partitions_assigned(set(assigned))
+        await self.loop.partitions_assigned(set(assigned))
 
 
 class _WebOnly(faust.App.BootStrategy):

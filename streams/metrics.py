@@ -8,7 +8,7 @@ One registry per worker (so tests can run several in one process). What an opera
 | `memfilter_dead_letters_total{error_type}` | counter | records sent to the dead-letter topic, by `error.type` (persister rejections included) |
 | `memfilter_persisted_total` | counter | `persist-messages` events of other services applied to Redis |
 | `memfilter_decision_seconds` | histogram | the filter's decision for one request (pure CPU) |
-| `memfilter_end_to_end_seconds` | histogram | record timestamp to its outputs acknowledged by the broker |
+| `memfilter_end_to_end_seconds` | histogram | record timestamp to its outputs committed (the batch's transaction) |
 | `memfilter_batch_size` | histogram | records per batch |
 | `memfilter_redis_round_trips_total` | counter | pipelined Redis round trips |
 | `memfilter_consumer_lag{topic,partition}` | gauge | records not yet consumed, per assigned partition |
@@ -32,7 +32,7 @@ class Metrics:
         self.persisted = Counter("memfilter_persisted", "persist-messages events of other services applied", registry=r)
         self.decision = Histogram("memfilter_decision_seconds", "One request's filter decision", buckets=_DECISION_BUCKETS, registry=r)
         self.end_to_end = Histogram(
-            "memfilter_end_to_end_seconds", "Record timestamp to outputs acknowledged", buckets=_LATENCY_BUCKETS, registry=r
+            "memfilter_end_to_end_seconds", "Record timestamp to outputs committed", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.batch_size = Histogram("memfilter_batch_size", "Records per batch", buckets=_BATCH_BUCKETS, registry=r)
         self.round_trips = Counter("memfilter_redis_round_trips", "Pipelined Redis round trips", registry=r)

@@ -159,8 +159,10 @@ def header(record: ConsumerRecord, name: str) -> str | None:
 class Collector:
     """Reads topics from the beginning in the background, while a test does other things."""
 
-    def __init__(self, bootstrap: str, topics: list[str]):
-        self.consumer = AIOKafkaConsumer(*topics, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None)
+    def __init__(self, bootstrap: str, topics: list[str], isolation_level: str = "read_uncommitted"):
+        self.consumer = AIOKafkaConsumer(
+            *topics, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None, isolation_level=isolation_level
+        )
         self.records: list[ConsumerRecord] = []
         self._task: asyncio.Task | None = None
 
