@@ -61,6 +61,7 @@ class Client:
             group_id=None,
             auto_offset_reset="earliest" if from_beginning else "latest",
             fetch_max_wait_ms=100,
+            isolation_level="read_committed",  # as downstream reads: each event once
         )
         await consumer.start()
         key = thread.encode() if thread is not None else None

@@ -68,7 +68,9 @@ async def read_topic(bootstrap: str, topic: str, start=None, end=None) -> list[R
         await probe.stop()
     if topic not in known:
         raise TopicMissing(f"topic {topic} does not exist on {bootstrap}")
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    # read_committed: what the workers' transactions committed, not copies a crash left in an
+    # aborted one (the end offsets are then the last stable ones)
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, isolation_level="read_committed")
     await consumer.start()  # subscribed first: start() loads the topic's partitions
     try:
         partitions = sorted(consumer.partitions_for_topic(topic) or ())
