@@ -11,6 +11,8 @@ REDIS_URL as it prints):
   (b) the processor: one `memfilter worker` consumes the same records from a backlog;
   (c) latency: with the worker caught up, requests published at a steady rate, the time
       from publish to the filtered input arriving at a consumer.
+Both (b) and (c) read the filtered inputs as downstream does, `read_committed`: a record
+counts once the worker's transaction that holds it is committed.
 It prints requests/s of both and their ratio, p50/p99 latency, Redis round trips per request
 (from the worker's /metrics), the worker's CPU time per request and how busy it was during
 (b) (throughput varies ±15% from run to run on this VM; CPU per request less),
@@ -176,7 +178,8 @@ async def baseline(bootstrap: str, source: str, sink: str, n: int) -> tuple[floa
 async def count_until(bootstrap: str, topic: str, n: int, on_record=None, timeout: float = 900) -> tuple[float, float]:
     """Read `topic` until n records arrived; (first arrival, last arrival) monotonic times."""
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest",
-                                fetch_max_wait_ms=10, max_partition_fetch_bytes=8 << 20)
+                                fetch_max_wait_ms=10, max_partition_fetch_bytes=8 << 20,
+                                isolation_level="read_committed")  # as downstream reads: once committed
     await consumer.start()
     seen, first, deadline = 0, None, time.monotonic() + timeout
     try:
