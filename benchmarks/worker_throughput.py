@@ -116,11 +116,12 @@ async def seed(redis_url: str, prefix: str, history: dict) -> None:
     client = aioredis.from_url(redis_url)
     store = HistoryStore(client, prefix)
     try:
-        for thread, rows in history.items():
-            if rows:
-                await store.claim([(r["id"], thread) for r in rows])
-                newest = max(parse_ms(r["createdAt"]) for r in rows)
-                await store.apply(thread, "r-bench", newest, [(r["id"], msgspec.json.encode(r)) for r in rows])
+        threads = [(thread, rows) for thread, rows in history.items() if rows]
+        for start in range(0, len(threads), 500):
+            chunk = threads[start:start + 500]
+            await store.claim([(r["id"], thread) for thread, rows in chunk for r in rows])
+            await store.apply([(thread, "r-bench", max(parse_ms(r["createdAt"]) for r in rows),
+                                [(r["id"], msgspec.json.encode(r)) for r in rows]) for thread, rows in chunk])
     finally:
         await client.aclose()
 

@@ -318,11 +318,13 @@ class HistoryStore:
             out.append((status, _RECORDED.decode(value) if status == "dup" else int(value)))
         return out
 
-    async def apply(self, thread: str, owner: str, newest_ms: int, rows: list[tuple[str, bytes]]) -> str | None:
-        """Save rows from `persist-messages`; the owner that refuses them, else None."""
-        args = [owner, newest_ms, _pack_rows(rows)]
-        [(status, value)] = await self._run([(APPLY, self.keys(thread), args)])
-        return value.decode() if status == b"ownership" else None
+    async def apply(self, saves: list[tuple[str, str, int, list[tuple[str, bytes]]]]) -> list[str | None]:
+        """Save rows from `persist-messages`, each (thread, owner, newest ms, rows), in order and
+        in one round trip; for each, the owner that refused it, else None."""
+        if not saves:
+            return []
+        calls = [(APPLY, self.keys(thread), [owner, newest_ms, _pack_rows(rows)]) for thread, owner, newest_ms, rows in saves]
+        return [value.decode() if status == b"ownership" else None for status, value in await self._run(calls)]
 
     async def thread_rows(self, thread: str) -> list[bytes]:
         """A thread's rows in save order."""

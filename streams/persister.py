@@ -42,30 +42,45 @@ class Persister:
         self.dlq_topic = dlq_topic
 
     async def process(self, records: list[Record]) -> list[Out]:
-        """Apply each record in order; return the dead letters."""
-        outs = []
-        for record in records:
-            error = await self._apply(record)
-            if error is not None:
-                outs.append(dead_letter(record, self.dlq_topic, error))
-        return outs
+        """Apply the records in order; return the dead letters. A batch takes two round trips,
+        whatever its size: every event's id claims, then every accepted event's rows. That is
+        the order the events would have one by one: an event's claims see the ids the events
+        before it claimed, and its rows the owner the events before it set (a script per event,
+        run in order); claims and rows touch different keys."""
+        errors: list[Rejection | None] = [None] * len(records)
+        events = []
+        for i, record in enumerate(records):
+            decoded = _decode(record)
+            if isinstance(decoded, Rejection):
+                errors[i] = decoded
+            else:
+                events.append((i, *decoded))
+        held = iter(await self.store.claim([(mid, event.threadId) for _, event, rows in events for mid, _ in rows]))
+        saves = []
+        for i, event, rows in events:
+            foreign = [(mid, other) for (mid, _), other in zip(rows, [next(held) for _ in rows]) if other is not None]
+            if foreign:
+                mid, other = foreign[0]
+                errors[i] = Rejection("foreign-message-id", f"message id {mid} belongs to thread {other}; not saved in {event.threadId}")
+            else:
+                saves.append((i, event, rows))
+        owners = await self.store.apply(
+            [(event.threadId, event.resourceId, max((parse_ms(m.createdAt) or -1 for m in event.messages), default=-1), rows) for _, event, rows in saves]
+        )
+        for (i, event, _), owner in zip(saves, owners):
+            if owner is not None:
+                errors[i] = Rejection("ownership", f"thread {event.threadId} belongs to resource {owner}; rows from {event.resourceId} not saved")
+        return [dead_letter(record, self.dlq_topic, error) for record, error in zip(records, errors) if error is not None]
 
-    async def _apply(self, record: Record) -> Rejection | None:
-        try:
-            event = _TYPED.decode(record.value)
-            rows = _rows(event, _RAW.decode(record.value))
-        except msgspec.DecodeError as e:
-            kind = "schema" if isinstance(e, msgspec.ValidationError) else "decode"
-            return Rejection(kind, f"persist-messages value is not PersistMessages: {e}")
-        except ValueError as e:
-            kind, message = str(e).split(": ", 1)
-            return Rejection(kind, message)
-        held = await self.store.claim([(mid, event.threadId) for mid, _ in rows])
-        for (mid, _), other in zip(rows, held):
-            if other is not None:
-                return Rejection("foreign-message-id", f"message id {mid} belongs to thread {other}; not saved in {event.threadId}")
-        newest = max((parse_ms(m.createdAt) or -1 for m in event.messages), default=-1)
-        owner = await self.store.apply(event.threadId, event.resourceId, newest, rows)
-        if owner is not None:
-            return Rejection("ownership", f"thread {event.threadId} belongs to resource {owner}; rows from {event.resourceId} not saved")
-        return None
+
+def _decode(record: Record) -> tuple[PersistMessagesOf[Message], list[tuple[str, bytes]]] | Rejection:
+    """The event and its rows, or why it is rejected."""
+    try:
+        event = _TYPED.decode(record.value)
+        return event, _rows(event, _RAW.decode(record.value))
+    except msgspec.DecodeError as e:
+        kind = "schema" if isinstance(e, msgspec.ValidationError) else "decode"
+        return Rejection(kind, f"persist-messages value is not PersistMessages: {e}")
+    except ValueError as e:
+        kind, message = str(e).split(": ", 1)
+        return Rejection(kind, message)

@@ -35,6 +35,9 @@ from streams.history import HistoryStore
 from streams.persister import Persister
 from streams.processor import ORIGIN, Processor, Record, Topics
 
+# Events a rebuild hands the persister at a time: two Redis round trips each.
+REBUILD_BATCH = 1000
+
 Progress = Callable[[int, int], None]
 
 
@@ -113,10 +116,11 @@ async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, progress:
     await _drop(store)
     persister = Persister(store, topics.dlq)
     refused = 0
-    for n, record in enumerate(events, 1):
-        refused += len(await persister.process([record]))
+    for start in range(0, len(events), REBUILD_BATCH):
+        chunk = events[start : start + REBUILD_BATCH]
+        refused += len(await persister.process(chunk))
         if progress:
-            progress(n, len(events))
+            progress(start + len(chunk), len(events))
     return len(events) - refused, refused
 
 

@@ -93,7 +93,7 @@ class TestBatches:
             async def commit_after_a_concurrent_save(writes):
                 if not getattr(commit_after_a_concurrent_save, "done", False):
                     commit_after_a_concurrent_save.done = True
-                    await store.apply("t", "r1", T0, [("a0", msgspec.json.encode(reply))])
+                    await store.apply([("t", "r1", T0, [("a0", msgspec.json.encode(reply))])])
                 return await commit(writes)
 
             store.commit = commit_after_a_concurrent_save
@@ -257,6 +257,28 @@ class TestPersister:
 
         letters, before, after = with_store(go)
         assert letters == [] and before == after
+
+    def test_a_batch_takes_two_round_trips_and_ends_as_if_applied_one_by_one(self, with_store):
+        """Later events of the batch see what earlier ones claimed and saved."""
+        batch = [
+            self.event("other", [msg("e1", threadId="other")]),
+            self.event("t", [msg("t0", threadId="t")]),
+            self.event("t", [msg("e1", threadId="t")]),  # claimed by the first event
+            self.event("t", [msg("n1", threadId="t")], resource="intruder"),  # t is r1's since the second
+            Record("persist-messages", 0, 4, T0, b"t", b"{not json"),
+            self.event("t", [msg("t1", threadId="t")]),
+        ]
+
+        async def go(store):
+            letters = await Persister(store, "dlq").process(batch)
+            rows = {t: [json.loads(r)["id"] for r in await store.thread_rows(t)] for t in ("t", "other")}
+            return letters, rows, store.metrics.value("memfilter_redis_round_trips_total")
+
+        letters, rows, trips = with_store(go)
+        assert [dict(d.headers)["error.type"] for d in letters] == [b"foreign-message-id", b"ownership", b"decode"]
+        assert [d.value for d in letters] == [batch[2].value, batch[3].value, batch[4].value]
+        assert rows == {"t": ["t0", "t1"], "other": ["e1"]}
+        assert trips == 2
 
     @pytest.mark.parametrize(
         "rows, resource, error",

@@ -48,7 +48,7 @@ async def save_history(pipeline: Pipeline, case: dict) -> None:
             owner = case.get("owner") if t == thread and case.get("owner") else rows[0]["resourceId"]
             newest = max((parse_ms(r.get("createdAt")) or -1 for r in rows), default=-1)
             await store.claim([(r["id"], t) for r in rows])
-            assert await store.apply(t, owner, newest, [(r["id"], msgspec.json.encode(r)) for r in rows]) is None
+            assert await store.apply([(t, owner, newest, [(r["id"], msgspec.json.encode(r)) for r in rows])]) == [None]
         if case.get("owner") and not case["stored"]:
             await client.hset(store.keys(thread)[2], "owner", case["owner"])
     finally:
