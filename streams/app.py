@@ -271,12 +271,8 @@ class RecordLoop(mode.Service):
         first, *others = sorted(assigned)
         fencers = [self._transactional(tp) for tp in others]
         self._producer = self._transactional(first)
-        try:
-            await asyncio.gather(self._producer.start(), *(p.start() for p in fencers))
-            await asyncio.gather(*(p.stop() for p in fencers))
-        except Exception:  # aiokafka would only log a listener's error and go on without a producer
-            log.critical("memfilter worker: stopping: no transactional producer (does the broker allow transactions?)", exc_info=True)
-            self._crash_process()
+        await asyncio.gather(self._producer.start(), *(p.start() for p in fencers))
+        await asyncio.gather(*(p.stop() for p in fencers))
 
     def _transactional(self, tp: TopicPartition) -> AIOKafkaProducer:
         settings = self.settings
@@ -296,27 +292,31 @@ class RecordLoop(mode.Service):
             await producer.stop()
 
     async def _drain(self) -> None:
-        """Wait for the transactions in flight; a failure there (a fenced producer, say) stops
-        the worker, also during a rebalance, where aiokafka would only log the listener's error."""
-        try:
-            while self._delivering:
-                await self._delivering.pop(0)
-        except Exception:
-            log.critical("memfilter worker: stopping: a batch's transaction failed", exc_info=True)
-            self._crash_process()
+        """Wait for the transactions in flight; a failure there (a fenced producer, say) stops the worker."""
+        while self._delivering:
+            await self._delivering.pop(0)
 
 
 class _Rebalance(ConsumerRebalanceListener):
-    """Tells the loop when partitions leave and arrive."""
+    """Tells the loop when partitions leave and arrive. aiokafka only logs a listener's error
+    and goes on, so a failure here (the batch in hand's transaction, a producer that cannot
+    start: does the broker allow transactions?) stops the worker instead."""
 
     def __init__(self, loop: RecordLoop):
         self.loop = loop
 
     async def on_partitions_revoked(self, revoked) -> None:
-        await self.loop.partitions_revoked()
+        await self._or_stop(self.loop.partitions_revoked())
 
     async def on_partitions_assigned(self, assigned) -> None:
-        await self.loop.partitions_assigned(set(assigned))
+        await self._or_stop(self.loop.partitions_assigned(set(assigned)))
+
+    async def _or_stop(self, step) -> None:
+        try:
+            await step
+        except Exception:
+            log.critical("memfilter worker: stopping on an unexpected error in a rebalance", exc_info=True)
+            self.loop._crash_process()
 
 
 class _WebOnly(faust.App.BootStrategy):
