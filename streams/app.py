@@ -62,9 +62,6 @@ log = logging.getLogger("memfilter")
 # Largest record fetched or sent: a request is at most MEMFILTER_MAX_BYTES (1 MiB), and its
 # filtered input adds stored rows and server fields. The stack's broker accepts this much.
 MAX_RECORD_BYTES = 8 << 20
-# Batches decided but not yet committed: the next batch is decided while the one before
-# commits its transaction.
-DELIVERIES_IN_FLIGHT = 2
 
 
 def transactional_id(group: str, tp: TopicPartition) -> str:
@@ -110,7 +107,7 @@ class RecordLoop(mode.Service):
         self._consumer: AIOKafkaConsumer | None = None
         self._turn = asyncio.Lock()  # held while a batch is handled; a rebalance waits for it
         self._epoch = 0  # partition revocations so far
-        self._delivering: list[asyncio.Task] = []  # batches' transactions in flight, oldest first
+        self._delivering: asyncio.Task | None = None  # the previous batch's transaction
         self._producer: AIOKafkaProducer | None = None  # transactional: made when partitions are assigned
 
     async def on_start(self) -> None:
@@ -193,10 +190,8 @@ class RecordLoop(mode.Service):
             rejected = await _with_redis_retry("applying persisted messages", lambda: self.persister.process(persisted))
             self.metrics.persisted.inc(len(persisted) - len(rejected))
             outs += rejected
-        while len(self._delivering) >= DELIVERIES_IN_FLIGHT:
-            await self._delivering.pop(0)
-        before = self._delivering[-1] if self._delivering else None
-        self._delivering.append(asyncio.create_task(self._deliver(outs, offsets, requests, before)))
+        await self._drain()  # a producer has one transaction at a time: the previous batch's first
+        self._delivering = asyncio.create_task(self._deliver(outs, offsets, requests))
         for tp, offset in offsets.items():
             end = self._consumer.highwater(tp)
             if end is not None:
@@ -235,10 +230,8 @@ class RecordLoop(mode.Service):
             sends.append(await producer.send_batch(batch, topic, partition=partition))
         return sends
 
-    async def _deliver(self, outs: list[Out], offsets: dict[TopicPartition, int], requests: list[Record], before: asyncio.Task | None) -> None:
-        """Once the batch before is committed: the batch's outputs and offsets in one transaction."""
-        if before is not None:
-            await before
+    async def _deliver(self, outs: list[Out], offsets: dict[TopicPartition, int], requests: list[Record]) -> None:
+        """The batch's outputs and offsets in one transaction."""
         producer = self._producer
         await producer.begin_transaction()
         await asyncio.gather(*await self._send(outs))
@@ -292,9 +285,10 @@ class RecordLoop(mode.Service):
             await producer.stop()
 
     async def _drain(self) -> None:
-        """Wait for the transactions in flight; a failure there (a fenced producer, say) stops the worker."""
-        while self._delivering:
-            await self._delivering.pop(0)
+        """Wait for the previous batch's transaction; a failure there (a fenced producer, say) stops the worker."""
+        if self._delivering is not None:
+            delivering, self._delivering = self._delivering, None
+            await delivering
 
 
 class _Rebalance(ConsumerRebalanceListener):
