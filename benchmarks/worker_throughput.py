@@ -176,14 +176,25 @@ async def baseline(bootstrap: str, source: str, sink: str, n: int) -> tuple[floa
         await producer.stop()
 
 
-async def count_until(bootstrap: str, topic: str, n: int, on_record=None, timeout: float = 900) -> tuple[float, float]:
-    """Read `topic` until n records arrived; (first arrival, last arrival) monotonic times."""
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest",
+async def count_until(bootstrap: str, topic: str, n: int, on_record=None, timeout: float = 900,
+                      from_end: asyncio.Event | None = None) -> tuple[float, float]:
+    """Read `topic` until n records arrived; (first arrival, last arrival) monotonic times.
+    From the topic's start, or, given `from_end`, from its end: the event is set once the
+    reader holds its position there, so that what is published after arrives at a reader
+    that is not still working through the backlog."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None,
+                                auto_offset_reset="latest" if from_end else "earliest",
                                 fetch_max_wait_ms=10, max_partition_fetch_bytes=8 << 20,
                                 isolation_level="read_committed")  # as downstream reads: once committed
     await consumer.start()
     seen, first, deadline = 0, None, time.monotonic() + timeout
     try:
+        if from_end is not None:
+            while not consumer.assignment():
+                await asyncio.sleep(0.05)
+            for tp in consumer.assignment():
+                await consumer.position(tp)
+            from_end.set()
         while seen < n and time.monotonic() < deadline:
             batch = await consumer.getmany(timeout_ms=200, max_records=5000)
             now = time.monotonic()
@@ -285,10 +296,11 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
         latencies = []
         n_latency = int(args.latency_rate * args.latency_seconds)
         _, paced = make_workload(args.threads, n_latency, seed=2, tag="lat")
+        positioned = asyncio.Event()
         reader = asyncio.create_task(count_until(
-            bootstrap, topics["filtered"], len(requests) + n_latency,
-            on_record=lambda r: latencies.append(time.time() * 1000 - r.timestamp) if r.timestamp > T0 + 10**9 else None))
-        await asyncio.sleep(1)
+            bootstrap, topics["filtered"], n_latency, from_end=positioned,
+            on_record=lambda r: latencies.append(time.time() * 1000 - r.timestamp)))
+        await positioned.wait()
         await publish(bootstrap, topics["requests"], paced, rate=args.latency_rate)
         await reader
         latencies.sort()
