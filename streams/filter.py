@@ -167,6 +167,8 @@ def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[st
         raise Rejected(
             "ownership", f"thread {shape.threadId} belongs to resource {view.owner}; request from {shape.resourceId} rejected"
         )
+    if not view.elsewhere:  # the usual case: no id of the request is stored anywhere else
+        return
     for mid in ids:
         other = view.elsewhere.get(mid) if mid is not None else None
         if other is not None and mid not in view.rows:

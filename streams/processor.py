@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -210,6 +211,7 @@ class Processor:
 
         writes = [w for t in threads.values() for _, w, _ in t.planned if w is not None]
         results = iter(await self.store.commit(writes) if writes else [])
+        outcomes: Counter[str] = Counter()
         for thread, t in threads.items():
             failed = False
             for p, w, rec in t.planned:
@@ -218,10 +220,12 @@ class Processor:
                     failed = True  # this and what the thread decided after it: again
                     continue
                 outs[p.index] = self._emit(p, value if status == "dup" else rec)
-                self.metrics.requests.labels("redelivered" if status == "dup" else p.outcome).inc()
+                outcomes["redelivered" if status == "dup" else p.outcome] += 1
                 t.next += 1
             if failed:
                 redo.add(thread)
+        for outcome, n in outcomes.items():  # one increment per outcome: a labelled one costs ~1 µs
+            self.metrics.requests.labels(outcome).inc(n)
         return {thread: threads[thread] for thread in redo if threads[thread].next < len(threads[thread].requests)}
 
     def _decide_thread(self, thread: str, t: _Thread, state: ThreadState) -> list[tuple[_Pending, Write | None, Recorded]]:
