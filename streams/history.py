@@ -283,14 +283,18 @@ class HistoryStore:
             )
         return states
 
-    async def owners(self, ids: list[str]) -> dict[str, str]:
-        """The owning thread of each of these message ids that has one: one round trip."""
+    async def owners(self, ids: list[str], threads: list[str] = ()) -> tuple[dict[str, str], dict[str, str]]:
+        """The owning thread of each of these message ids that has one, and the owning
+        resource of each of these threads that has one: one round trip."""
         buckets = self._by_bucket(ids)
-        owners = {}
-        replies = await self._pipeline([("HMGET", bucket, *in_bucket) for bucket, in_bucket in buckets.items()])
+        commands = [("HMGET", bucket, *in_bucket) for bucket, in_bucket in buckets.items()]
+        commands += [("HGET", self.keys(thread)[2], "owner") for thread in threads]
+        replies = await self._pipeline(commands)
+        by_id = {}
         for in_bucket, held in zip(buckets.values(), replies):
-            owners.update((mid, h.decode()) for mid, h in zip(in_bucket, held) if h is not None)
-        return owners
+            by_id.update((mid, h.decode()) for mid, h in zip(in_bucket, held) if h is not None)
+        by_thread = {thread: owner.decode() for thread, owner in zip(threads, replies[len(buckets) :]) if owner is not None}
+        return by_id, by_thread
 
     async def claim(self, claims: list[tuple[str, str]]) -> list[str | None]:
         """Claim message ids for threads; for each, the other thread that holds it, or None."""

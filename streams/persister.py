@@ -42,11 +42,18 @@ class Persister:
         self.dlq_topic = dlq_topic
 
     async def process(self, records: list[Record]) -> list[Out]:
-        """Apply the records in order; return the dead letters. A batch takes two round trips,
-        whatever its size: every event's id claims, then every accepted event's rows. That is
-        the order the events would have one by one: an event's claims see the ids the events
-        before it claimed, and its rows the owner the events before it set (a script per event,
-        run in order); claims and rows touch different keys."""
+        """Apply the records in order; return the dead letters. A batch takes three round
+        trips, whatever its size, and ends as the events would leave it one by one:
+
+        1. the owners, as stored, of the batch's threads and message ids; each event is checked
+           against them as the events before it in the batch leave them, so that an event to
+           be refused is refused before it claims anything (a claim cannot be taken back
+           safely: the thread may be saving the same id meanwhile);
+        2. the accepted events' id claims;
+        3. their rows (a script per event, in order), which check the thread's owner again.
+
+        Only a writer racing between 1 and 3 can make 2 or 3 refuse an event that 1 let
+        through: its claims that did succeed then stay with its thread."""
         errors: list[Rejection | None] = [None] * len(records)
         events = []
         for i, record in enumerate(records):
@@ -55,22 +62,41 @@ class Persister:
                 errors[i] = decoded
             else:
                 events.append((i, *decoded))
-        held = iter(await self.store.claim([(mid, event.threadId) for _, event, rows in events for mid, _ in rows]))
-        saves = []
+        ids = list(dict.fromkeys(mid for _, _, rows in events for mid, _ in rows))
+        holders, owners = await self.store.owners(ids, list(dict.fromkeys(event.threadId for _, event, _ in events)))
+        checked = []
         for i, event, rows in events:
-            foreign = [(mid, other) for (mid, _), other in zip(rows, [next(held) for _ in rows]) if other is not None]
-            if foreign:
-                mid, other = foreign[0]
-                errors[i] = Rejection("foreign-message-id", f"message id {mid} belongs to thread {other}; not saved in {event.threadId}")
-            else:
+            errors[i] = _refusal(event, rows, owners, holders)
+            if errors[i] is None:
+                checked.append((i, event, rows))
+                if rows:  # what this event leaves for the ones after it
+                    owners.setdefault(event.threadId, event.resourceId)
+                    holders.update((mid, event.threadId) for mid, _ in rows)
+        held = iter(await self.store.claim([(mid, event.threadId) for _, event, rows in checked for mid, _ in rows]))
+        saves = []
+        for i, event, rows in checked:
+            errors[i] = _refusal(event, rows, {}, {mid: other for (mid, _), other in zip(rows, [next(held) for _ in rows]) if other})
+            if errors[i] is None:
                 saves.append((i, event, rows))
-        owners = await self.store.apply(
+        refused = await self.store.apply(
             [(event.threadId, event.resourceId, max((parse_ms(m.createdAt) or -1 for m in event.messages), default=-1), rows) for _, event, rows in saves]
         )
-        for (i, event, _), owner in zip(saves, owners):
+        for (i, event, rows), owner in zip(saves, refused):
             if owner is not None:
-                errors[i] = Rejection("ownership", f"thread {event.threadId} belongs to resource {owner}; rows from {event.resourceId} not saved")
+                errors[i] = _refusal(event, rows, {event.threadId: owner}, {})
         return [dead_letter(record, self.dlq_topic, error) for record, error in zip(records, errors) if error is not None]
+
+
+def _refusal(event: PersistMessagesOf[Message], rows: list[tuple[str, bytes]], owners: dict[str, str], holders: dict[str, str]) -> Rejection | None:
+    """Why the event may not be saved, given the threads' owning resources and the ids' owning threads."""
+    owner = owners.get(event.threadId)
+    if owner is not None and owner != event.resourceId:
+        return Rejection("ownership", f"thread {event.threadId} belongs to resource {owner}; rows from {event.resourceId} not saved")
+    for mid, _ in rows:
+        other = holders.get(mid, event.threadId)
+        if other != event.threadId:
+            return Rejection("foreign-message-id", f"message id {mid} belongs to thread {other}; not saved in {event.threadId}")
+    return None
 
 
 def _decode(record: Record) -> tuple[PersistMessagesOf[Message], list[tuple[str, bytes]]] | Rejection:

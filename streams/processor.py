@@ -189,7 +189,7 @@ class Processor:
             wanted[thread] = (ids, [p.request.request_id for p in todo])
         states = await self.store.read(wanted)
         unknown = {mid for thread, (ids, _) in wanted.items() for mid in ids if mid not in states[thread].rows}
-        owners = await self.store.owners(sorted(unknown)) if unknown else {}
+        owners = (await self.store.owners(sorted(unknown)))[0] if unknown else {}
         if owners:
             for thread, (ids, _) in wanted.items():
                 states[thread].elsewhere = {mid: owners[mid] for mid in ids if owners.get(mid, thread) != thread}

@@ -35,7 +35,7 @@ from streams.history import HistoryStore
 from streams.persister import Persister
 from streams.processor import ORIGIN, Processor, Record, Topics
 
-# Events a rebuild hands the persister at a time: two Redis round trips each.
+# Events a rebuild hands the persister at a time: three Redis round trips each.
 REBUILD_BATCH = 1000
 
 Progress = Callable[[int, int], None]

@@ -258,27 +258,49 @@ class TestPersister:
         letters, before, after = with_store(go)
         assert letters == [] and before == after
 
-    def test_a_batch_takes_two_round_trips_and_ends_as_if_applied_one_by_one(self, with_store):
-        """Later events of the batch see what earlier ones claimed and saved."""
+    def test_a_batch_takes_three_round_trips_and_ends_as_if_applied_one_by_one(self, with_store):
+        """Later events of the batch see what earlier ones claimed and saved, and what earlier
+        ones were refused for did not claim their ids."""
         batch = [
             self.event("other", [msg("e1", threadId="other")]),
             self.event("t", [msg("t0", threadId="t")]),
-            self.event("t", [msg("e1", threadId="t")]),  # claimed by the first event
+            self.event("t", [msg("x1", threadId="t"), msg("e1", threadId="t")]),  # e1: claimed by the first event
             self.event("t", [msg("n1", threadId="t")], resource="intruder"),  # t is r1's since the second
             Record("persist-messages", 0, 4, T0, b"t", b"{not json"),
             self.event("t", [msg("t1", threadId="t")]),
+            self.event("u", [msg("x1", threadId="u"), msg("n1", threadId="u")]),  # ids of refused events: free
         ]
 
         async def go(store):
             letters = await Persister(store, "dlq").process(batch)
-            rows = {t: [json.loads(r)["id"] for r in await store.thread_rows(t)] for t in ("t", "other")}
+            rows = {t: [json.loads(r)["id"] for r in await store.thread_rows(t)] for t in ("t", "other", "u")}
             return letters, rows, store.metrics.value("memfilter_redis_round_trips_total")
 
         letters, rows, trips = with_store(go)
         assert [dict(d.headers)["error.type"] for d in letters] == [b"foreign-message-id", b"ownership", b"decode"]
         assert [d.value for d in letters] == [batch[2].value, batch[3].value, batch[4].value]
-        assert rows == {"t": ["t0", "t1"], "other": ["e1"]}
-        assert trips == 2
+        assert rows == {"t": ["t0", "t1"], "other": ["e1"], "u": ["x1", "n1"]}
+        assert trips == 3
+
+    @pytest.mark.parametrize(
+        "refused, resource",
+        [([msg("n1", threadId="t")], "intruder"), ([msg("n1", threadId="t"), msg("e1", threadId="t")], "r1")],
+        ids=["for its thread's owner", "for another of its ids"],
+    )
+    def test_an_event_refused_claims_none_of_its_ids(self, with_store, refused, resource):
+        """Else the id would count as thread t's for good, and a request of another thread
+        that sends it would be refused as reusing t's message."""
+
+        async def go(store):
+            persister = Persister(store, "dlq")
+            assert await persister.process([self.event("other", [msg("e1", threadId="other")])]) == []
+            assert await persister.process([self.event("t", [msg("t0", threadId="t")])]) == []
+            assert len(await persister.process([self.event("t", refused, resource)])) == 1
+            outs = await Processor(store).process([record("v", [msg("n1")], 0, "q0")])
+            return [o.topic for o in outs], [json.loads(r)["id"] for r in await store.thread_rows("v")]
+
+        topics, saved = with_store(go)
+        assert topics == [Topics().filtered, Topics().persist] and saved == ["n1"]
 
     @pytest.mark.parametrize(
         "rows, resource, error",
