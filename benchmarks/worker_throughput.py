@@ -18,7 +18,7 @@ It prints requests/s of both and their ratio, p50/p99 latency, Redis round trips
 (b) (throughput varies ±15% from run to run on this VM; CPU per request less),
 and the worker's RSS after the first batches and at the end.
 
-    .venv/bin/python -m benchmarks.worker_throughput [--threads 10000] [--requests 100000]
+    .venv/bin/python -m benchmarks.worker_throughput [--threads 10000] [--requests 100000] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -234,6 +235,41 @@ def worker_metrics(port: int) -> dict[str, float]:
     return sums
 
 
+# Where a sample's innermost frame is, by its file (py-spy's paths): what each part of the worker costs.
+PROFILE_GROUPS = (
+    ("filter: decode, validate, decide", ("streams/filter.py", "schemas/")),
+    ("processor: lanes, overlay, records", ("streams/processor.py",)),
+    ("history store and Redis client", ("streams/history.py", "redis/", "hiredis/")),
+    ("record loop and persister", ("streams/app.py", "streams/persister.py")),
+    ("Kafka client", ("aiokafka/",)),
+    ("event loop and sockets", ("asyncio/", "selectors.py")),
+)
+
+
+def print_profile(path: str, top: int = 12) -> None:
+    """The share of the worker's samples by part (PROFILE_GROUPS) and its busiest lines. A
+    sample's innermost Python frame takes it, so C work counts for the line that caused it:
+    msgspec's decoding for the decode call, freeing a lane's decoded requests for the line of
+    `Processor._lane` that lets go of them."""
+    by_line: dict[str, int] = {}
+    for line in Path(path).read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        leaf = stack.rsplit(";", 1)[-1]
+        by_line[leaf] = by_line.get(leaf, 0) + int(n)
+    total = sum(by_line.values()) or 1
+    by_group: dict[str, int] = {}
+    for leaf, n in by_line.items():
+        where = leaf.rpartition(" (")[2]
+        group = next((name for name, files in PROFILE_GROUPS if any(where.startswith(f) for f in files)), "other")
+        by_group[group] = by_group.get(group, 0) + n
+    print(f"    profile ({total:,} samples, {path}):")
+    for group, n in sorted(by_group.items(), key=lambda kv: -kv[1]):
+        print(f"      {n / total:5.1%}  {group}")
+    print("    busiest lines:")
+    for leaf, n in sorted(by_line.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"      {n / total:5.1%}  {leaf}")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=10_000)
@@ -241,6 +277,8 @@ async def main() -> None:
     parser.add_argument("--latency-rate", type=float, default=1000, help="requests/s in the latency phase")
     parser.add_argument("--latency-seconds", type=float, default=10)
     parser.add_argument("--partitions", type=int, default=8)
+    parser.add_argument("--profile", metavar="FILE", help="sample the worker with py-spy during (b), write the samples "
+                        "to FILE and print where its time went (py-spy takes CPU too: the run's figures drop)")
     args = parser.parse_args()
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -273,12 +311,16 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
     worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(web_port)], env=env, cwd=REPO,
                               stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
     try:
-        rss, cpu = [], []
+        rss, cpu, profiler = [], [], []
 
         def note_start(_record, seen=[0]):
             seen[0] += 1
             if seen[0] == 1:
                 cpu.append(cpu_seconds(worker.pid))
+                if args.profile:
+                    profiler.append(subprocess.Popen(
+                        [Path(sys.executable).parent / "py-spy", "record", "--pid", str(worker.pid), "--rate", "200",
+                         "--format", "raw", "--output", args.profile, "--nonblocking"], stdout=subprocess.DEVNULL))
             if seen[0] == 2000:
                 rss.append(rss_mb(worker.pid))
 
@@ -286,12 +328,17 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
         rate_b = (len(requests) - 1) / (last - first)
         rss.append(rss_mb(worker.pid))
         cpu.append(cpu_seconds(worker.pid))
+        for p in profiler:
+            p.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
+            p.wait(30)
         m = worker_metrics(web_port)
         print(f"(b) memfilter worker:           {rate_b:9,.0f} requests/s   (b)/(a) = {rate_b / rate_a:.2f}")
         print(f"    Redis round trips/request:  {m['memfilter_redis_round_trips_total'] / m['memfilter_requests_total']:.4f}")
         print(f"    worker CPU: {(cpu[1] - cpu[0]) / (len(requests) - 1) * 1e6:.0f} µs per request, "
               f"busy {(cpu[1] - cpu[0]) / (last - first):.0%} of the time")
         print(f"    worker RSS: {rss[0]:.0f} MiB after 2,000 requests, {rss[-1]:.0f} MiB after {len(requests):,}")
+        if args.profile:
+            print_profile(args.profile)
 
         latencies = []
         n_latency = int(args.latency_rate * args.latency_seconds)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the product and its tests need into .venv (Python packages from PyPI).
+# Installs what the product, its tests and its benchmarks need into .venv (Python packages from PyPI).
 # Kafka's jars (Maven Central) and Redis (Debian's redis-server) come with `memfilter stack up`.
 # Needs: python3 >= 3.11, and for the stack Java 17+ and Maven.
 set -euo pipefail
@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,bench]'
