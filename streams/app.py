@@ -336,7 +336,7 @@ def create_app(settings: WorkerSettings) -> faust.App:
     app.boot_strategy = _WebOnly(app)
     client = connect(settings.redis_url)
     metrics = Metrics()
-    loop = RecordLoop(settings, HistoryStore(client, settings.redis_prefix, metrics), metrics)
+    loop = RecordLoop(settings, HistoryStore(client, settings.redis_prefix, metrics, settings.processed_ttl), metrics)
     app.add_dependency(loop)
 
     @app.page("/metrics")

@@ -11,7 +11,7 @@ tag `{<thread id>}`, so a thread's keys sit in one slot of a Redis Cluster):
 | `mf:t:{T}:rows` | hash | message id -> the stored row (JSON), as saved |
 | `mf:t:{T}:order` | list | message ids in save order: the thread's order |
 | `mf:t:{T}:meta` | hash | `owner` (resourceId), `version` (writes so far), `newest` (newest createdAt, epoch ms) |
-| `mf:t:{T}:done` | hash | processed request id -> what was emitted for it (`Recorded`, msgpack) |
+| `mf:t:{T}:done` | hash | processed request id -> what was emitted for it (`Recorded`, JSON); expires `processed_ttl` after the thread's last processed request |
 | `mf:ids:{B}` | hash | message id -> the thread that owns it, for the ids of bucket B (crc32 of the id mod 64) |
 
 A thread is read with plain commands, meta first, in one pipeline for its batch (a Lua
@@ -23,6 +23,14 @@ thread did not commit), and the caller decides again. The message-id index lives
 slots, 64 buckets so that a batch reads it in at most 64 commands; ids are claimed (`CLAIM`)
 before the thread write, so a crash in between leaves claims the re-delivered request finds as
 its own.
+
+A processed record is kept for re-delivery: a request saved here whose batch's Kafka
+transaction did not commit comes again, and must find it. That happens within minutes of the
+save (as soon as a worker takes up the partition), so records need not stay for the life of
+the thread, and at ~4 KB a request (the filtered input, the saved rows) they would be most of
+Redis's memory. A thread's records go together, `processed_ttl` (MEMFILTER_PROCESSED_TTL,
+default 7 days) after its last request; a request re-delivered later than that would be
+decided again, on a history that already holds what it saved.
 
 Every call here is one pipelined round trip for all the threads it is given.
 """
@@ -66,7 +74,7 @@ return out
 """
 
 # ARGV: request id, version seen, owner, newest createdAt, record, request committed just
-# before in the batch (or ''), rows as [id, row, id, row, ...].
+# before in the batch (or ''), rows as [id, row, id, row, ...], seconds to keep the records.
 COMMIT = """
 local rec = redis.call('HGET', KEYS[4], ARGV[1])
 if rec then return {'dup', rec} end
@@ -89,6 +97,7 @@ if #rows > 0 then
   redis.call('HSET', KEYS[3], 'version', version)
 end
 redis.call('HSET', KEYS[4], ARGV[1], ARGV[5])
+redis.call('EXPIRE', KEYS[4], ARGV[8])
 return {'ok', tostring(version)}
 """
 
@@ -122,6 +131,7 @@ return {'ok', tostring(changed)}
 
 
 ID_BUCKETS = 64
+PROCESSED_TTL_S = 7 * 24 * 3600
 _pack = msgspec.msgpack.encode
 
 
@@ -182,9 +192,10 @@ def connect(url: str, **options) -> aioredis.Redis:
 
 
 class HistoryStore:
-    def __init__(self, client: aioredis.Redis, prefix: str = "mf", metrics: Metrics | None = None):
+    def __init__(self, client: aioredis.Redis, prefix: str = "mf", metrics: Metrics | None = None, processed_ttl: int = PROCESSED_TTL_S):
         self.redis = client
         self.prefix = prefix
+        self.processed_ttl = processed_ttl  # seconds a thread's processed records outlive its last request
         self.metrics = metrics or Metrics()  # counts the round trips
         self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (CLAIM, COMMIT, APPLY)}
 
@@ -313,7 +324,7 @@ class HistoryStore:
     async def commit(self, writes: list[Write]) -> list[tuple[str, Any]]:
         """Run COMMIT for each write, in order: ('ok', version), ('dup', Recorded), ('stale', version)."""
         calls = [
-            (COMMIT, self.keys(w.thread), [w.request_id, w.version, w.owner, w.newest_ms, w.recorded, w.after, _pack_rows(w.rows)])
+            (COMMIT, self.keys(w.thread), [w.request_id, w.version, w.owner, w.newest_ms, w.recorded, w.after, _pack_rows(w.rows), self.processed_ttl])
             for w in writes
         ]
         out = []

@@ -7,6 +7,7 @@ import tempfile
 from dataclasses import dataclass
 
 from streams.filter import Limits
+from streams.history import PROCESSED_TTL_S
 from streams.processor import Topics
 
 
@@ -24,6 +25,7 @@ class WorkerSettings:
     web_bind: str  # address the web server listens on (0.0.0.0 in a container)
     data_dir: str
     session_timeout: float  # seconds before a silent worker's partitions go to the others
+    processed_ttl: int  # seconds a thread's processed-request records outlive its last request
 
     @classmethod
     def from_env(cls, env=os.environ) -> WorkerSettings:
@@ -49,4 +51,5 @@ class WorkerSettings:
             web_bind=env.get("MEMFILTER_WEB_BIND", "127.0.0.1"),
             data_dir=env.get("MEMFILTER_DATA_DIR", os.path.join(tempfile.gettempdir(), f"memfilter-{group}")),
             session_timeout=float(env.get("MEMFILTER_SESSION_TIMEOUT", 10)),
+            processed_ttl=int(env.get("MEMFILTER_PROCESSED_TTL", PROCESSED_TTL_S)),
         )

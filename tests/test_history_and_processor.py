@@ -123,6 +123,44 @@ class TestBatches:
         assert dict(dead.headers)["error.type"] == b"foreign-message-id"
 
 
+class TestProcessedRecords:
+    """A processed request's record is what a re-delivery emits again; a thread's records
+    expire together, the store's `processed_ttl` after its last request."""
+
+    def test_each_request_of_a_thread_renews_the_expiry_of_all_its_records(self, with_store):
+        async def go(store):
+            store = HistoryStore(store.redis, store.prefix, processed_ttl=100)
+            done = store.keys("t")[3]
+            await Processor(store).process([record("t", [msg("u0")], 0, "q0")])
+            first = await store.redis.pttl(done)
+            await store.redis.pexpire(done, 5_000)  # as if 95 s had passed
+            await Processor(store).process([record("t", [msg("u0"), msg("a0", role="assistant"), msg("u1")], 1, "q1")])
+            return first, await store.redis.pttl(done), await store.redis.hlen(done)
+
+        first, renewed, records = with_store(go)
+        assert 99_000 < first <= 100_000 and 99_000 < renewed <= 100_000
+        assert records == 2
+
+    def test_a_request_redelivered_after_its_threads_records_expired_is_decided_again(self, with_store):
+        async def go(store):
+            store = HistoryStore(store.redis, store.prefix, processed_ttl=1)
+            p = Processor(store)
+            request = record("t", [msg("u0"), msg("a0", role="assistant"), msg("u1")], 0, "q0")
+            first = await p.process([request])
+            early = await p.process([request])
+            for _ in range(40):
+                if not await store.redis.exists(store.keys("t")[3]):
+                    break
+                await asyncio.sleep(0.1)
+            late = await p.process([request])
+            return first, early, late, p.metrics.value("memfilter_requests_total", outcome="redelivered")
+
+        first, early, late, redelivered = with_store(go)
+        assert early == first and outputs(first, Topics().filtered)[0]["outcome"] == "seeded"
+        assert outputs(late, Topics().filtered)[0]["outcome"] == "user-tail"  # on the history it saved itself
+        assert redelivered == 1
+
+
 class TestLanes:
     def test_a_large_batch_keeps_each_threads_order_across_lanes_with_and_without_keys(self, with_store):
         """600 requests over 40 threads in one batch (several lanes): each thread's requests,
