@@ -16,7 +16,7 @@ counts once the worker's transaction that holds it is committed.
 It prints requests/s of both and their ratio, p50/p99 latency, Redis round trips per request
 (from the worker's /metrics), the worker's CPU time per request and how busy it was during
 (b) (throughput varies ±15% from run to run on this VM; CPU per request less),
-and the worker's RSS after the first batches and at the end.
+and the worker's RSS after the first batches and after each tenth of the requests.
 
     .venv/bin/python -m benchmarks.worker_throughput [--threads 10000] [--requests 100000] [--profile FILE]
 """
@@ -311,7 +311,7 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
     worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(web_port)], env=env, cwd=REPO,
                               stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
     try:
-        rss, cpu, profiler = [], [], []
+        rss, tenths, cpu, profiler = [], [], [], []
 
         def note_start(_record, seen=[0]):
             seen[0] += 1
@@ -323,10 +323,11 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
                          "--format", "raw", "--output", args.profile, "--nonblocking"], stdout=subprocess.DEVNULL))
             if seen[0] == 2000:
                 rss.append(rss_mb(worker.pid))
+            if seen[0] % max(1, len(requests) // 10) == 0:
+                tenths.append(rss_mb(worker.pid))
 
         first, last = await count_until(bootstrap, topics["filtered"], len(requests), on_record=note_start)
         rate_b = (len(requests) - 1) / (last - first)
-        rss.append(rss_mb(worker.pid))
         cpu.append(cpu_seconds(worker.pid))
         for p in profiler:
             p.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
@@ -336,7 +337,8 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
         print(f"    Redis round trips/request:  {m['memfilter_redis_round_trips_total'] / m['memfilter_requests_total']:.4f}")
         print(f"    worker CPU: {(cpu[1] - cpu[0]) / (len(requests) - 1) * 1e6:.0f} µs per request, "
               f"busy {(cpu[1] - cpu[0]) / (last - first):.0%} of the time")
-        print(f"    worker RSS: {rss[0]:.0f} MiB after 2,000 requests, {rss[-1]:.0f} MiB after {len(requests):,}")
+        print(f"    worker RSS: {rss[0]:.0f} MiB after 2,000 requests, {tenths[-1]:.0f} MiB after {len(requests):,} "
+              f"(after each tenth: {' '.join(f'{r:.0f}' for r in tenths)})")
         if args.profile:
             print_profile(args.profile)
 
