@@ -189,7 +189,9 @@ class Processor:
             wanted[thread] = (ids, [p.request.request_id for p in todo])
         states = await self.store.read(wanted)
         unknown = {mid for thread, (ids, _) in wanted.items() for mid in ids if mid not in states[thread].rows}
-        owners = (await self.store.owners(sorted(unknown)))[0] if unknown else {}
+        owners: dict[str, str] = {}
+        if unknown:
+            owners, _ = await self.store.owners(sorted(unknown))
         if owners:
             for thread, (ids, _) in wanted.items():
                 states[thread].elsewhere = {mid: owners[mid] for mid in ids if owners.get(mid, thread) != thread}
