@@ -71,7 +71,7 @@ def make_workload(threads: int, requests: int, seed: int = 1, tag: str = "q"):
             history[thread] = rows
         plans.append((thread, rows))
     out = []
-    per_thread = max(1, requests // threads)
+    per_thread = -(-requests // threads)  # rounds of one request per thread; the last may stop part-way
     for k in range(per_thread):
         for thread, rows in plans:
             if len(out) == requests:
