@@ -15,7 +15,8 @@ Both (b) and (c) read the filtered inputs as downstream does, `read_committed`: 
 counts once the worker's transaction that holds it is committed.
 It prints requests/s of both and their ratio, p50/p99 latency, Redis round trips per request
 (from the worker's /metrics), the worker's CPU time per request and how busy it was during
-(b) (throughput varies ±15% from run to run on this VM; CPU per request less),
+(b) (throughput varies ±15% from run to run on this VM; CPU per request less), how busy the
+whole machine was (the broker and Redis share its cores with the worker),
 and the worker's RSS after the first batches and after each tenth of the requests.
 
     .venv/bin/python -m benchmarks.worker_throughput [--threads 10000] [--requests 100000] [--profile FILE]
@@ -219,6 +220,12 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def machine_busy_seconds() -> float:
+    """CPU time all processes have used so far, summed over the cores (not idle, not iowait)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User and system CPU time the process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -311,12 +318,13 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
     worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(web_port)], env=env, cwd=REPO,
                               stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
     try:
-        rss, tenths, cpu, profiler = [], [], [], []
+        rss, tenths, cpu, machine, profiler = [], [], [], [], []
 
         def note_start(_record, seen=[0]):
             seen[0] += 1
             if seen[0] == 1:
                 cpu.append(cpu_seconds(worker.pid))
+                machine.append(machine_busy_seconds())
                 if args.profile:
                     profiler.append(subprocess.Popen(
                         [Path(sys.executable).parent / "py-spy", "record", "--pid", str(worker.pid), "--rate", "200",
@@ -329,6 +337,7 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
         first, last = await count_until(bootstrap, topics["filtered"], len(requests), on_record=note_start)
         rate_b = (len(requests) - 1) / (last - first)
         cpu.append(cpu_seconds(worker.pid))
+        machine.append(machine_busy_seconds())
         for p in profiler:
             p.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
             p.wait(30)
@@ -337,6 +346,9 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
         print(f"    Redis round trips/request:  {m['memfilter_redis_round_trips_total'] / m['memfilter_requests_total']:.4f}")
         print(f"    worker CPU: {(cpu[1] - cpu[0]) / (len(requests) - 1) * 1e6:.0f} µs per request, "
               f"busy {(cpu[1] - cpu[0]) / (last - first):.0%} of the time")
+        print(f"    machine: {(machine[1] - machine[0]) / (last - first):.2f} of its {os.cpu_count()} cores busy, "
+              f"{((machine[1] - machine[0]) - (cpu[1] - cpu[0])) / (len(requests) - 1) * 1e6:.0f} µs per request "
+              f"outside the worker (broker, Redis, this benchmark's reader)")
         print(f"    worker RSS: {rss[0]:.0f} MiB after 2,000 requests, {tenths[-1]:.0f} MiB after {len(requests):,} "
               f"(after each tenth: {' '.join(f'{r:.0f}' for r in tenths)})")
         if args.profile:
