@@ -46,7 +46,8 @@ NonEmpty = Annotated[str, Meta(min_length=1)]
 # Values the processor passes on without reading them stay JSON bytes (msgspec.Raw): decoding
 # them into Python objects only to encode them again costs allocations and garbage collection.
 AnyJSON = msgspec.Raw
-JSONObject = Annotated[msgspec.Raw, Meta(extra_json_schema={"type": "object"})]
+# An object whose values pass through: decoding it as a dict checks that it is one.
+JSONObject = dict[str, msgspec.Raw]
 
 
 class ToolInvocation(Struct, omit_defaults=True, gc=False):
@@ -65,6 +66,7 @@ class Part(Struct, omit_defaults=True, gc=False):
     """One part of a message. `type` is open: unknown part types pass through."""
 
     type: str
+    text: str | UnsetType = UNSET  # on `text` and `reasoning` parts; a string wherever it is
     toolInvocation: ToolInvocation | UnsetType = UNSET
     providerExecuted: bool | UnsetType = UNSET
     providerMetadata: JSONObject | UnsetType = UNSET

@@ -66,9 +66,9 @@ def view_of(thread_id: str, ids: list[str], case: Case) -> StoredView:
     )
 
 
-def explain_case(case: Case, position: int = 0) -> Explanation:
+def explain_case(case: Case, position: int = 0, id_key: bytes = b"") -> Explanation:
     try:
-        request = decode_request(bytes(case.request), f"explain-0-{position}", Limits())
+        request = decode_request(bytes(case.request), f"explain-0-{position}", Limits(), id_key)
     except Rejected as e:
         return Explanation("rejected", [], [], [], error=Rejection(e.type, e.message))
     view = view_of(request.shape.threadId, lookup_ids(request), case)
@@ -76,14 +76,18 @@ def explain_case(case: Case, position: int = 0) -> Explanation:
     return Explanation(d.outcome, d.messages, d.dropped, d.persist, error=d.error)
 
 
-def explain(raw: bytes) -> bytes:
-    """One case object or a JSON array of them in; the answer (or answers) out, as JSON."""
+def explain(raw: bytes, id_key: bytes = b"") -> bytes:
+    """One case object or a JSON array of them in; the answer (or answers) out, as JSON.
+    `id_key` (MEMFILTER_SECRET, when set) makes the ids of messages sent without one the ones
+    a worker of that deployment would give them."""
     try:
         doc = msgspec.json.decode(raw, type=Case | list[Case])
+    except RecursionError:
+        raise UnusableInput("input nests JSON too deeply") from None
     except msgspec.ValidationError as e:
         raise UnusableInput(f"input is not an explain case or a list of cases: {e}") from None
     except msgspec.DecodeError as e:
         raise UnusableInput(f"input is not JSON: {e}") from None
     if isinstance(doc, list):
-        return msgspec.json.encode([explain_case(c, i) for i, c in enumerate(doc)])
-    return msgspec.json.encode(explain_case(doc))
+        return msgspec.json.encode([explain_case(c, i, id_key) for i, c in enumerate(doc)])
+    return msgspec.json.encode(explain_case(doc, 0, id_key))

@@ -30,7 +30,11 @@ on as the bytes that were stored. Nothing here mutates what it was given.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import hmac
+import sys
 import time
 import uuid
 from datetime import datetime, timezone
@@ -45,7 +49,8 @@ Msg = dict[str, Any]
 
 CLIENT_OUTCOME_STATES = frozenset({"approval-responded", "result", "output-error", "output-denied"})
 TERMINAL_STATES = frozenset({"result", "output-error", "output-denied"})
-ID_NAMESPACE = uuid.UUID("8f4c1c4e-51a2-4d39-9a43-6d0f2b6c9e11")
+# Stack frames a value accepted at the edge leaves free (see `decode_json`).
+DEPTH_HEADROOM = 200
 
 _TYPED = msgspec.json.Decoder(ChatRequestOf[Message])
 _RAW = msgspec.json.Decoder(ChatRequestOf[msgspec.Raw])
@@ -107,21 +112,61 @@ class Decision(msgspec.Struct):
 # ---- decoding and validation (the edge of the core) -------------------------------------
 
 
-def decode_request(raw: bytes, default_id: str, limits: Limits = Limits()) -> Request:
+def decode_json(decoder: msgspec.json.Decoder, raw: bytes | None, what: str, shape: str) -> Any:
+    """Decode one topic value (`what`, of type `shape`) with `decoder`; raise `Rejected`
+    naming what is wrong.
+
+    Everything a record can hold is checked here, once, so that nothing later (deciding,
+    encoding, packing rows for Redis, a downstream consumer) meets a value it cannot handle:
+    - a null value (a tombstone) is `decode`;
+    - the whole value must be UTF-8 (RFC 8259), strictly: msgspec checks only the strings it
+      reads, and passes the ones it skips or keeps raw on as they came;
+    - nesting is bounded: msgspec guards its recursion with Python's recursion limit, so the
+      decode runs with DEPTH_HEADROOM frames less than the interpreter allows. A value accepted
+      here can then be decoded or encoded again by any later step that runs up to that many
+      frames deeper, which every step of the worker, `explain` and `history show` does. (With
+      the default recursion limit, about 750 levels of nesting pass; deeper is `decode`.)
+    - shape errors are `schema`, malformed JSON is `decode`."""
+    if raw is None:
+        raise Rejected("decode", f"{what} is null (a tombstone); send a JSON object")
+    try:
+        raw.decode()
+    except UnicodeDecodeError as e:
+        raise Rejected("decode", f"{what} is not UTF-8: byte {e.start} ({raw[e.start:e.start + 1]!r}); encode it as UTF-8") from None
+    try:
+        with _headroom():
+            try:
+                return decoder.decode(raw)
+            except msgspec.DecodeError as e:
+                shape_error = str(e).replace("`$.", "`")
+                msgspec.json.decode(raw)  # a shape error can stop the decoder before malformed JSON
+    except RecursionError:
+        raise Rejected("decode", f"{what} nests JSON too deeply; flatten it (about 750 levels at most)") from None
+    except msgspec.DecodeError as e:
+        raise Rejected("decode", f"{what} is not JSON: {e}") from None
+    raise Rejected("schema", f"{what} does not match {shape}: {shape_error}")
+
+
+@contextlib.contextmanager
+def _headroom():
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit - DEPTH_HEADROOM)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def decode_request(raw: bytes | None, default_id: str, limits: Limits = Limits(), id_key: bytes = b"") -> Request:
     """Decode and validate one `chat-requests` value; raise `Rejected` naming what is wrong.
 
     `default_id` is the request id when the request has none: the edge derives it from the
-    record's source position, so a replay of the record gets the same one."""
-    if len(raw) > limits.max_bytes:
+    record's source position, so a replay of the record gets the same one. `id_key` is the
+    deployment's secret (MEMFILTER_SECRET), from which ids of messages sent without one are
+    made (see `message_ids`)."""
+    if raw is not None and len(raw) > limits.max_bytes:
         raise Rejected("too-large", f"request is {len(raw)} bytes; the limit is {limits.max_bytes} (MEMFILTER_MAX_BYTES)")
-    try:
-        shape = _TYPED.decode(raw)
-    except msgspec.DecodeError as e:
-        try:  # a shape error can stop the decoder before it reaches malformed JSON
-            msgspec.json.decode(raw)
-        except msgspec.DecodeError as not_json:
-            raise Rejected("decode", f"request is not JSON: {not_json}") from None
-        raise Rejected("schema", f"request does not match ChatRequest: {str(e).replace('`$.', '`')}") from None
+    shape = decode_json(_TYPED, raw, "request", "ChatRequest")
     if len(shape.messages) > limits.max_messages:
         raise Rejected(
             "too-large",
@@ -129,7 +174,7 @@ def decode_request(raw: bytes, default_id: str, limits: Limits = Limits()) -> Re
         )
     _check_messages(shape.messages)
     request_id = shape.requestId or default_id
-    return Request(shape, _RAW.decode(raw).messages, request_id, message_ids(shape, request_id))
+    return Request(shape, _RAW.decode(raw).messages, request_id, message_ids(shape, request_id, id_key))
 
 
 def _check_messages(messages: list[Message]) -> None:
@@ -142,11 +187,14 @@ def _check_messages(messages: list[Message]) -> None:
             seen.add(m.id)
 
 
-def check_key(request: Request, key: str | None) -> None:
-    if key is not None and key != request.shape.threadId:
-        raise Rejected(
-            "key-mismatch", f"record key {key!r} is not the request's threadId {request.shape.threadId!r}; key records by thread id"
-        )
+def check_key(request: Request, key: bytes | None) -> None:
+    """The record's key is its thread id, byte for byte: a thread's records then share one
+    partition, and so one worker, in order."""
+    thread = request.shape.threadId
+    if key is None:
+        raise Rejected("key-mismatch", f"record has no key; key records by thread id ({thread!r})")
+    if key != thread.encode():
+        raise Rejected("key-mismatch", f"record key {key!r} is not the request's threadId {thread!r}; key records by thread id")
 
 
 def _check_thread(shape: ChatRequestOf[Message]) -> None:
@@ -178,18 +226,22 @@ def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[st
             )
 
 
-def message_ids(shape: ChatRequestOf[Message], request_id: str) -> list[str | None]:
+def message_ids(shape: ChatRequestOf[Message], request_id: str, id_key: bytes = b"") -> list[str | None]:
     """Each message's id by position (None for system messages). A conversation message sent
     without one gets an id that is the same whenever the same request is decided again, so a
-    replay finds its own rows stored."""
-    return [
-        None
-        if m.role == "system"
-        else m.id
-        if m.id is not UNSET
-        else str(uuid.uuid5(ID_NAMESPACE, f"{shape.threadId}\n{request_id}\n{pos}"))
-        for pos, m in enumerate(shape.messages)
-    ]
+    replay finds its own rows stored: a keyed hash (HMAC-SHA256 under the deployment's secret)
+    of the thread, the request id and the position, as a UUID. Keyed, so that no client can
+    compute the id another resource's next message will get and occupy it first."""
+    ids: list[str | None] = []
+    for pos, m in enumerate(shape.messages):
+        if m.role == "system":
+            ids.append(None)
+        elif m.id is not UNSET:
+            ids.append(m.id)
+        else:
+            digest = hmac.digest(id_key, f"{shape.threadId}\n{request_id}\n{pos}".encode(), hashlib.sha256)
+            ids.append(str(uuid.UUID(bytes=digest[:16], version=4)))
+    return ids
 
 
 def lookup_ids(request: Request) -> list[str]:
