@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import secrets
 import random
 import signal
 import socket
@@ -47,7 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.sample_threads import echo_of, stored_thread
 from streams.filter import parse_ms
-from streams.history import HistoryStore
+from streams.history import HistoryStore, Save
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = 1772366400000
@@ -138,8 +139,9 @@ async def seed(redis_url: str, prefix: str, history: dict) -> None:
         for start in range(0, len(threads), 500):
             chunk = threads[start:start + 500]
             await store.claim([(r["id"], thread) for thread, rows in chunk for r in rows])
-            await store.apply([(thread, "r-bench", max(parse_ms(r["createdAt"]) for r in rows),
-                                [(r["id"], msgspec.json.encode(r)) for r in rows]) for thread, rows in chunk])
+            await store.apply([Save(thread, "r-bench", max(parse_ms(r["createdAt"]) for r in rows),
+                                    [(r["id"], msgspec.json.encode(r)) for r in rows], [r["role"] for r in rows], may_own=True)
+                               for thread, rows in chunk])
     finally:
         await client.aclose()
 
@@ -331,7 +333,8 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
     env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "REDIS_URL": redis_url, "MEMFILTER_GROUP": prefix,
            "MEMFILTER_REDIS_PREFIX": prefix, "MEMFILTER_TOPIC_REQUESTS": topics["requests"],
            "MEMFILTER_TOPIC_FILTERED": topics["filtered"], "MEMFILTER_TOPIC_PERSIST": topics["persist"],
-           "MEMFILTER_TOPIC_DLQ": topics["dlq"], "MEMFILTER_DATA_DIR": f"/tmp/{prefix}"}
+           "MEMFILTER_TOPIC_DLQ": topics["dlq"], "MEMFILTER_DATA_DIR": f"/tmp/{prefix}",
+           "MEMFILTER_SECRET": os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32)}
     worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(web_port)], env=env, cwd=REPO,
                               stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
     try:

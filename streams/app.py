@@ -10,7 +10,7 @@ and on a large backlog it stopped fetching with nothing logged. The loop, a batc
    offset order per partition (several workers share the partitions as one consumer group);
 2. hand the `chat-requests` records to the `Processor` (decide against Redis, save, record)
    and the `persist-messages` written by other services to the `Persister` (the processor's
-   own events, header `memfilter.origin: processor`, are already saved);
+   own events, signed by it, are already saved: `streams/origin.py`);
 3. once the batch before is committed, send what they return (to `filtered-inputs`,
    `persist-messages` and the dead-letter topic, a producer batch per partition) and the
    batch's offsets in one Kafka transaction. The next batch is decided meanwhile (its Redis
@@ -53,10 +53,11 @@ from aiokafka.partitioner import murmur2
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from streams import origin
 from streams.history import HistoryStore, connect
 from streams.metrics import Metrics
 from streams.persister import Persister
-from streams.processor import ORIGIN, Out, Processor, Record
+from streams.processor import Out, Processor, Record
 from streams.settings import WorkerSettings
 
 log = logging.getLogger("memfilter")
@@ -110,8 +111,8 @@ class RecordLoop(mode.Service):
         super().__init__(**kwargs)
         self.settings = settings
         self.metrics = metrics
-        self.processor = Processor(store, settings.topics, settings.limits, metrics)
-        self.persister = Persister(store, settings.topics.dlq)
+        self.processor = Processor(store, settings.topics, settings.limits, metrics, settings.secret)
+        self.persister = Persister(store, settings.topics.dlq, settings.secret)
         self._consumer: AIOKafkaConsumer | None = None
         self._turn = asyncio.Lock()  # held while a batch is handled; a rebalance waits for it
         self._epoch = 0  # partition revocations so far
@@ -181,14 +182,14 @@ class RecordLoop(mode.Service):
         os._exit(1)
 
     async def _handle(self, batch) -> None:
-        topics = self.settings.topics
+        topics, secret = self.settings.topics, self.settings.secret
         requests, persisted, offsets = [], [], {}
         for tp, records in batch.items():
             offsets[tp] = records[-1].offset + 1
             for r in records:
                 if r.topic == topics.requests:
                     requests.append(Record.of(r))
-                elif ORIGIN not in r.headers:  # the processor's own events are saved already
+                elif not origin.is_processors(r.value, tuple(r.headers), secret):  # the processor's own are saved already
                     persisted.append(Record.of(r))
         self.metrics.batch_size.observe(sum(len(rs) for rs in batch.values()))
         outs: list[Out] = []
@@ -210,7 +211,7 @@ class RecordLoop(mode.Service):
         per-record `send` costs ~8 µs of Python each, appending to a batch ~1. Partitions are
         chosen as `send` chooses them (murmur2 of the key, as Java clients do); the futures
         complete when the broker has the batches."""
-        producer, persist_topic = self._producer, self.settings.topics.persist
+        producer = self._producer
         partitions = {topic: sorted(await producer.partitions_for(topic)) for topic in {o.topic for o in outs}}
         by_partition: dict[tuple[str, int], list[Out]] = {}
         for out in outs:
@@ -227,8 +228,7 @@ class RecordLoop(mode.Service):
         for (topic, partition), group in by_partition.items():
             batch = producer.create_batch()
             for out in group:
-                headers = [*out.headers, ORIGIN] if topic == persist_topic else list(out.headers)
-                while batch.append(key=out.key, value=out.value, timestamp=out.timestamp_ms, headers=headers) is None:
+                while batch.append(key=out.key, value=out.value, timestamp=out.timestamp_ms, headers=list(out.headers)) is None:
                     sends.append(await producer.send_batch(batch, topic, partition=partition))  # full: the next one
                     batch = producer.create_batch()
             sends.append(await producer.send_batch(batch, topic, partition=partition))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from streams.explain import UnusableInput, explain
 
     try:
-        out = explain(_read_input(args.file))
+        out = explain(_read_input(args.file), os.environ.get("MEMFILTER_SECRET", "").encode())
     except (UnusableInput, OSError) as e:
         print(f"memfilter explain: {e}", file=sys.stderr)
         return 2
@@ -63,6 +64,18 @@ def _reachable(settings) -> str | None:
     return None
 
 
+def _no_secret(settings) -> str | None:
+    """Why MEMFILTER_SECRET will not do, or None. Server-assigned message ids and the
+    processor's signature on its persist events are keyed by it: every worker, replay and
+    rebuild of a deployment needs the same one, and no client may know it."""
+    if len(settings.secret) < 16:
+        return (
+            "MEMFILTER_SECRET must be set to the deployment's secret, 16 characters or more "
+            "(make one: python3 -c 'import secrets; print(secrets.token_hex(32))'; `memfilter stack up` exports the local stack's)"
+        )
+    return None
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     import faust
 
@@ -72,7 +85,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = WorkerSettings.from_env()
     if args.web_port is not None:
         settings = dataclasses.replace(settings, web_port=args.web_port)
-    reason = _reachable(settings)
+    reason = _no_secret(settings) or _reachable(settings)
     if reason is not None:
         print(f"memfilter worker: {reason}", file=sys.stderr)
         return 1
@@ -249,15 +262,18 @@ def cmd_history(args: argparse.Namespace) -> int:
                 continue
             m = msgspec.json.decode(row)
             parts = (m.get("content") or {}).get("parts") or [] if isinstance(m.get("content"), dict) else []
-            text = " ".join(p.get("text", f"[{p.get('type')}]") for p in parts if isinstance(p, dict)) or str(m.get("content"))[:80]
+            text = " ".join(str(p.get("text", f"[{p.get('type')}]")) for p in parts if isinstance(p, dict)) or str(m.get("content"))[:80]
             print(f"{m.get('createdAt', ''):24}  {m.get('id', ''):20}  {m.get('role', ''):9}  {text[:100]}")
         return 0
 
     async def rebuild_all() -> int:
-        applied, refused = await rebuild(settings.bootstrap, settings.topics, _store(url, prefix), _progress("applied"))
+        applied, refused = await rebuild(settings.bootstrap, settings.topics, _store(url, prefix), settings.secret, _progress("applied"))
         print(f"rebuilt history under prefix {prefix} from {applied + refused:,} events of {settings.topics.persist} ({refused:,} refused)")
         return 0
 
+    if args.action == "rebuild" and (reason := _no_secret(settings)):
+        print(f"memfilter history rebuild: {reason}", file=sys.stderr)
+        return 2
     return _run_or_explain(f"history {args.action}", settings, show() if args.action == "show" else rebuild_all())
 
 
@@ -271,11 +287,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"memfilter replay: {e}", file=sys.stderr)
         return 2
+    if reason := _no_secret(settings):
+        print(f"memfilter replay: {reason}", file=sys.stderr)
+        return 2
     url = args.redis_url or settings.redis_url
     report = _run_or_explain(
         "replay",
         settings,
-        replay(settings.bootstrap, settings.topics, lambda prefix: _store(url, prefix), start, end, settings.limits, _progress("replayed")),
+        replay(
+            settings.bootstrap, settings.topics, lambda prefix: _store(url, prefix), settings.secret, start, end, settings.limits, _progress("replayed")
+        ),
     )
     for d in report.differences:
         print(f"DIFFERENT {d.requestId} (thread {d.threadId}, {d.source})")

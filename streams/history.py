@@ -4,14 +4,16 @@ Stored history is the truth the filter decides against, so this module keeps it 
 safe to write from several workers and from replays:
 
 Layout (prefix `MEMFILTER_REDIS_PREFIX`, default `mf`; every key of a thread shares the hash
-tag `{<thread id>}`, so a thread's keys sit in one slot of a Redis Cluster):
+tag `{<thread id>}`, so a thread's keys sit in one slot of a Redis Cluster; in the tag, `%`,
+`{` and `}` of the thread id are written `%25`, `%7B`, `%7D`, so that every thread id, one
+with braces too, is one whole tag and no two thread ids share keys):
 
 | key | type | holds |
 |---|---|---|
 | `mf:t:{T}:rows` | hash | message id -> the stored row (JSON), as saved |
 | `mf:t:{T}:order` | list | message ids in save order: the thread's order |
 | `mf:t:{T}:meta` | hash | `owner` (resourceId), `version` (writes so far), `newest` (newest createdAt, epoch ms) |
-| `mf:t:{T}:done` | hash | processed request id -> what was emitted for it (`Recorded`, JSON); expires `processed_ttl` after the thread's last processed request |
+| `mf:t:{T}:done` | hash | processed request (`record_field`: its resource and request id) -> what was emitted for it (`Recorded`, JSON); expires `processed_ttl` after the thread's last processed request |
 | `mf:ids:{B}` | hash | message id -> the thread that owns it, for the ids of bucket B (crc32 of the id mod 64) |
 
 A thread is read with plain commands, meta first, in one pipeline for its batch (a Lua
@@ -24,6 +26,10 @@ slots, 64 buckets so that a batch reads it in at most 64 commands; ids are claim
 before the thread write, so a crash in between leaves claims the re-delivered request finds as
 its own.
 
+A processed record is kept for re-delivery, under the resource that sent the request and its
+request id: a request of another resource with the same id never finds it (nor the thread,
+which another resource owns). Rejections are not recorded: a rejection writes nothing, and a
+re-delivered one is decided again (still a rejection: owners and id claims never go back).
 A processed record is kept for re-delivery: a request saved here whose batch's Kafka
 transaction did not commit comes again, and must find it. That happens within minutes of the
 save (as soon as a worker takes up the partition), so records need not stay for the life of
@@ -73,8 +79,9 @@ end
 return out
 """
 
-# ARGV: request id, version seen, owner, newest createdAt, record, request committed just
-# before in the batch (or ''), rows as [id, row, id, row, ...], seconds to keep the records.
+# ARGV: record field (`record_field`), version seen, owner, newest createdAt, record, field of
+# the request committed just before in the batch (or ''), rows as [id, row, id, row, ...],
+# seconds to keep the records.
 COMMIT = """
 local rec = redis.call('HGET', KEYS[4], ARGV[1])
 if rec then return {'dup', rec} end
@@ -102,15 +109,27 @@ return {'ok', tostring(version)}
 """
 
 # Rows from `persist-messages` (other services' saves, and the processor's own again): a row
-# equal to the stored one changes nothing, so applying an event twice is harmless.
-# ARGV: owner, newest createdAt, rows as [id, row, ...].
+# equal to the stored one changes nothing, so applying an event twice is harmless. Only the
+# processor's own events (`may_own`) may save in a thread that has no owner yet, and no event
+# changes the role of a stored row; either refusal comes before any write.
+# ARGV: owner, newest createdAt, rows as [id, row, ...], roles as [role, ...], '1' if it may own.
 APPLY = """
 local owner = redis.call('HGET', KEYS[3], 'owner')
 if owner and owner ~= ARGV[1] then return {'ownership', owner} end
+if not owner and ARGV[5] ~= '1' then return {'unowned', ''} end
 local rows = cmsgpack.unpack(ARGV[3])
-local changed = 0
+local roles = cmsgpack.unpack(ARGV[4])
+local olds = {}
 for i = 1, #rows, 2 do
   local old = redis.call('HGET', KEYS[1], rows[i])
+  if old and old ~= rows[i + 1] and cjson.decode(old)['role'] ~= roles[(i + 1) / 2] then
+    return {'role', rows[i]}
+  end
+  olds[i] = old or false
+end
+local changed = 0
+for i = 1, #rows, 2 do
+  local old = olds[i]
   if not old then
     redis.call('HSET', KEYS[1], rows[i], rows[i + 1])
     redis.call('RPUSH', KEYS[2], rows[i])
@@ -135,8 +154,14 @@ PROCESSED_TTL_S = 7 * 24 * 3600
 _pack = msgspec.msgpack.encode
 
 
-def _pack_rows(rows: list[tuple[str, bytes]]) -> bytes:
+def pack_rows(rows: list[tuple[str, bytes]]) -> bytes:
+    """Rows as a script's argument (see the scripts' comment)."""
     return _pack([x for mid, row in rows for x in (mid, row.decode())])
+
+
+def record_field(resource: str, request_id: str) -> str:
+    """The field of a processed request's record in its thread's `done` hash."""
+    return msgspec.json.encode([resource, request_id]).decode()  # '["r1","req-1"]': unambiguous
 
 
 class Recorded(msgspec.Struct, omit_defaults=True):
@@ -164,21 +189,32 @@ class ThreadState:
     size: int
     rows: dict[str, bytes]  # stored rows of the ids asked for
     elsewhere: dict[str, str]  # asked-for id not stored here -> the other thread that owns it
-    done: dict[str, Recorded] = field(default_factory=dict)  # asked-for request ids processed
+    done: dict[str, Recorded] = field(default_factory=dict)  # asked-for record fields processed
 
 
 class Write(msgspec.Struct, frozen=True, gc=False):
     """One request's effect on its thread (see COMMIT)."""
 
     thread: str
-    request_id: str
+    field: str  # the request's `record_field`
     version: int  # the version the decision saw
-    after: str  # the request of this thread committed just before in the same batch, or ""
+    after: str  # the field of the request of this thread committed just before in the same batch, or ""
     owner: str
     newest_ms: int
-    rows: list[tuple[str, bytes]]
+    rows: bytes  # `pack_rows` of the rows to save
     recorded: bytes
-    new_ids: list[str]  # ids of `rows` not stored in the thread before: to claim first
+    new_ids: list[str]  # ids of the rows not stored in the thread before: to claim first
+
+
+class Save(msgspec.Struct, frozen=True, gc=False):
+    """One `persist-messages` event's rows for its thread (see APPLY)."""
+
+    thread: str
+    owner: str  # the event's resource
+    newest_ms: int
+    rows: list[tuple[str, bytes]]
+    roles: list[str]  # each row's role
+    may_own: bool = False  # the processor's own event: it may set the owner of a thread that has none
 
 
 # A whole batch's commands must be answered within this; redis-py's own socket timeout would
@@ -253,6 +289,8 @@ class HistoryStore:
         raise AssertionError("unreachable")
 
     def keys(self, thread: str) -> list[str]:
+        if "{" in thread or "}" in thread or "%" in thread:  # one whole hash tag (see the layout)
+            thread = thread.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
         base = f"{self.prefix}:t:{{{thread}}}"
         return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:done"]
 
@@ -266,23 +304,23 @@ class HistoryStore:
         return buckets
 
     async def read(self, wanted: dict[str, tuple[list[str], list[str]]]) -> dict[str, ThreadState]:
-        """For each thread, its (message ids, request ids) of interest: one round trip.
+        """For each thread, its (message ids, record fields) of interest: one round trip.
         `elsewhere` is left empty: `owners` fills it for the ids not stored in the thread."""
         commands: list[tuple] = []
-        for thread, (ids, request_ids) in wanted.items():
+        for thread, (ids, fields) in wanted.items():
             rows, _, meta, done = self.keys(thread)
             commands.append(("HMGET", meta, "owner", "version", "newest"))  # first: a write after it is caught as stale
             commands.append(("HLEN", rows))
             if ids:
                 commands.append(("HMGET", rows, *ids))
-            if request_ids:
-                commands.append(("HMGET", done, *request_ids))
+            if fields:
+                commands.append(("HMGET", done, *fields))
         replies = iter(await self._pipeline(commands))
         states = {}
-        for thread, (ids, request_ids) in wanted.items():
+        for thread, (ids, fields) in wanted.items():
             (owner, version, newest), size = next(replies), next(replies)
             rows = next(replies) if ids else ()
-            done = next(replies) if request_ids else ()
+            done = next(replies) if fields else ()
             states[thread] = ThreadState(
                 owner=owner.decode() if owner else None,
                 version=int(version or 0),
@@ -290,7 +328,7 @@ class HistoryStore:
                 size=size,
                 rows={mid: row for mid, row in zip(ids, rows) if row is not None},
                 elsewhere={},
-                done={rid: _RECORDED.decode(v) for rid, v in zip(request_ids, done) if v is not None},
+                done={f: _RECORDED.decode(v) for f, v in zip(fields, done) if v is not None},
             )
         return states
 
@@ -324,7 +362,7 @@ class HistoryStore:
     async def commit(self, writes: list[Write]) -> list[tuple[str, Any]]:
         """Run COMMIT for each write, in order: ('ok', version), ('dup', Recorded), ('stale', version)."""
         calls = [
-            (COMMIT, self.keys(w.thread), [w.request_id, w.version, w.owner, w.newest_ms, w.recorded, w.after, _pack_rows(w.rows), self.processed_ttl])
+            (COMMIT, self.keys(w.thread), [w.field, w.version, w.owner, w.newest_ms, w.recorded, w.after, w.rows, self.processed_ttl])
             for w in writes
         ]
         out = []
@@ -333,13 +371,17 @@ class HistoryStore:
             out.append((status, _RECORDED.decode(value) if status == "dup" else int(value)))
         return out
 
-    async def apply(self, saves: list[tuple[str, str, int, list[tuple[str, bytes]]]]) -> list[str | None]:
-        """Save rows from `persist-messages`, each (thread, owner, newest ms, rows), in order and
-        in one round trip; for each, the owner that refused it, else None."""
+    async def apply(self, saves: list[Save]) -> list[tuple[str, str] | None]:
+        """Save rows from `persist-messages`, in order and in one round trip; for each, None, or
+        why it was refused: ('ownership', the thread's owner), ('unowned', ''), ('role', the id
+        of the row whose role it would change)."""
         if not saves:
             return []
-        calls = [(APPLY, self.keys(thread), [owner, newest_ms, _pack_rows(rows)]) for thread, owner, newest_ms, rows in saves]
-        return [value.decode() if status == b"ownership" else None for status, value in await self._run(calls)]
+        calls = [
+            (APPLY, self.keys(s.thread), [s.owner, s.newest_ms, pack_rows(s.rows), _pack(s.roles), "1" if s.may_own else "0"])
+            for s in saves
+        ]
+        return [None if status == b"ok" else (status.decode(), value.decode()) for status, value in await self._run(calls)]
 
     async def thread_rows(self, thread: str) -> list[bytes]:
         """A thread's rows in save order."""

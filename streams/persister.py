@@ -4,8 +4,19 @@ Services that save messages of a thread (the agent runner saving its replies) pu
 on `persist-messages`, and so does the processor. This applies each event's rows, byte for byte, to its
 thread: new rows are appended in order, a changed row replaces the stored one, an unchanged
 row does nothing, so the processor's own events (and any event applied twice) change nothing.
-It never moves or changes a message of another thread: an event naming an id that another
-thread owns, or a thread owned by another resource, goes to the dead-letter topic whole.
+
+What a writer of `persist-messages` may do (the README's security model): save rows in a
+thread that already has an owner, naming that owner as the event's resource. So an event goes
+to the dead-letter topic whole, before it writes or claims anything, when:
+- it does not decode, or is not keyed by its thread id (as a request: `streams/filter.py`);
+- its thread has no owner yet (`ownership`): only the processor's first save sets the owner,
+  so no writer can take a thread before its resource's first request;
+- its thread belongs to another resource (`ownership`);
+- it names a message id that another thread owns (`foreign-message-id`);
+- it would change the role of a stored row (`role`);
+- it claims to be the processor's (header `memfilter.origin`) but its signature does not
+  verify (`origin`, see `streams/origin.py`). The processor's own, verified, events may set
+  the owner of a thread that has none: a rebuild applies them as the live writes happened.
 """
 
 from __future__ import annotations
@@ -13,9 +24,10 @@ from __future__ import annotations
 import msgspec
 
 from schemas.wire import Message, PersistMessagesOf
-from streams.filter import Rejection, parse_ms
-from streams.history import HistoryStore
-from streams.processor import Out, Record, dead_letter
+from streams import origin
+from streams.filter import Rejected, Rejection, decode_json, parse_ms
+from streams.history import HistoryStore, Save
+from streams.processor import Out, Record, dead_letter, internal_error
 
 # The value is decoded twice, as the filter does a request: typed to validate and read it,
 # raw to save each row byte for byte, as the processor saves its own.
@@ -24,22 +36,29 @@ _RAW = msgspec.json.Decoder(PersistMessagesOf[msgspec.Raw])
 
 
 def _rows(event: PersistMessagesOf[Message], raw: PersistMessagesOf[msgspec.Raw]) -> list[tuple[str, bytes]]:
-    """The event's rows as (id, JSON); raise ValueError naming what is wrong."""
+    """The event's rows as (id, JSON); raise Rejected naming what is wrong."""
     rows = []
     for i, (m, row) in enumerate(zip(event.messages, raw.messages)):
         if m.id is msgspec.UNSET:
-            raise ValueError(f"schema: messages[{i}] has no id; saved rows need one")
+            raise Rejected("schema", f"messages[{i}] has no id; saved rows need one")
         for field, got, want in (("threadId", m.threadId, event.threadId), ("resourceId", m.resourceId, event.resourceId)):
             if got is not msgspec.UNSET and got != want:
-                raise ValueError(f"thread-mismatch: messages[{i}] has {field} {got!r}, the event is for {want!r}")
+                raise Rejected("thread-mismatch", f"messages[{i}] has {field} {got!r}, the event is for {want!r}")
         rows.append((m.id, bytes(row)))
     return rows
 
 
+class _Event(msgspec.Struct, gc=False):
+    event: PersistMessagesOf[Message]
+    rows: list[tuple[str, bytes]]
+    processors: bool  # signed by the processor (`streams/origin.py`)
+
+
 class Persister:
-    def __init__(self, store: HistoryStore, dlq_topic: str):
+    def __init__(self, store: HistoryStore, dlq_topic: str, secret: bytes = b""):
         self.store = store
         self.dlq_topic = dlq_topic
+        self.secret = secret  # MEMFILTER_SECRET, which verifies the processor's own events
 
     async def process(self, records: list[Record]) -> list[Out]:
         """Apply the records in order; return the dead letters. A batch takes three round
@@ -55,58 +74,82 @@ class Persister:
         Only a writer racing between 1 and 3 can make 2 or 3 refuse an event that 1 let
         through: its claims that did succeed then stay with its thread."""
         errors: list[Rejection | None] = [None] * len(records)
-        events = []
+        events: list[tuple[int, _Event]] = []
         for i, record in enumerate(records):
-            decoded = _decode(record)
-            if isinstance(decoded, Rejection):
-                errors[i] = decoded
-            else:
-                events.append((i, *decoded))
-        ids = list(dict.fromkeys(mid for _, _, rows in events for mid, _ in rows))
-        holders, owners = await self.store.owners(ids, list(dict.fromkeys(event.threadId for _, event, _ in events)))
+            try:
+                events.append((i, self._decode(record)))
+            except Rejected as e:
+                errors[i] = Rejection(e.type, e.message)
+            except Exception as e:
+                errors[i] = internal_error(record, e)
+        ids = list(dict.fromkeys(mid for _, e in events for mid, _ in e.rows))
+        holders, owners = await self.store.owners(ids, list(dict.fromkeys(e.event.threadId for _, e in events)))
         checked = []
-        for i, event, rows in events:
-            errors[i] = _refusal(event, rows, owners, holders)
+        for i, e in events:
+            errors[i] = _refusal(e, owners, holders)
             if errors[i] is None:
-                checked.append((i, event, rows))
-                if rows:  # what this event leaves for the ones after it
-                    owners.setdefault(event.threadId, event.resourceId)
-                    holders.update((mid, event.threadId) for mid, _ in rows)
-        held = iter(await self.store.claim([(mid, event.threadId) for _, event, rows in checked for mid, _ in rows]))
+                checked.append((i, e))
+                if e.rows:  # what this event leaves for the ones after it
+                    owners.setdefault(e.event.threadId, e.event.resourceId)
+                    holders.update((mid, e.event.threadId) for mid, _ in e.rows)
+        held = iter(await self.store.claim([(mid, e.event.threadId) for _, e in checked for mid, _ in e.rows]))
         saves = []
-        for i, event, rows in checked:
-            errors[i] = _refusal(event, rows, {}, {mid: other for (mid, _), other in zip(rows, [next(held) for _ in rows]) if other})
+        for i, e in checked:
+            taken = {mid: other for (mid, _), other in zip(e.rows, [next(held) for _ in e.rows]) if other}
+            errors[i] = _refusal(e, {e.event.threadId: e.event.resourceId}, taken)
             if errors[i] is None:
-                saves.append((i, event, rows))
+                saves.append((i, e))
         refused = await self.store.apply(
-            [(event.threadId, event.resourceId, max((parse_ms(m.createdAt) or -1 for m in event.messages), default=-1), rows) for _, event, rows in saves]
+            [
+                Save(
+                    e.event.threadId,
+                    e.event.resourceId,
+                    max((parse_ms(m.createdAt) or -1 for m in e.event.messages), default=-1),
+                    e.rows,
+                    [m.role for m in e.event.messages],
+                    e.processors,
+                )
+                for _, e in saves
+            ]
         )
-        for (i, event, rows), owner in zip(saves, refused):
-            if owner is not None:
-                errors[i] = _refusal(event, rows, {event.threadId: owner}, {})
+        for (i, e), why in zip(saves, refused):
+            if why is not None:
+                errors[i] = _refused_by_store(e, *why)
         return [dead_letter(record, self.dlq_topic, error) for record, error in zip(records, errors) if error is not None]
 
+    def _decode(self, record: Record) -> _Event:
+        """The record's event and rows; raise Rejected naming what is wrong."""
+        event = decode_json(_TYPED, record.value, "persist-messages value", "PersistMessages")
+        if record.key is None or record.key != event.threadId.encode():
+            raise Rejected("key-mismatch", f"record key {record.key!r} is not the event's threadId {event.threadId!r}; key records by thread id")
+        processors = origin.is_processors(record.value, record.headers, self.secret)
+        if origin.claims_origin(record.headers) and not processors:
+            raise Rejected("origin", "the event claims memfilter.origin: processor but its signature does not verify; only the processor sets that header")
+        return _Event(event, _rows(event, _RAW.decode(record.value)), processors)
 
-def _refusal(event: PersistMessagesOf[Message], rows: list[tuple[str, bytes]], owners: dict[str, str], holders: dict[str, str]) -> Rejection | None:
+
+def _refusal(e: _Event, owners: dict[str, str], holders: dict[str, str]) -> Rejection | None:
     """Why the event may not be saved, given the threads' owning resources and the ids' owning threads."""
-    owner = owners.get(event.threadId)
-    if owner is not None and owner != event.resourceId:
-        return Rejection("ownership", f"thread {event.threadId} belongs to resource {owner}; rows from {event.resourceId} not saved")
-    for mid, _ in rows:
-        other = holders.get(mid, event.threadId)
-        if other != event.threadId:
-            return Rejection("foreign-message-id", f"message id {mid} belongs to thread {other}; not saved in {event.threadId}")
+    thread, resource = e.event.threadId, e.event.resourceId
+    owner = owners.get(thread)
+    if owner is not None and owner != resource:
+        return Rejection("ownership", f"thread {thread} belongs to resource {owner}; rows from {resource} not saved")
+    if owner is None and not e.processors:
+        return _refused_by_store(e, "unowned", "")
+    for mid, _ in e.rows:
+        other = holders.get(mid, thread)
+        if other != thread:
+            return Rejection("foreign-message-id", f"message id {mid} belongs to thread {other}; not saved in {thread}")
     return None
 
 
-def _decode(record: Record) -> tuple[PersistMessagesOf[Message], list[tuple[str, bytes]]] | Rejection:
-    """The event and its rows, or why it is rejected."""
-    try:
-        event = _TYPED.decode(record.value)
-        return event, _rows(event, _RAW.decode(record.value))
-    except msgspec.DecodeError as e:
-        kind = "schema" if isinstance(e, msgspec.ValidationError) else "decode"
-        return Rejection(kind, f"persist-messages value is not PersistMessages: {e}")
-    except ValueError as e:
-        kind, message = str(e).split(": ", 1)
-        return Rejection(kind, message)
+def _refused_by_store(e: _Event, why: str, detail: str) -> Rejection:
+    thread, resource = e.event.threadId, e.event.resourceId
+    if why == "ownership":
+        return Rejection("ownership", f"thread {thread} belongs to resource {detail}; rows from {resource} not saved")
+    if why == "unowned":
+        return Rejection(
+            "ownership",
+            f"thread {thread} has no owner yet; rows from {resource} not saved (only the processor's first save of a request sets the owner: publish the thread's first request on chat-requests)",
+        )
+    return Rejection("role", f"message {detail} is stored in thread {thread} with another role; an event cannot change a stored message's role")

@@ -19,15 +19,23 @@ Steps 1-4 run in concurrent lanes, each with a share of the batch's threads (all
 thread's records in one lane) and round trips of its own, so that Redis works on one lane's
 commands while the worker decodes or decides another's.
 
-A request already recorded as processed is not decided again: what was recorded is emitted
-again, byte for byte, so re-delivery after a crash changes nothing. A thread whose stored
+A request already recorded as processed (by the same resource: see `record_field`) is not
+decided again: what was recorded is emitted again, byte for byte, so re-delivery after a crash
+changes nothing. A rejection is not recorded and writes nothing. A thread whose stored
 version moved under the batch (another writer) or whose new id was claimed meanwhile by
 another thread is read and decided again from that request on.
+
+No record stops the worker: what a record holds is checked once, at decoding (the filter's
+`decode_json`), and any other error while one record is decoded, decided or made into outputs
+dead-letters that record alone (`error.type` `internal`, logged with its position). Only what
+is not about one record (Redis or Kafka failing) goes up to the record loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,6 +44,7 @@ from time import perf_counter
 import msgspec
 
 from schemas.wire import FilteredInput, PersistMessages, Source
+from streams import origin
 from streams.filter import (
     Limits,
     Rejected,
@@ -48,12 +57,11 @@ from streams.filter import (
     lookup_ids,
     parse_ms,
 )
-from streams.history import HistoryStore, Recorded, ThreadState, Write, encode_recorded
+from streams.history import HistoryStore, Recorded, ThreadState, Write, encode_recorded, pack_rows, record_field
 from streams.metrics import Metrics
 
+log = logging.getLogger("memfilter")
 
-# Header on the processor's own `persist-messages` events: saved already, the persister skips them.
-ORIGIN = ("memfilter.origin", b"processor")
 # A batch's threads are split into lanes that go through steps 1-4 concurrently, each on its
 # own Redis connection: while some lanes wait for Redis, another decodes or decides. Threads
 # are independent, so lanes need no ordering between them. A lane per LANE_RECORDS records,
@@ -119,6 +127,11 @@ class _Pending:
     request: Request
     outcome: str = ""  # the filter's outcome, "rejected", or "redelivered" (a metric's label)
 
+    @functools.cached_property
+    def field(self) -> str:
+        """Where the request's record is kept (`record_field`)."""
+        return record_field(self.request.shape.resourceId, self.request.request_id)
+
 
 @dataclass
 class _Thread:
@@ -129,24 +142,36 @@ class _Thread:
     planned: list[tuple[_Pending, Write | None, Recorded]] = field(default_factory=list)
 
 
+def internal_error(record: Record, e: Exception) -> Rejection:
+    """An unexpected error while handling one record: logged with the record's position."""
+    where = f"{record.topic}-{record.partition}-{record.offset}"
+    log.error("record %s: unexpected %s; dead-lettered", where, type(e).__name__, exc_info=e)
+    return Rejection("internal", f"unexpected {type(e).__name__} while handling record {where}: {str(e)[:200]}; report it")
+
+
 class Processor:
-    def __init__(self, store: HistoryStore, topics: Topics = Topics(), limits: Limits = Limits(), metrics: Metrics | None = None):
+    def __init__(
+        self,
+        store: HistoryStore,
+        topics: Topics = Topics(),
+        limits: Limits = Limits(),
+        metrics: Metrics | None = None,
+        secret: bytes = b"",
+    ):
         self.store = store
         self.topics = topics
         self.limits = limits
         self.metrics = metrics or store.metrics
+        self.secret = secret  # MEMFILTER_SECRET: server-assigned message ids, and the signature of persist events
 
     async def process(self, records: list[Record]) -> list[Out]:
         outs: list[list[Out]] = [[] for _ in records]
-        # A record goes to the lane of its key, the thread id; a record without a key is
-        # decoded here to learn its thread. A thread's records so share one lane, in order.
+        # A record goes to the lane of its key, the thread id (a record without one is
+        # rejected), so a thread's records share one lane, in order.
         n = min(MAX_LANES, max(1, len(records) // LANE_RECORDS))
-        lanes: list[list[tuple[int, Record, Request | None]]] = [[] for _ in range(n)]
+        lanes: list[list[tuple[int, Record]]] = [[] for _ in range(n)]
         for i, record in enumerate(records):
-            if record.key is not None:
-                lanes[zlib.crc32(record.key) % n].append((i, record, None))
-            elif (request := self._decode(i, record, outs)) is not None:
-                lanes[zlib.crc32(request.shape.threadId.encode()) % n].append((i, record, request))
+            lanes[zlib.crc32(record.key or b"") % n].append((i, record))
         tasks = [asyncio.ensure_future(self._lane(lane, outs)) for lane in lanes if lane]
         try:
             await asyncio.gather(*tasks)
@@ -162,19 +187,23 @@ class Processor:
     def _decode(self, i: int, record: Record, outs: list[list[Out]]) -> Request | None:
         """The record's request, or None after putting its dead letter in `outs`."""
         try:
-            request = decode_request(record.value, f"{record.topic}-{record.partition}-{record.offset}", self.limits)
-            check_key(request, record.key.decode(errors="replace") if record.key is not None else None)
+            request = decode_request(record.value, f"{record.topic}-{record.partition}-{record.offset}", self.limits, self.secret)
+            check_key(request, record.key)
         except Rejected as e:
-            outs[i].append(dead_letter(record, self.topics.dlq, Rejection(e.type, e.message)))
-            self.metrics.requests.labels("rejected").inc()
-            return None
-        return request
+            error = Rejection(e.type, e.message)
+        except Exception as e:
+            error = internal_error(record, e)
+        else:
+            return request
+        outs[i].append(dead_letter(record, self.topics.dlq, error))
+        self.metrics.requests.labels("rejected").inc()
+        return None
 
-    async def _lane(self, items: list[tuple[int, Record, Request | None]], outs: list[list[Out]]) -> None:
+    async def _lane(self, items: list[tuple[int, Record]], outs: list[list[Out]]) -> None:
         """Decode a lane's records, then rounds until every request is decided and committed."""
         threads: dict[str, _Thread] = {}
-        for i, record, request in items:
-            if request is None and (request := self._decode(i, record, outs)) is None:
+        for i, record in items:
+            if (request := self._decode(i, record, outs)) is None:
                 continue
             threads.setdefault(request.shape.threadId, _Thread([])).requests.append(_Pending(i, record, request))
         while threads:
@@ -186,7 +215,7 @@ class Processor:
         for thread, t in threads.items():
             todo = t.requests[t.next :]
             ids = list(dict.fromkeys(mid for p in todo for mid in lookup_ids(p.request)))
-            wanted[thread] = (ids, [p.request.request_id for p in todo])
+            wanted[thread] = (ids, [p.field for p in todo])
         states = await self.store.read(wanted)
         unknown = {mid for thread, (ids, _) in wanted.items() for mid in ids if mid not in states[thread].rows}
         owners: dict[str, str] = {}
@@ -236,38 +265,50 @@ class Processor:
         recorded_here: dict[str, Recorded] = {}
         after = ""
         for p in t.requests[t.next :]:
-            request = p.request
-            earlier = state.done.get(request.request_id) or recorded_here.get(request.request_id)
+            earlier = state.done.get(p.field) or recorded_here.get(p.field)
             if earlier is not None:
                 p.outcome = "redelivered"
                 planned.append((p, None, earlier))
                 continue
-            view = StoredView(state.rows, state.elsewhere, state.owner, state.size, state.newest_ms)
-            started = perf_counter()
-            decision = decide(request, view, p.record.timestamp_ms)
-            self.metrics.decision.observe(perf_counter() - started)
-            p.outcome = decision.outcome
-            rec, rows = self._record(p, decision, state.version)
-            newest = max((parse_ms(r.get("createdAt")) or -1 for r in decision.persist), default=-1)
-            new_ids = [mid for mid, _ in rows if mid not in state.rows]
-            write = Write(
-                thread, request.request_id, state.version, after, request.shape.resourceId, newest, rows, encode_recorded(rec), new_ids
-            )
+            try:
+                write, rec = self._decide(p, state, after)
+            except Exception as e:
+                write, rec = None, Recorded(error=internal_error(p.record, e))
+            if write is None:  # a rejection: nothing written, nothing recorded
+                p.outcome = "rejected"
+                planned.append((p, None, rec))
+                continue
             planned.append((p, write, rec))
-            recorded_here[request.request_id] = rec
-            after = request.request_id
-            if rows:  # the overlay: what the next request of the batch sees
-                state.size += sum(1 for mid, _ in rows if mid not in state.rows)
-                state.rows.update(rows)
-                state.version += 1
-                state.owner = state.owner or request.shape.resourceId
-                state.newest_ms = max(state.newest_ms or -1, newest)
+            recorded_here[p.field] = rec
+            after = p.field
         return planned
+
+    def _decide(self, p: _Pending, state: ThreadState, after: str) -> tuple[Write | None, Recorded]:
+        """One request's decision, its write (None for a rejection) and what it emits; what it
+        saves goes into `state`, the overlay the thread's next request of the batch sees."""
+        request = p.request
+        view = StoredView(state.rows, state.elsewhere, state.owner, state.size, state.newest_ms)
+        started = perf_counter()
+        decision = decide(request, view, p.record.timestamp_ms)
+        self.metrics.decision.observe(perf_counter() - started)
+        p.outcome = decision.outcome
+        if decision.error is not None:
+            return None, Recorded(error=decision.error)
+        rec, rows = self._record(p, decision, state.version)
+        newest = max((parse_ms(r.get("createdAt")) or -1 for r in decision.persist), default=-1)
+        new_ids = [mid for mid, _ in rows if mid not in state.rows]
+        shape = request.shape
+        write = Write(shape.threadId, p.field, state.version, after, shape.resourceId, newest, pack_rows(rows), encode_recorded(rec), new_ids)
+        if rows:
+            state.size += len(new_ids)
+            state.rows.update(rows)
+            state.version += 1
+            state.owner = state.owner or shape.resourceId
+            state.newest_ms = max(state.newest_ms or -1, newest)
+        return write, rec
 
     def _record(self, p: _Pending, decision, version: int) -> tuple[Recorded, list[tuple[str, bytes]]]:
         shape = p.request.shape
-        if decision.error is not None:
-            return Recorded(error=decision.error), []
         source = Source(p.record.topic, p.record.partition, p.record.offset)
         filtered = FilteredInput(
             p.request.request_id, shape.threadId, shape.resourceId, decision.outcome, decision.messages, decision.dropped, source, version
@@ -289,5 +330,6 @@ class Processor:
             return [dead_letter(p.record, self.topics.dlq, rec.error)]
         outs = [Out(self.topics.filtered, key, bytes(rec.filtered), ts)]
         if rec.persist is not msgspec.UNSET:
-            outs.append(Out(self.topics.persist, key, bytes(rec.persist), ts))
+            persist = bytes(rec.persist)
+            outs.append(Out(self.topics.persist, key, persist, ts, origin.headers(persist, self.secret)))
         return outs

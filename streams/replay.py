@@ -1,8 +1,9 @@
 """History from `persist-messages`: the disaster-recovery rebuild and the audit replay.
 
 Every save of a thread's history is an event on `persist-messages`: the processor's own (one
-per request that saved rows, header `memfilter.origin: processor`) and other services' (the
-agent runner's replies). Applied in order per thread, they rebuild the history; each event that
+per request that saved rows, signed by it: `streams/origin.py`) and other services' (the
+agent runner's replies). Both apply them with the persister's own code and rules, so an event
+the live persister refused is refused here too. Applied in order per thread, they rebuild the history; each event that
 changes something moves the thread's version by one, exactly as the live writes did, so the
 version a decision saw (`historyVersion` on its filtered input) says how far to apply.
 
@@ -30,10 +31,11 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas.wire import FilteredInput, PersistMessages
+from streams import origin
 from streams.filter import Limits
 from streams.history import HistoryStore
 from streams.persister import Persister
-from streams.processor import ORIGIN, Processor, Record, Topics
+from streams.processor import Processor, Record, Topics
 
 # Events a rebuild hands the persister at a time: three Redis round trips each.
 REBUILD_BATCH = 1000
@@ -109,12 +111,13 @@ async def _offsets(consumer, tps, position, default, last) -> dict[TopicPartitio
     return {tp: found[tp].offset if found[tp] is not None else last[tp] for tp in tps}
 
 
-async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, progress: Progress | None = None) -> tuple[int, int]:
+async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: bytes, progress: Progress | None = None) -> tuple[int, int]:
     """Replace what is under `store`'s prefix with every `persist-messages` event applied in
-    order; (events applied, events refused). Stop the workers using that prefix first."""
+    order; (events applied, events refused). Stop the workers using that prefix first.
+    `secret` is the deployment's MEMFILTER_SECRET, which tells the processor's events."""
     events = await read_topic(bootstrap, topics.persist)
     await _drop(store)
-    persister = Persister(store, topics.dlq)
+    persister = Persister(store, topics.dlq, secret)
     refused = 0
     for start in range(0, len(events), REBUILD_BATCH):
         chunk = events[start : start + REBUILD_BATCH]
@@ -154,6 +157,7 @@ async def replay(
     bootstrap: str,
     topics: Topics,
     store_of: Callable[[str], HistoryStore],
+    secret: bytes,
     start=None,
     end=None,
     limits: Limits = Limits(),
@@ -178,10 +182,11 @@ async def replay(
     saves: dict[str, list[Record]] = {}  # thread -> its persist events in log order
     persist_decoder = msgspec.json.Decoder(PersistMessages)
     for r in persisted:
-        event = persist_decoder.decode(r.value)
-        if ORIGIN in r.headers:
-            recorded_persist.setdefault(event.requestId, r.value)
-        saves.setdefault(event.threadId, []).append(r)
+        if r.key is None:
+            continue  # not keyed by a thread: the persister refused it live
+        if origin.is_processors(r.value, r.headers, secret):
+            recorded_persist.setdefault(persist_decoder.decode(r.value).requestId, r.value)
+        saves.setdefault(r.key.decode(errors="replace"), []).append(r)
     recorded_dead = {}
     for r in dead:
         h = dict(r.headers)
@@ -190,8 +195,8 @@ async def replay(
             recorded_dead.setdefault(key, h.get("error.type", b"").decode())
 
     store = store_of(f"replay-{uuid.uuid4().hex[:12]}")
-    processor = Processor(store, topics, limits)
-    persister = Persister(store, topics.dlq)
+    processor = Processor(store, topics, limits, secret=secret)
+    persister = Persister(store, topics.dlq, secret)
     applied: dict[str, int] = {}  # thread -> persist events applied so far
     report = Report()
     try:
@@ -237,7 +242,7 @@ class _Id(msgspec.Struct):
 def _request_id(record: Record) -> str | None:
     try:
         return msgspec.json.decode(record.value, type=_Id).requestId
-    except msgspec.DecodeError:
+    except Exception:  # anything a client can publish: the processor rejected it
         return None
 
 

@@ -26,6 +26,7 @@ class WorkerSettings:
     data_dir: str
     session_timeout: float  # seconds before a silent worker's partitions go to the others
     processed_ttl: int  # seconds a thread's processed-request records outlive its last request
+    secret: bytes  # MEMFILTER_SECRET: keys server-assigned message ids and signs the processor's persist events
 
     @classmethod
     def from_env(cls, env=os.environ) -> WorkerSettings:
@@ -52,4 +53,5 @@ class WorkerSettings:
             data_dir=env.get("MEMFILTER_DATA_DIR", os.path.join(tempfile.gettempdir(), f"memfilter-{group}")),
             session_timeout=float(env.get("MEMFILTER_SESSION_TIMEOUT", 10)),
             processed_ttl=int(env.get("MEMFILTER_PROCESSED_TTL", PROCESSED_TTL_S)),
+            secret=env.get("MEMFILTER_SECRET", "").encode(),
         )

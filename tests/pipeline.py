@@ -44,6 +44,7 @@ class Pipeline:
     name: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
     partitions: int = 8
     workers: list[subprocess.Popen] = field(default_factory=list)
+    secret: bytes = field(default_factory=lambda: uuid.uuid4().hex.encode())  # the pipeline's MEMFILTER_SECRET
 
     @property
     def topics(self) -> Topics:
@@ -66,6 +67,7 @@ class Pipeline:
             "MEMFILTER_TOPIC_PERSIST": t.persist,
             "MEMFILTER_TOPIC_DLQ": t.dlq,
             "MEMFILTER_DATA_DIR": f"/tmp/memfilter-test-{self.name}",
+            "MEMFILTER_SECRET": self.secret.decode(),
             **extra,
         }
 
@@ -120,15 +122,15 @@ class Pipeline:
         return client, HistoryStore(client, self.prefix)
 
 
-async def publish(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, bytes, int]]) -> int:
-    """Publish (key, value, timestamp ms) records in order; the number published."""
+async def publish(bootstrap: str, topic: str, records: Iterable[tuple]) -> int:
+    """Publish (key, value, timestamp ms[, headers]) records in order; the number published."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_request_size=4 << 20)
     await producer.start()
     n = 0
     try:
         pending = []
-        for key, value, ts in records:
-            pending.append(await producer.send(topic, value, key=key, timestamp_ms=ts))
+        for key, value, ts, *headers in records:
+            pending.append(await producer.send(topic, value, key=key, timestamp_ms=ts, headers=list(headers[0]) if headers else None))
             n += 1
         await asyncio.gather(*pending)
     finally:

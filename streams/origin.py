@@ -1,0 +1,39 @@
+"""The processor's mark on its own `persist-messages` events, which no other writer can forge.
+
+The processor saves a request's rows in Redis itself and also publishes them on
+`persist-messages`, so that the log holds every write. A worker must skip those events (they
+are saved already), and `memfilter history rebuild` must apply them with the processor's
+rights: the first save of a thread sets its owner, which no other writer may do. Other
+services write the same topic, so a header alone would let any of them pass an event off as
+the processor's: skipped live but applied by a rebuild, the two histories would differ.
+
+So the processor signs each event it publishes: header `memfilter.origin: processor`, and
+`memfilter.signature`, the HMAC-SHA256 of the value under the deployment's secret
+(MEMFILTER_SECRET). Live and in a rebuild alike, an event is the processor's exactly when its
+signature verifies; one that claims the origin without it is refused in both (`origin`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+ORIGIN = ("memfilter.origin", b"processor")
+SIGNATURE = "memfilter.signature"
+
+
+def headers(value: bytes, secret: bytes) -> tuple[tuple[str, bytes], ...]:
+    """The headers that mark `value` as the processor's."""
+    return (ORIGIN, (SIGNATURE, hmac.digest(secret, value, hashlib.sha256).hex().encode()))
+
+
+def claims_origin(headers: tuple[tuple[str, bytes], ...]) -> bool:
+    return ORIGIN in headers
+
+
+def is_processors(value: bytes | None, headers: tuple[tuple[str, bytes], ...], secret: bytes) -> bool:
+    """Does the record carry the processor's mark, with a signature that verifies?"""
+    if ORIGIN not in headers or value is None:
+        return False
+    signature = next((v for k, v in headers if k == SIGNATURE), b"")
+    return hmac.compare_digest(signature, hmac.digest(secret, value, hashlib.sha256).hex().encode())
