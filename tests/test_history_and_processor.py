@@ -17,11 +17,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from streams.history import HistoryStore
+from streams import origin
+from streams.history import HistoryStore, Save
 from streams.persister import Persister
 from streams.processor import Processor, Record, Topics
 
 T0 = 1772366400000
+SECRET = b"the-tests-secret-0123456789"
 
 
 def msg(mid, role="user", text="hi", **extra):
@@ -93,7 +95,7 @@ class TestBatches:
             async def commit_after_a_concurrent_save(writes):
                 if not getattr(commit_after_a_concurrent_save, "done", False):
                     commit_after_a_concurrent_save.done = True
-                    await store.apply([("t", "r1", T0, [("a0", msgspec.json.encode(reply))])])
+                    await store.apply([Save("t", "r1", T0, [("a0", msgspec.json.encode(reply))], ["assistant"])])
                 return await commit(writes)
 
             store.commit = commit_after_a_concurrent_save
@@ -162,18 +164,15 @@ class TestProcessedRecords:
 
 
 class TestLanes:
-    def test_a_large_batch_keeps_each_threads_order_across_lanes_with_and_without_keys(self, with_store):
-        """600 requests over 40 threads in one batch (several lanes): each thread's requests,
-        some keyed by thread and some without a key, are decided in offset order, each
-        seeing what the one before saved."""
+    def test_a_large_batch_keeps_each_threads_order_across_lanes(self, with_store):
+        """600 requests over 40 threads in one batch (several lanes): each thread's requests
+        are decided in offset order, each seeing what the one before saved."""
         threads = [f"lane-t{i}" for i in range(40)]
-        batch = []
-        for k in range(15):
-            for n, thread in enumerate(threads):
-                r = record(thread, [msg(f"{thread}-u{j}") for j in range(k + 1)], len(batch), f"{thread}-q{k}")
-                if (n + k) % 3 == 0:
-                    r = Record(r.topic, r.partition, r.offset, r.timestamp_ms, None, r.value)
-                batch.append(r)
+        batch = [
+            record(thread, [msg(f"{thread}-u{j}") for j in range(k + 1)], 40 * k + n, f"{thread}-q{k}")
+            for k in range(15)
+            for n, thread in enumerate(threads)
+        ]
 
         async def go(store):
             p = Processor(store)
@@ -190,6 +189,18 @@ class TestLanes:
             saved = [[m["id"] for m in e["messages"]] for e in outputs(outs, Topics().persist) if e["threadId"] == thread]
             assert saved == [[f"{thread}-u{k}"] for k in range(15)]  # only what the one before had not saved
             assert stored[thread] == [f"{thread}-u{k}" for k in range(15)]
+
+    def test_a_record_without_a_key_is_a_dead_letter_and_its_threads_next_request_is_decided(self, with_store):
+        keyed = record("t", [msg("u0")], 0, "q0")
+        unkeyed = Record("chat-requests", 0, 1, T0, None, record("t", [msg("u1")], 1, "q1").value)
+        after = record("t", [msg("u2")], 2, "q2")
+
+        async def go(store):
+            return await Processor(store).process([keyed, unkeyed, after])
+
+        outs = with_store(go)
+        assert [dict(o.headers)["error.type"] for o in outs if o.topic == Topics().dlq] == [b"key-mismatch"]
+        assert [e["requestId"] for e in outputs(outs, Topics().filtered)] == ["q0", "q2"]
 
 
 class TestRedisTrouble:
@@ -258,17 +269,19 @@ class TestRedisTrouble:
 
 
 class TestPersister:
-    def event(self, thread, rows, resource="r1"):
-        value = {"requestId": "x", "threadId": thread, "resourceId": resource, "messages": rows}
-        return Record("persist-messages", 0, 0, T0, thread.encode(), json.dumps(value).encode())
+    def event(self, thread, rows, resource="r1", processors=False, headers=()):
+        """A persist-messages record; `processors`: signed as the processor signs its own."""
+        value = json.dumps({"requestId": "x", "threadId": thread, "resourceId": resource, "messages": rows}).encode()
+        headers = origin.headers(value, SECRET) if processors else headers
+        return Record("persist-messages", 0, 0, T0, thread.encode(), value, tuple(headers))
 
     def test_applying_an_event_twice_changes_nothing(self, with_store):
         async def go(store):
-            persister = Persister(store, "dlq")
+            persister = Persister(store, "dlq", SECRET)
             rows = [msg("a0", role="assistant", threadId="t", createdAt="2026-03-01T10:00:00Z")]
-            assert await persister.process([self.event("t", rows)]) == []
+            assert await persister.process([self.event("t", rows, processors=True)]) == []
             version = await store.redis.hget(store.keys("t")[2], "version")
-            assert await persister.process([self.event("t", rows)]) == []
+            assert await persister.process([self.event("t", rows, processors=True)]) == []
             return version, await store.redis.hget(store.keys("t")[2], "version"), await store.thread_rows("t")
 
         before, after, rows = with_store(go)
@@ -278,19 +291,21 @@ class TestPersister:
         call = {"state": "result", "toolCallId": "c1", "toolName": "book", "args": {"seats": 2}, "result": {"ok": True}}
         turn = {"id": "a1", "role": "assistant", "content": {"format": 2, "parts": [{"type": "tool-invocation", "toolInvocation": call}]}}
 
+        first = msg("u0", threadId="t")
+
         async def go(store):
-            letters = await Persister(store, "dlq").process([self.event("t", [turn])])
+            letters = await Persister(store, "dlq", SECRET).process([self.event("t", [first], processors=True), self.event("t", [turn])])
             return letters, [json.loads(r) for r in await store.thread_rows("t")]
 
         letters, rows = with_store(go)
-        assert letters == [] and rows == [turn]
+        assert letters == [] and rows == [first, turn]
 
     def test_the_processors_own_events_applied_again_change_nothing(self, with_store):
         async def go(store):
-            outs = await Processor(store).process([record("t", [msg("u0")], 0, "q0")])
+            outs = await Processor(store, secret=SECRET).process([record("t", [msg("u0")], 0, "q0")])
             [persist] = [o for o in outs if o.topic == Topics().persist]
             version = await store.redis.hget(store.keys("t")[2], "version")
-            letters = await Persister(store, "dlq").process([Record("persist-messages", 0, 0, T0, b"t", persist.value)])
+            letters = await Persister(store, "dlq", SECRET).process([Record("persist-messages", 0, 0, T0, b"t", persist.value, persist.headers)])
             return letters, version, await store.redis.hget(store.keys("t")[2], "version")
 
         letters, before, after = with_store(go)
@@ -300,17 +315,17 @@ class TestPersister:
         """Later events of the batch see what earlier ones claimed and saved, and what earlier
         ones were refused for did not claim their ids."""
         batch = [
-            self.event("other", [msg("e1", threadId="other")]),
-            self.event("t", [msg("t0", threadId="t")]),
+            self.event("other", [msg("e1", threadId="other")], processors=True),
+            self.event("t", [msg("t0", threadId="t")], processors=True),
             self.event("t", [msg("x1", threadId="t"), msg("e1", threadId="t")]),  # e1: claimed by the first event
             self.event("t", [msg("n1", threadId="t")], resource="intruder"),  # t is r1's since the second
             Record("persist-messages", 0, 4, T0, b"t", b"{not json"),
             self.event("t", [msg("t1", threadId="t")]),
-            self.event("u", [msg("x1", threadId="u"), msg("n1", threadId="u")]),  # ids of refused events: free
+            self.event("u", [msg("x1", threadId="u"), msg("n1", threadId="u")], processors=True),  # ids of refused events: free
         ]
 
         async def go(store):
-            letters = await Persister(store, "dlq").process(batch)
+            letters = await Persister(store, "dlq", SECRET).process(batch)
             rows = {t: [json.loads(r)["id"] for r in await store.thread_rows(t)] for t in ("t", "other", "u")}
             return letters, rows, store.metrics.value("memfilter_redis_round_trips_total")
 
@@ -330,9 +345,9 @@ class TestPersister:
         that sends it would be refused as reusing t's message."""
 
         async def go(store):
-            persister = Persister(store, "dlq")
-            assert await persister.process([self.event("other", [msg("e1", threadId="other")])]) == []
-            assert await persister.process([self.event("t", [msg("t0", threadId="t")])]) == []
+            persister = Persister(store, "dlq", SECRET)
+            assert await persister.process([self.event("other", [msg("e1", threadId="other")], processors=True)]) == []
+            assert await persister.process([self.event("t", [msg("t0", threadId="t")], processors=True)]) == []
             assert len(await persister.process([self.event("t", refused, resource)])) == 1
             outs = await Processor(store).process([record("v", [msg("n1")], 0, "q0")])
             return [o.topic for o in outs], [json.loads(r)["id"] for r in await store.thread_rows("v")]
@@ -352,12 +367,53 @@ class TestPersister:
     )
     def test_rows_it_must_not_save_are_dead_letters(self, with_store, rows, resource, error):
         async def go(store):
-            persister = Persister(store, "dlq")
-            assert await persister.process([self.event("other", [msg("e1", threadId="other")])]) == []
-            assert await persister.process([self.event("t", [msg("t0", threadId="t")])]) == []
+            persister = Persister(store, "dlq", SECRET)
+            assert await persister.process([self.event("other", [msg("e1", threadId="other")], processors=True)]) == []
+            assert await persister.process([self.event("t", [msg("t0", threadId="t")], processors=True)]) == []
             letters = await persister.process([self.event("t", rows, resource)])
             return letters, [json.loads(r)["id"] for r in await store.thread_rows("t")]
 
         [letter], ids = with_store(go)
         assert dict(letter.headers)["error.type"] == error.encode()
         assert ids == ["t0"]
+
+    def test_an_event_for_a_thread_without_owner_is_refused_and_the_owners_first_request_goes_through(self, with_store):
+        """No writer can take a thread before its resource's first request does."""
+
+        async def go(store):
+            letters = await Persister(store, "dlq", SECRET).process([self.event("t", [msg("x0", threadId="t")], resource="squatter")])
+            outs = await Processor(store, secret=SECRET).process([record("t", [msg("u0")], 0, "q0")])
+            stored = [json.loads(r)["id"] for r in await store.thread_rows("t")]
+            return letters, [o.topic for o in outs], stored, await store.owners(["x0"], ["t"])
+
+        [letter], topics, stored, (holders, owners) = with_store(go)
+        assert dict(letter.headers)["error.type"] == b"ownership" and b"no owner yet" in dict(letter.headers)["error.message"]
+        assert topics == [Topics().filtered, Topics().persist] and stored == ["u0"]
+        assert holders == {} and owners == {"t": "r1"}
+
+    def test_an_event_cannot_change_the_role_of_a_stored_message(self, with_store):
+        async def go(store):
+            persister = Persister(store, "dlq", SECRET)
+            assert await persister.process([self.event("t", [msg("u0", threadId="t", text="mine")], processors=True)]) == []
+            letters = await persister.process([self.event("t", [msg("u0", role="assistant", threadId="t", text="forged")])])
+            return letters, [json.loads(r) for r in await store.thread_rows("t")]
+
+        [letter], rows = with_store(go)
+        assert dict(letter.headers)["error.type"] == b"role"
+        assert rows == [msg("u0", threadId="t", text="mine")]
+
+    @pytest.mark.parametrize("signature", [None, b"00" * 32, "another secret's"])
+    def test_an_event_claiming_the_processors_origin_without_its_signature_is_refused(self, with_store, signature):
+        async def go(store):
+            value = json.dumps({"requestId": "x", "threadId": "t", "resourceId": "r1", "messages": [msg("u0", threadId="t")]}).encode()
+            if signature is None:
+                headers = [origin.ORIGIN]
+            elif isinstance(signature, bytes):
+                headers = [origin.ORIGIN, (origin.SIGNATURE, signature)]
+            else:
+                headers = origin.headers(value, b"not the deployment's secret")
+            letters = await Persister(store, "dlq", SECRET).process([Record("persist-messages", 0, 0, T0, b"t", value, tuple(headers))])
+            return letters, await store.thread_rows("t")
+
+        [letter], rows = with_store(go)
+        assert dict(letter.headers)["error.type"] == b"origin" and rows == []

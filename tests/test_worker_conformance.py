@@ -19,6 +19,7 @@ import pytest
 from pipeline import Pipeline, header, publish, read
 from streams.explain import explain
 from streams.filter import parse_ms
+from streams.history import Save
 
 CASES = json.loads((Path(__file__).parent / "data" / "conformance-cases.json").read_text())
 
@@ -48,7 +49,8 @@ async def save_history(pipeline: Pipeline, case: dict) -> None:
             owner = case.get("owner") if t == thread and case.get("owner") else rows[0]["resourceId"]
             newest = max((parse_ms(r.get("createdAt")) or -1 for r in rows), default=-1)
             await store.claim([(r["id"], t) for r in rows])
-            assert await store.apply([(t, owner, newest, [(r["id"], msgspec.json.encode(r)) for r in rows])]) == [None]
+            rows_json = [(r["id"], msgspec.json.encode(r)) for r in rows]
+            assert await store.apply([Save(t, owner, newest, rows_json, [r["role"] for r in rows], may_own=True)]) == [None]
         if case.get("owner") and not case["stored"]:
             await client.hset(store.keys(thread)[2], "owner", case["owner"])
     finally:
@@ -60,7 +62,7 @@ def outputs(services):
     """Publish every case against a worker; the worker's records and explain's answers."""
     pipeline = Pipeline(services.bootstrap, services.redis_url)
     cases = [renamed(c["case"], f"c{i}-") for i, c in enumerate(CASES)]
-    expected = json.loads(explain(json.dumps(cases).encode()))
+    expected = json.loads(explain(json.dumps(cases).encode(), pipeline.secret))
 
     async def run():
         await pipeline.create_topics()
