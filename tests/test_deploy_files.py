@@ -45,6 +45,7 @@ def test_compose_runs_kafka_redis_topics_and_two_workers_with_settings_the_worke
         worker = services[name]
         assert worker["build"] == "." and worker["environment"].keys() <= read
         assert worker["environment"]["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:19092"
+        assert worker["environment"]["MEMFILTER_SECRET"].startswith("${MEMFILTER_SECRET:?")  # never a fixed one
         assert "/readyz" in " ".join(worker["healthcheck"]["test"])
     assert services["worker-1"]["ports"] != services["worker-2"]["ports"]
 
@@ -64,6 +65,7 @@ def test_kubernetes_workers_take_settings_from_a_configmap_and_are_ready_on_read
     pod = docs["Deployment"]["spec"]["template"]
     [container] = pod["spec"]["containers"]
     assert container["envFrom"] == [{"configMapRef": {"name": docs["ConfigMap"]["metadata"]["name"]}}]
+    assert [e["name"] for e in container["env"]] == ["MEMFILTER_SECRET"] and "secretKeyRef" in container["env"][0]["valueFrom"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     port = int(docs["ConfigMap"]["data"]["MEMFILTER_WEB_PORT"])

@@ -417,3 +417,28 @@ class TestPersister:
 
         [letter], rows = with_store(go)
         assert dict(letter.headers)["error.type"] == b"origin" and rows == []
+
+
+class TestAnUnexpectedErrorStopsOneRecordOnly:
+    def test_a_record_whose_decision_raises_is_an_internal_dead_letter_and_the_rest_go_on(self, with_store, monkeypatch):
+        import streams.processor
+
+        decide = streams.processor.decide
+
+        def fails_for_q1(request, view, ts):
+            if request.request_id == "q1":
+                raise KeyError("a bug")
+            return decide(request, view, ts)
+
+        monkeypatch.setattr(streams.processor, "decide", fails_for_q1)
+        batch = [record("t", [msg("u0")], 0, "q0"), record("t", [msg("u1")], 1, "q1"), record("t", [msg("u2")], 2, "q2")]
+
+        async def go(store):
+            outs = await Processor(store).process(batch)
+            return outs, [json.loads(r)["id"] for r in await store.thread_rows("t")]
+
+        outs, stored = with_store(go)
+        [letter] = [o for o in outs if o.topic == Topics().dlq]
+        assert dict(letter.headers)["error.type"] == b"internal" and letter.value == batch[1].value
+        assert b"chat-requests-0-1" in dict(letter.headers)["error.message"]
+        assert [e["requestId"] for e in outputs(outs, Topics().filtered)] == ["q0", "q2"] and stored == ["u0", "u2"]
