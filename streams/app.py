@@ -189,7 +189,7 @@ class RecordLoop(mode.Service):
             for r in records:
                 if r.topic == topics.requests:
                     requests.append(Record.of(r))
-                elif not origin.is_processors(r.value, tuple(r.headers), secret):  # the processor's own are saved already
+                elif not origin.is_processors(r.value, r.headers, secret):  # the processor's own are saved already
                     persisted.append(Record.of(r))
         self.metrics.batch_size.observe(sum(len(rs) for rs in batch.values()))
         outs: list[Out] = []

@@ -36,7 +36,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
         settings = dataclasses.replace(settings, partitions=args.partitions)
     try:
         if args.action == "up":
-            print(stack.up(settings).exports())
+            print(stack.up(settings).exports(stack.secret(settings)))
         elif args.action == "down":
             print("stopped" if stack.down(settings) else f"no stack recorded in {settings.dir}")
         else:

@@ -187,14 +187,13 @@ def _check_messages(messages: list[Message]) -> None:
             seen.add(m.id)
 
 
-def check_key(request: Request, key: bytes | None) -> None:
-    """The record's key is its thread id, byte for byte: a thread's records then share one
-    partition, and so one worker, in order."""
-    thread = request.shape.threadId
+def check_key(thread: str, key: bytes | None) -> None:
+    """A record's key is its value's thread id, byte for byte: a thread's records then share
+    one partition, and so one worker, in order."""
     if key is None:
         raise Rejected("key-mismatch", f"record has no key; key records by thread id ({thread!r})")
     if key != thread.encode():
-        raise Rejected("key-mismatch", f"record key {key!r} is not the request's threadId {thread!r}; key records by thread id")
+        raise Rejected("key-mismatch", f"record key {key!r} is not the threadId {thread!r}; key records by thread id")
 
 
 def _check_thread(shape: ChatRequestOf[Message]) -> None:

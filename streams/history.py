@@ -30,8 +30,8 @@ A processed record is kept for re-delivery, under the resource that sent the req
 request id: a request of another resource with the same id never finds it (nor the thread,
 which another resource owns). Rejections are not recorded: a rejection writes nothing, and a
 re-delivered one is decided again (still a rejection: owners and id claims never go back).
-A processed record is kept for re-delivery: a request saved here whose batch's Kafka
-transaction did not commit comes again, and must find it. That happens within minutes of the
+A request saved here whose batch's Kafka transaction did not commit comes again, and must
+find its record. That happens within minutes of the
 save (as soon as a worker takes up the partition), so records need not stay for the life of
 the thread, and at ~4 KB a request (the filtered input, the saved rows) they would be most of
 Redis's memory. A thread's records go together, `processed_ttl` (MEMFILTER_PROCESSED_TTL,
@@ -119,17 +119,16 @@ if owner and owner ~= ARGV[1] then return {'ownership', owner} end
 if not owner and ARGV[5] ~= '1' then return {'unowned', ''} end
 local rows = cmsgpack.unpack(ARGV[3])
 local roles = cmsgpack.unpack(ARGV[4])
-local olds = {}
 for i = 1, #rows, 2 do
   local old = redis.call('HGET', KEYS[1], rows[i])
-  if old and old ~= rows[i + 1] and cjson.decode(old)['role'] ~= roles[(i + 1) / 2] then
-    return {'role', rows[i]}
+  if old and old ~= rows[i + 1] then
+    local ok, stored = pcall(cjson.decode, old)
+    if not ok or stored['role'] ~= roles[(i + 1) / 2] then return {'role', rows[i]} end
   end
-  olds[i] = old or false
 end
 local changed = 0
 for i = 1, #rows, 2 do
-  local old = olds[i]
+  local old = redis.call('HGET', KEYS[1], rows[i])
   if not old then
     redis.call('HSET', KEYS[1], rows[i], rows[i + 1])
     redis.call('RPUSH', KEYS[2], rows[i])

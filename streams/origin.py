@@ -27,11 +27,7 @@ def headers(value: bytes, secret: bytes) -> tuple[tuple[str, bytes], ...]:
     return (ORIGIN, (SIGNATURE, hmac.digest(secret, value, hashlib.sha256).hex().encode()))
 
 
-def claims_origin(headers: tuple[tuple[str, bytes], ...]) -> bool:
-    return ORIGIN in headers
-
-
-def is_processors(value: bytes | None, headers: tuple[tuple[str, bytes], ...], secret: bytes) -> bool:
+def is_processors(value: bytes | None, headers, secret: bytes) -> bool:
     """Does the record carry the processor's mark, with a signature that verifies?"""
     if ORIGIN not in headers or value is None:
         return False

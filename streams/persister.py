@@ -25,7 +25,7 @@ import msgspec
 
 from schemas.wire import Message, PersistMessagesOf
 from streams import origin
-from streams.filter import Rejected, Rejection, decode_json, parse_ms
+from streams.filter import Rejected, Rejection, check_key, decode_json, parse_ms
 from streams.history import HistoryStore, Save
 from streams.processor import Out, Record, dead_letter, internal_error
 
@@ -38,9 +38,13 @@ _RAW = msgspec.json.Decoder(PersistMessagesOf[msgspec.Raw])
 def _rows(event: PersistMessagesOf[Message], raw: PersistMessagesOf[msgspec.Raw]) -> list[tuple[str, bytes]]:
     """The event's rows as (id, JSON); raise Rejected naming what is wrong."""
     rows = []
+    seen = set()
     for i, (m, row) in enumerate(zip(event.messages, raw.messages)):
         if m.id is msgspec.UNSET:
             raise Rejected("schema", f"messages[{i}] has no id; saved rows need one")
+        if m.id in seen:
+            raise Rejected("schema", f"message id {m.id} appears twice in the event; each row needs its own id")
+        seen.add(m.id)
         for field, got, want in (("threadId", m.threadId, event.threadId), ("resourceId", m.resourceId, event.resourceId)):
             if got is not msgspec.UNSET and got != want:
                 raise Rejected("thread-mismatch", f"messages[{i}] has {field} {got!r}, the event is for {want!r}")
@@ -114,28 +118,27 @@ class Persister:
         )
         for (i, e), why in zip(saves, refused):
             if why is not None:
-                errors[i] = _refused_by_store(e, *why)
+                errors[i] = _refused(e, *why)
         return [dead_letter(record, self.dlq_topic, error) for record, error in zip(records, errors) if error is not None]
 
     def _decode(self, record: Record) -> _Event:
         """The record's event and rows; raise Rejected naming what is wrong."""
         event = decode_json(_TYPED, record.value, "persist-messages value", "PersistMessages")
-        if record.key is None or record.key != event.threadId.encode():
-            raise Rejected("key-mismatch", f"record key {record.key!r} is not the event's threadId {event.threadId!r}; key records by thread id")
+        check_key(event.threadId, record.key)
         processors = origin.is_processors(record.value, record.headers, self.secret)
-        if origin.claims_origin(record.headers) and not processors:
+        if origin.ORIGIN in record.headers and not processors:
             raise Rejected("origin", "the event claims memfilter.origin: processor but its signature does not verify; only the processor sets that header")
         return _Event(event, _rows(event, _RAW.decode(record.value)), processors)
 
 
 def _refusal(e: _Event, owners: dict[str, str], holders: dict[str, str]) -> Rejection | None:
     """Why the event may not be saved, given the threads' owning resources and the ids' owning threads."""
-    thread, resource = e.event.threadId, e.event.resourceId
+    thread = e.event.threadId
     owner = owners.get(thread)
-    if owner is not None and owner != resource:
-        return Rejection("ownership", f"thread {thread} belongs to resource {owner}; rows from {resource} not saved")
+    if owner is not None and owner != e.event.resourceId:
+        return _refused(e, "ownership", owner)
     if owner is None and not e.processors:
-        return _refused_by_store(e, "unowned", "")
+        return _refused(e, "unowned", "")
     for mid, _ in e.rows:
         other = holders.get(mid, thread)
         if other != thread:
@@ -143,7 +146,9 @@ def _refusal(e: _Event, owners: dict[str, str], holders: dict[str, str]) -> Reje
     return None
 
 
-def _refused_by_store(e: _Event, why: str, detail: str) -> Rejection:
+def _refused(e: _Event, why: str, detail: str) -> Rejection:
+    """The rejection for a refusal as APPLY names it: ownership (detail: the owner), unowned,
+    role (detail: the row's id)."""
     thread, resource = e.event.threadId, e.event.resourceId
     if why == "ownership":
         return Rejection("ownership", f"thread {thread} belongs to resource {detail}; rows from {resource} not saved")

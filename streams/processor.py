@@ -188,7 +188,7 @@ class Processor:
         """The record's request, or None after putting its dead letter in `outs`."""
         try:
             request = decode_request(record.value, f"{record.topic}-{record.partition}-{record.offset}", self.limits, self.secret)
-            check_key(request, record.key)
+            check_key(request.shape.threadId, record.key)
         except Rejected as e:
             error = Rejection(e.type, e.message)
         except Exception as e:

@@ -14,7 +14,6 @@ cause, a non-zero exit, and nothing left running that this call started.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import secrets
@@ -72,18 +71,17 @@ class Running:
     kafka_port: int
     controller_port: int
     redis_port: int
-    secret: str = ""  # the stack's MEMFILTER_SECRET (`_secret`)
 
-    def exports(self) -> str:
-        """Shell lines for `eval "$(memfilter stack up)"`."""
+    def exports(self, secret: str) -> str:
+        """Shell lines for `eval "$(memfilter stack up)"`; `secret` is the stack's (`secret`)."""
         return (
             f"export KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:{self.kafka_port}\n"
             f"export REDIS_URL=redis://127.0.0.1:{self.redis_port}/0\n"
-            f"export MEMFILTER_SECRET={self.secret}"
+            f"export MEMFILTER_SECRET={secret}"
         )
 
 
-def _secret(s: Settings) -> str:
+def secret(s: Settings) -> str:
     """The stack's MEMFILTER_SECRET: made once, kept in the stack folder, so that the workers,
     replays and rebuilds of one local stack share it as a deployment's do."""
     path = s.dir / "secret"
@@ -385,7 +383,7 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
     already = running(s)
     if already is not None:
         _say(f"already running from {s.dir}")
-        return dataclasses.replace(already, secret=_secret(s))
+        return already
     java = _check_java()
     server = _redis_server()
     _check_ports(s)
@@ -402,7 +400,7 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
         for pid, marker in reversed(started):
             _stop(pid, marker, grace=5)
         raise
-    record = Running(kafka.pid, redis.pid, s.kafka_port, s.controller_port, s.redis_port, _secret(s))
+    record = Running(kafka.pid, redis.pid, s.kafka_port, s.controller_port, s.redis_port)
     _state_file(s).write_text(json.dumps(asdict(record)))
     _say(f"Kafka on {s.bootstrap} (pid {kafka.pid}), Redis on {s.redis_url} (pid {redis.pid}), topics with {s.partitions} partitions")
     return record

@@ -191,3 +191,18 @@ class Collector:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         await self.consumer.stop()
+
+
+async def dump(pipeline: Pipeline, prefix: str, url: str | None = None) -> dict:
+    """Every thread's rows, order and meta, and the id index, under `prefix` (processed-request
+    records are on no topic, so a rebuild does not restore them)."""
+    client = aioredis.from_url(url or pipeline.redis_url)
+    out = {}
+    async for key in client.scan_iter(match=f"{prefix}:*"):
+        name = key.decode().removeprefix(prefix)
+        kind = await client.type(key)
+        if name.endswith(":done"):
+            continue
+        out[name] = await client.lrange(key, 0, -1) if kind == b"list" else await client.hgetall(key)
+    await client.aclose()
+    return out

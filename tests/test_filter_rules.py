@@ -95,7 +95,7 @@ class TestDecoding:
 
     def test_a_record_keyed_by_another_thread_is_a_key_mismatch(self):
         with pytest.raises(Rejected) as e:
-            check_key(request(user("u1")), "t2")
+            check_key(request(user("u1")).shape.threadId, b"t2")
         assert e.value.type == "key-mismatch"
 
 

@@ -362,8 +362,9 @@ class TestPersister:
             ([msg("n1", threadId="t")], "intruder", "ownership"),
             ([msg("n2", threadId="elsewhere")], "r1", "thread-mismatch"),
             ([{"role": "user", "content": {"format": 2, "parts": []}}], "r1", "schema"),
+            ([msg("d1", threadId="t"), msg("d1", role="assistant", threadId="t")], "r1", "schema"),
         ],
-        ids=["a message of another thread", "a thread of another resource", "a row naming another thread", "a row without id"],
+        ids=["a message of another thread", "a thread of another resource", "a row naming another thread", "a row without id", "one id twice"],
     )
     def test_rows_it_must_not_save_are_dead_letters(self, with_store, rows, resource, error):
         async def go(store):

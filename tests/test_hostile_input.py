@@ -92,12 +92,12 @@ class TestTheRecordKeyIsTheThreadIdByteForByte:
     @pytest.mark.parametrize("key", [None, b"\xff", b"t\xff", b"T", b""], ids=["null", "not UTF-8", "t then not UTF-8", "another", "empty"])
     def test_any_other_key_is_a_key_mismatch(self, key):
         with pytest.raises(Rejected) as e:
-            check_key(decode_request(json.dumps(request()).encode(), "q"), key)
+            check_key(decode_request(json.dumps(request()).encode(), "q").shape.threadId, key)
         assert e.value.type == "key-mismatch"
 
     def test_the_thread_id_in_utf8_is_the_key(self):
         value = request() | {"threadId": "tête"}
-        check_key(decode_request(json.dumps(value).encode(), "q"), "tête".encode())
+        check_key(decode_request(json.dumps(value).encode(), "q").shape.threadId, "tête".encode())
 
 
 json_values = st.recursive(
@@ -152,7 +152,7 @@ def decide_or_reject(raw: bytes | None) -> str:
     """What the worker does with a value before Redis is written: a decision or a rejection."""
     try:
         req = decode_request(raw, "chat-requests-0-0")
-        check_key(req, b"t")
+        check_key(req.shape.threadId, b"t")
     except Rejected as e:
         return e.type
     for view in (StoredView({}, {}), StoredView({i: STORED[i] for i in lookup_ids(req) if i in STORED}, {}, "r", 3)):

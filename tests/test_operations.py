@@ -15,10 +15,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from pipeline import REPO, Collector, Pipeline, free_port, publish
+from pipeline import REPO, Collector, Pipeline, dump, free_port, publish
 from test_worker_streams import stream
 
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
@@ -145,21 +144,6 @@ class TestReplay:
             return found
 
         assert asyncio.run(keys()) == []
-
-
-async def dump(pipeline: Pipeline, prefix: str, url: str | None = None) -> dict:
-    """Every thread's rows, order and meta, and the id index, under `prefix` (processed-request
-    records are on no topic, so a rebuild does not restore them)."""
-    client = aioredis.from_url(url or pipeline.redis_url)
-    out = {}
-    async for key in client.scan_iter(match=f"{prefix}:*"):
-        name = key.decode().removeprefix(prefix)
-        kind = await client.type(key)
-        if name.endswith(":done"):
-            continue
-        out[name] = await client.lrange(key, 0, -1) if kind == b"list" else await client.hgetall(key)
-    await client.aclose()
-    return out
 
 
 class TestHistory:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import msgspec
 import pytest
 from aiokafka.partitioner import murmur2
 from redis.crc import key_slot
 
-from pipeline import Pipeline, header, publish, read
+from pipeline import Pipeline, dump, header, publish, read
 from streams import origin
 
 T0 = 1772366400000
@@ -231,3 +230,14 @@ def test_a_thread_id_with_braces_has_all_its_keys_in_one_slot(run):
     assert event["outcome"] == "unchanged"
     braces = [k for k in run[3] if "%7Dbrace%7B" in k]
     assert len(braces) >= 3 and len({key_slot(k.encode()) for k in braces}) == 1
+
+
+def test_a_rebuild_from_the_log_gives_the_live_history_forged_origin_and_all(run):
+    """The log holds an event claiming the processor's origin without its signature, and
+    events the live persister refused: a rebuild refuses the same ones."""
+    pipeline = run[0]
+    other_db = pipeline.redis_url.rsplit("/", 1)[0] + "/2"
+    result = pipeline.memfilter("history", "rebuild", "--redis-url", other_db)
+    assert result.returncode == 0, result.stderr
+    live, rebuilt = asyncio.run(dump(pipeline, pipeline.prefix)), asyncio.run(dump(pipeline, pipeline.prefix, other_db))
+    assert any("own-A" in name for name in live) and rebuilt == live
