@@ -147,13 +147,20 @@ class FilteredInput(Struct):
 
 
 # Generic like `ChatRequestOf`: the persister reads the same bytes typed and raw.
-class PersistMessagesOf(Struct, Generic[M]):
-    """A value on `persist-messages`: rows to save in one thread."""
+class PersistMessagesOf(Struct, Generic[M], omit_defaults=True):
+    """A value on `persist-messages`: rows to save in one thread.
+
+    `requestId` names the save: a second event of the same writer, resource and `requestId` in
+    a thread is a repeat and changes nothing. The processor's own events carry
+    `historyVersion`, the thread's version its decision saw, so that a rebuild applies them
+    where they happened among other writers' saves (which leave it out).
+    """
 
     requestId: str
     threadId: str
     resourceId: str
     messages: list[M]
+    historyVersion: int | UnsetType = UNSET
 
 
 PersistMessages = PersistMessagesOf[MessageDict]

@@ -49,6 +49,8 @@ Msg = dict[str, Any]
 
 CLIENT_OUTCOME_STATES = frozenset({"approval-responded", "result", "output-error", "output-denied"})
 TERMINAL_STATES = frozenset({"result", "output-error", "output-denied"})
+# The tool-invocation states in order (spec section 2): a stored invocation never goes down.
+STATE_RANKS = {"partial-call": 0, "call": 1, "approval-requested": 2, "approval-responded": 3, **dict.fromkeys(TERMINAL_STATES, 4)}
 # Stack frames a value accepted at the edge leaves free (see `decode_json`).
 DEPTH_HEADROOM = 200
 

@@ -12,9 +12,11 @@ with braces too, is one whole tag and no two thread ids share keys):
 |---|---|---|
 | `mf:t:{T}:rows` | hash | message id -> the stored row (JSON), as saved |
 | `mf:t:{T}:order` | list | message ids in save order: the thread's order |
-| `mf:t:{T}:meta` | hash | `owner` (resourceId), `version` (writes so far), `newest` (newest createdAt, epoch ms) |
+| `mf:t:{T}:meta` | hash | `owner` (resourceId), `version` (writes so far), `newest` (newest createdAt, epoch ms), `epoch` (of the last worker that wrote it) |
+| `mf:t:{T}:saves` | set | the identity of every save applied (`save_identity`): a save found here changes nothing |
 | `mf:t:{T}:done` | hash | processed request (`record_field`: its resource and request id) -> what was emitted for it (`Recorded`, JSON); expires `processed_ttl` after the thread's last processed request |
 | `mf:ids:{B}` | hash | message id -> the thread that owns it, for the ids of bucket B (crc32 of the id mod 64) |
+| `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
 
 A thread is read with plain commands, meta first, in one pipeline for its batch (a Lua
 script cost Redis six times as much; consistency comes from the write). A request's rows, its owner claim, the version
@@ -25,6 +27,9 @@ thread did not commit), and the caller decides again. The message-id index lives
 slots, 64 buckets so that a batch reads it in at most 64 commands; ids are claimed (`CLAIM`)
 before the thread write, so a crash in between leaves claims the re-delivered request finds as
 its own.
+
+Every write is fenced (`FENCE`): a worker that lost its partitions (stalled past its session
+timeout, say) and wakes up cannot write a thread that their new owner has written since.
 
 A processed record is kept for re-delivery, under the resource that sent the request and its
 request id: a request of another resource with the same id never finds it (nor the thread,
@@ -57,7 +62,7 @@ from redis._parsers.hiredis import NOT_ENOUGH_DATA
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 
-from streams.filter import Rejection
+from streams.filter import STATE_RANKS, Rejection
 from streams.metrics import Metrics
 
 # Scripts take lists as one msgpack argument: a batch of a few hundred requests names
@@ -79,18 +84,30 @@ end
 return out
 """
 
-# ARGV: record field (`record_field`), version seen, owner, newest createdAt, record, field of
-# the request committed just before in the batch (or ''), rows as [id, row, id, row, ...],
-# seconds to keep the records.
-COMMIT = """
-local rec = redis.call('HGET', KEYS[4], ARGV[1])
+# The owner epoch (ARGV[1] of the fencing prelude, below): a worker takes one from `{prefix}:epoch`
+# each time it is given partitions, and every script that writes a thread stamps the thread's
+# meta with it. A write carrying an epoch older than the thread's is refused (`fenced`): it comes
+# from a worker whose partitions were given to another that has written this thread since.
+FENCE = """
+local stored = tonumber(redis.call('HGET', KEYS[3], 'epoch') or '0')
+local mine = tonumber(ARGV[1])
+if mine < stored then return {'fenced', tostring(stored)} end
+"""
+STAMP = "if mine > stored then redis.call('HSET', KEYS[3], 'epoch', ARGV[1]) end\n"
+
+# ARGV: epoch, record field (`record_field`), version seen, owner, newest createdAt, record,
+# field of the request committed just before in the batch (or ''), rows as
+# [id, row, id, row, ...], seconds to keep the records, the save's identity (`save_identity`).
+COMMIT = FENCE + """
+local rec = redis.call('HGET', KEYS[4], ARGV[2])
 if rec then return {'dup', rec} end
 local version = tonumber(redis.call('HGET', KEYS[3], 'version') or '0')
-if version ~= tonumber(ARGV[2]) then return {'stale', tostring(version)} end
-if ARGV[6] ~= '' and redis.call('HEXISTS', KEYS[4], ARGV[6]) == 0 then return {'stale', tostring(version)} end
-local rows = cmsgpack.unpack(ARGV[7])
+if version ~= tonumber(ARGV[3]) then return {'stale', tostring(version)} end
+if ARGV[7] ~= '' and redis.call('HEXISTS', KEYS[4], ARGV[7]) == 0 then return {'stale', tostring(version)} end
+""" + STAMP + """
+local rows = cmsgpack.unpack(ARGV[8])
 if #rows > 0 then
-  redis.call('HSETNX', KEYS[3], 'owner', ARGV[3])
+  redis.call('HSETNX', KEYS[3], 'owner', ARGV[4])
   for i = 1, #rows, 2 do
     if redis.call('HSETNX', KEYS[1], rows[i], rows[i + 1]) == 1 then
       redis.call('RPUSH', KEYS[2], rows[i])
@@ -99,58 +116,97 @@ if #rows > 0 then
     end
   end
   local newest = tonumber(redis.call('HGET', KEYS[3], 'newest') or '-1')
-  if tonumber(ARGV[4]) > newest then redis.call('HSET', KEYS[3], 'newest', ARGV[4]) end
+  if tonumber(ARGV[5]) > newest then redis.call('HSET', KEYS[3], 'newest', ARGV[5]) end
   version = version + 1
   redis.call('HSET', KEYS[3], 'version', version)
+  redis.call('SADD', KEYS[5], ARGV[10])
 end
-redis.call('HSET', KEYS[4], ARGV[1], ARGV[5])
-redis.call('EXPIRE', KEYS[4], ARGV[8])
+redis.call('HSET', KEYS[4], ARGV[2], ARGV[6])
+redis.call('EXPIRE', KEYS[4], ARGV[9])
 return {'ok', tostring(version)}
 """
 
-# Rows from `persist-messages` (other services' saves, and the processor's own again): a row
-# equal to the stored one changes nothing, so applying an event twice is harmless. Only the
-# processor's own events (`may_own`) may save in a thread that has no owner yet, and no event
-# changes the role of a stored row; either refusal comes before any write.
-# ARGV: owner, newest createdAt, rows as [id, row, ...], roles as [role, ...], '1' if it may own.
-APPLY = """
+# Rows from `persist-messages` (other services' saves; the processor's own in a rebuild or
+# replay), under the same rules as the filter's base layer where they touch a stored row:
+# - a save is applied once: its identity (`save_identity`) is added to the thread's `saves`
+#   set, and a save found there is a re-delivery or a repeat and changes nothing;
+# - a row equal to the stored one changes nothing;
+# - a row that would move any stored tool invocation back (to a lower state rank, or away from
+#   a terminal state, or drop it) is not saved: the stored row stays, as it does against an
+#   echo. So a late or repeated copy of a pending call never undoes the client's result;
+# - no row changes the role of a stored row (`role`, refused before any write);
+# - only the processor's own events (`may_own`) save in a thread that has no owner yet.
+# ARGV: epoch, owner, newest createdAt, rows as [id, row, ...], roles as [role, ...], '1' if it
+# may own, the save's identity, tool states as {state: rank}. Returns ('ok', the version after).
+APPLY = FENCE + """
 local owner = redis.call('HGET', KEYS[3], 'owner')
-if owner and owner ~= ARGV[1] then return {'ownership', owner} end
-if not owner and ARGV[5] ~= '1' then return {'unowned', ''} end
-local rows = cmsgpack.unpack(ARGV[3])
-local roles = cmsgpack.unpack(ARGV[4])
+if owner and owner ~= ARGV[2] then return {'ownership', owner} end
+if not owner and ARGV[6] ~= '1' then return {'unowned', ''} end
+local version = redis.call('HGET', KEYS[3], 'version') or '0'
+if redis.call('SISMEMBER', KEYS[5], ARGV[7]) == 1 then return {'ok', version} end
+local rows = cmsgpack.unpack(ARGV[4])
+local roles = cmsgpack.unpack(ARGV[5])
+local ranks = cmsgpack.unpack(ARGV[8])
+local terminal = ranks['result']
+local function tools(message)
+  local out = {}
+  local content = type(message) == 'table' and message['content']
+  local parts = type(content) == 'table' and content['parts']
+  if type(parts) ~= 'table' then return out end
+  for _, part in ipairs(parts) do
+    local inv = type(part) == 'table' and part['type'] == 'tool-invocation' and part['toolInvocation']
+    if type(inv) == 'table' and type(inv['toolCallId']) == 'string' then
+      out[inv['toolCallId']] = {ranks[inv['state']] or -1, inv['state']}
+    end
+  end
+  return out
+end
+local function moves_back(old, new)
+  local before, after = tools(old), tools(new)
+  for id, was in pairs(before) do
+    local now = after[id]
+    if now == nil or now[1] < was[1] or (was[1] == terminal and now[2] ~= was[2]) then return true end
+  end
+  return false
+end
+local keep = {}
 for i = 1, #rows, 2 do
   local old = redis.call('HGET', KEYS[1], rows[i])
   if old and old ~= rows[i + 1] then
     local ok, stored = pcall(cjson.decode, old)
     if not ok or stored['role'] ~= roles[(i + 1) / 2] then return {'role', rows[i]} end
+    local fine, incoming = pcall(cjson.decode, rows[i + 1])
+    keep[i] = not fine or moves_back(stored, incoming)
   end
 end
-local changed = 0
+""" + STAMP + """
+redis.call('SADD', KEYS[5], ARGV[7])
+local changed = false
 for i = 1, #rows, 2 do
   local old = redis.call('HGET', KEYS[1], rows[i])
   if not old then
     redis.call('HSET', KEYS[1], rows[i], rows[i + 1])
     redis.call('RPUSH', KEYS[2], rows[i])
-    changed = 1
-  elseif old ~= rows[i + 1] then
+    changed = true
+  elseif old ~= rows[i + 1] and not keep[i] then
     redis.call('HSET', KEYS[1], rows[i], rows[i + 1])
-    changed = 1
+    changed = true
   end
 end
-if changed == 1 then
-  redis.call('HSETNX', KEYS[3], 'owner', ARGV[1])
+if changed then
+  redis.call('HSETNX', KEYS[3], 'owner', ARGV[2])
   local newest = tonumber(redis.call('HGET', KEYS[3], 'newest') or '-1')
-  if tonumber(ARGV[2]) > newest then redis.call('HSET', KEYS[3], 'newest', ARGV[2]) end
-  redis.call('HINCRBY', KEYS[3], 'version', 1)
+  if tonumber(ARGV[3]) > newest then redis.call('HSET', KEYS[3], 'newest', ARGV[3]) end
+  version = redis.call('HINCRBY', KEYS[3], 'version', 1)
 end
-return {'ok', tostring(changed)}
+return {'ok', tostring(version)}
 """
 
 
 ID_BUCKETS = 64
 PROCESSED_TTL_S = 7 * 24 * 3600
 _pack = msgspec.msgpack.encode
+_STATE_RANKS = _pack(STATE_RANKS)
 
 
 def pack_rows(rows: list[tuple[str, bytes]]) -> bytes:
@@ -161,6 +217,23 @@ def pack_rows(rows: list[tuple[str, bytes]]) -> bytes:
 def record_field(resource: str, request_id: str) -> str:
     """The field of a processed request's record in its thread's `done` hash."""
     return msgspec.json.encode([resource, request_id]).decode()  # '["r1","req-1"]': unambiguous
+
+
+def save_identity(resource: str, request_id: str, processors: bool) -> str:
+    """What names one save in its thread's `saves` set: the writer (the processor, or another
+    service), the resource and the event's `requestId`. A save of the same identity again (a
+    re-delivery, or the same event published twice) changes nothing."""
+    return msgspec.json.encode(["processor" if processors else "service", resource, request_id]).decode()
+
+
+class Fenced(Exception):
+    """A write refused because another worker, given this worker's partitions, wrote the thread since."""
+
+    def __init__(self, thread: str, epoch: int, theirs: int):
+        super().__init__(
+            f"thread {thread} was written by a worker with owner epoch {theirs}, newer than this worker's {epoch}: "
+            "its partitions were given to another worker; exiting so that it rejoins the group"
+        )
 
 
 class Recorded(msgspec.Struct, omit_defaults=True):
@@ -203,6 +276,7 @@ class Write(msgspec.Struct, frozen=True, gc=False):
     rows: bytes  # `pack_rows` of the rows to save
     recorded: bytes
     new_ids: list[str]  # ids of the rows not stored in the thread before: to claim first
+    identity: str  # `save_identity` of the request's persist event
 
 
 class Save(msgspec.Struct, frozen=True, gc=False):
@@ -213,6 +287,7 @@ class Save(msgspec.Struct, frozen=True, gc=False):
     newest_ms: int
     rows: list[tuple[str, bytes]]
     roles: list[str]  # each row's role
+    identity: str  # `save_identity`
     may_own: bool = False  # the processor's own event: it may set the owner of a thread that has none
 
 
@@ -231,6 +306,7 @@ class HistoryStore:
         self.redis = client
         self.prefix = prefix
         self.processed_ttl = processed_ttl  # seconds a thread's processed records outlive its last request
+        self.epoch = 0  # this writer's owner epoch (`take_epoch`); 0 for a store no worker uses (a replay's)
         self.metrics = metrics or Metrics()  # counts the round trips
         self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (CLAIM, COMMIT, APPLY)}
 
@@ -291,7 +367,7 @@ class HistoryStore:
         if "{" in thread or "}" in thread or "%" in thread:  # one whole hash tag (see the layout)
             thread = thread.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
         base = f"{self.prefix}:t:{{{thread}}}"
-        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:done"]
+        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:done", f"{base}:saves"]
 
     def id_bucket(self, mid: str) -> str:
         return f"{self.prefix}:ids:{{{zlib.crc32(mid.encode()) % ID_BUCKETS}}}"
@@ -307,7 +383,7 @@ class HistoryStore:
         `elsewhere` is left empty: `owners` fills it for the ids not stored in the thread."""
         commands: list[tuple] = []
         for thread, (ids, fields) in wanted.items():
-            rows, _, meta, done = self.keys(thread)
+            rows, _, meta, done, _ = self.keys(thread)
             commands.append(("HMGET", meta, "owner", "version", "newest"))  # first: a write after it is caught as stale
             commands.append(("HLEN", rows))
             if ids:
@@ -358,32 +434,56 @@ class HistoryStore:
                 held[i] = h.decode() if h.decode() != claims[i][1] else None
         return held
 
+    async def take_epoch(self) -> int:
+        """A new owner epoch, newer than every one handed out before: taken by a worker each
+        time it is given partitions, before it reads or writes any of their threads."""
+        self.epoch = await self.redis.incr(f"{self.prefix}:epoch")
+        return self.epoch
+
     async def commit(self, writes: list[Write]) -> list[tuple[str, Any]]:
-        """Run COMMIT for each write, in order: ('ok', version), ('dup', Recorded), ('stale', version)."""
+        """Run COMMIT for each write, in order: ('ok', version), ('dup', Recorded), ('stale',
+        version). Raise Fenced if another worker has written one of the threads since this
+        one's partitions were given to it."""
         calls = [
-            (COMMIT, self.keys(w.thread), [w.field, w.version, w.owner, w.newest_ms, w.recorded, w.after, w.rows, self.processed_ttl])
+            (
+                COMMIT,
+                self.keys(w.thread),
+                [self.epoch, w.field, w.version, w.owner, w.newest_ms, w.recorded, w.after, w.rows, self.processed_ttl, w.identity],
+            )
             for w in writes
         ]
         out = []
-        for status, value in await self._run(calls):
+        for w, (status, value) in zip(writes, await self._run(calls)):
             status = status.decode()
+            if status == "fenced":
+                raise Fenced(w.thread, self.epoch, int(value))
             out.append((status, _RECORDED.decode(value) if status == "dup" else int(value)))
         return out
 
-    async def apply(self, saves: list[Save]) -> list[tuple[str, str] | None]:
-        """Save rows from `persist-messages`, in order and in one round trip; for each, None, or
-        why it was refused: ('ownership', the thread's owner), ('unowned', ''), ('role', the id
-        of the row whose role it would change)."""
+    async def apply(self, saves: list[Save]) -> list[int | tuple[str, str]]:
+        """Save rows from `persist-messages`, in order and in one round trip; for each, the
+        thread's version after it, or why it was refused: ('ownership', the thread's owner),
+        ('unowned', ''), ('role', the id of the row whose role it would change). Raise Fenced
+        as `commit` does."""
         if not saves:
             return []
         calls = [
-            (APPLY, self.keys(s.thread), [s.owner, s.newest_ms, pack_rows(s.rows), _pack(s.roles), "1" if s.may_own else "0"])
+            (
+                APPLY,
+                self.keys(s.thread),
+                [self.epoch, s.owner, s.newest_ms, pack_rows(s.rows), _pack(s.roles), "1" if s.may_own else "0", s.identity, _STATE_RANKS],
+            )
             for s in saves
         ]
-        return [None if status == b"ok" else (status.decode(), value.decode()) for status, value in await self._run(calls)]
+        out: list[int | tuple[str, str]] = []
+        for s, (status, value) in zip(saves, await self._run(calls)):
+            if status == b"fenced":
+                raise Fenced(s.thread, self.epoch, int(value))
+            out.append(int(value) if status == b"ok" else (status.decode(), value.decode()))
+        return out
 
     async def thread_rows(self, thread: str) -> list[bytes]:
         """A thread's rows in save order."""
-        rows, order, _, _ = self.keys(thread)
+        rows, order, *_ = self.keys(thread)
         ids = await self.redis.lrange(order, 0, -1)
         return await self.redis.hmget(rows, ids) if ids else []

@@ -3,7 +3,11 @@
 Services that save messages of a thread (the agent runner saving its replies) publish them
 on `persist-messages`, and so does the processor. This applies each event's rows, byte for byte, to its
 thread: new rows are appended in order, a changed row replaces the stored one, an unchanged
-row does nothing, so the processor's own events (and any event applied twice) change nothing.
+row does nothing, and an event applied before (the same writer, resource and `requestId`)
+changes nothing: re-delivered, repeated or the processor's own, an event is applied once. A
+row that would move a stored tool invocation back (a late copy of a pending call, after the
+client's result) is not saved, as the filter's base layer keeps the stored row against an
+echo (`APPLY` in `streams/history.py`).
 
 What a writer of `persist-messages` may do (the README's security model): save rows in a
 thread that already has an owner, naming that owner as the event's resource. So an event goes
@@ -26,7 +30,7 @@ import msgspec
 from schemas.wire import Message, PersistMessagesOf
 from streams import origin
 from streams.filter import Rejected, Rejection, check_key, decode_json, parse_ms
-from streams.history import HistoryStore, Save
+from streams.history import HistoryStore, Save, save_identity
 from streams.processor import Out, Record, dead_letter, internal_error
 
 # The value is decoded twice, as the filter does a request: typed to validate and read it,
@@ -65,8 +69,15 @@ class Persister:
         self.secret = secret  # MEMFILTER_SECRET, which verifies the processor's own events
 
     async def process(self, records: list[Record]) -> list[Out]:
-        """Apply the records in order; return the dead letters. A batch takes three round
-        trips, whatever its size, and ends as the events would leave it one by one:
+        """Apply the records in order (`apply`); return the dead letters."""
+        return [
+            dead_letter(record, self.dlq_topic, result) for record, result in zip(records, await self.apply(records)) if isinstance(result, Rejection)
+        ]
+
+    async def apply(self, records: list[Record]) -> list[Rejection | int]:
+        """Apply the records in order; for each, why it was refused, or its thread's version
+        after it. A batch takes three round trips, whatever its size, and ends as the events
+        would leave it one by one:
 
         1. the owners, as stored, of the batch's threads and message ids; each event is checked
            against them as the events before it in the batch leave them, so that an event to
@@ -76,22 +87,23 @@ class Persister:
         3. their rows (a script per event, in order), which check the thread's owner again.
 
         Only a writer racing between 1 and 3 can make 2 or 3 refuse an event that 1 let
-        through: its claims that did succeed then stay with its thread."""
-        errors: list[Rejection | None] = [None] * len(records)
+        through: its claims that did succeed then stay with its thread. An event applied before
+        (its `save_identity` is in the thread's saves) changes nothing."""
+        results: list[Rejection | int | None] = [None] * len(records)
         events: list[tuple[int, _Event]] = []
         for i, record in enumerate(records):
             try:
                 events.append((i, self._decode(record)))
             except Rejected as e:
-                errors[i] = Rejection(e.type, e.message)
+                results[i] = Rejection(e.type, e.message)
             except Exception as e:
-                errors[i] = internal_error(record, e)
+                results[i] = internal_error(record, e)
         ids = list(dict.fromkeys(mid for _, e in events for mid, _ in e.rows))
         holders, owners = await self.store.owners(ids, list(dict.fromkeys(e.event.threadId for _, e in events)))
         checked = []
         for i, e in events:
-            errors[i] = _refusal(e, owners, holders)
-            if errors[i] is None:
+            results[i] = _refusal(e, owners, holders)
+            if results[i] is None:
                 checked.append((i, e))
                 if e.rows:  # what this event leaves for the ones after it
                     owners.setdefault(e.event.threadId, e.event.resourceId)
@@ -100,10 +112,10 @@ class Persister:
         saves = []
         for i, e in checked:
             taken = {mid: other for (mid, _), other in zip(e.rows, [next(held) for _ in e.rows]) if other}
-            errors[i] = _refusal(e, {e.event.threadId: e.event.resourceId}, taken)
-            if errors[i] is None:
+            results[i] = _refusal(e, {e.event.threadId: e.event.resourceId}, taken)
+            if results[i] is None:
                 saves.append((i, e))
-        refused = await self.store.apply(
+        applied = await self.store.apply(
             [
                 Save(
                     e.event.threadId,
@@ -111,15 +123,15 @@ class Persister:
                     max((parse_ms(m.createdAt) or -1 for m in e.event.messages), default=-1),
                     e.rows,
                     [m.role for m in e.event.messages],
+                    save_identity(e.event.resourceId, e.event.requestId, e.processors),
                     e.processors,
                 )
                 for _, e in saves
             ]
         )
-        for (i, e), why in zip(saves, refused):
-            if why is not None:
-                errors[i] = _refused(e, *why)
-        return [dead_letter(record, self.dlq_topic, error) for record, error in zip(records, errors) if error is not None]
+        for (i, e), result in zip(saves, applied):
+            results[i] = _refused(e, *result) if isinstance(result, tuple) else result
+        return results
 
     def _decode(self, record: Record) -> _Event:
         """The record's event and rows; raise Rejected naming what is wrong."""

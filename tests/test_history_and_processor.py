@@ -95,7 +95,7 @@ class TestBatches:
             async def commit_after_a_concurrent_save(writes):
                 if not getattr(commit_after_a_concurrent_save, "done", False):
                     commit_after_a_concurrent_save.done = True
-                    await store.apply([Save("t", "r1", T0, [("a0", msgspec.json.encode(reply))], ["assistant"])])
+                    await store.apply([Save("t", "r1", T0, [("a0", msgspec.json.encode(reply))], ["assistant"], "reply-a0")])
                 return await commit(writes)
 
             store.commit = commit_after_a_concurrent_save
