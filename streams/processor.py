@@ -38,6 +38,7 @@ import functools
 import logging
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -57,7 +58,7 @@ from streams.filter import (
     lookup_ids,
     parse_ms,
 )
-from streams.history import HistoryStore, Recorded, ThreadState, Write, encode_recorded, pack_rows, record_field
+from streams.history import HistoryStore, Recorded, ThreadState, Write, encode_recorded, pack_rows, record_field, save_identity
 from streams.metrics import Metrics
 
 log = logging.getLogger("memfilter")
@@ -107,8 +108,15 @@ class Topics:
     dlq: str = "chat-requests-dlq"
 
 
-def dead_letter(record: Record, dlq_topic: str, error: Rejection) -> Out:
-    """The rejected record, bytes unchanged, with the reason and its source in headers."""
+# Headers of a dead letter that say what a rejection decided against stored history saw, so
+# that an audit decides it again on the same: the thread's version, and the ids of the request
+# stored in other threads, with those threads (JSON object).
+VERSION_HEADER = "memfilter.history-version"
+ELSEWHERE_HEADER = "memfilter.ids-elsewhere"
+
+
+def dead_letter(record: Record, dlq_topic: str, error: Rejection, seen: tuple[tuple[str, bytes], ...] = ()) -> Out:
+    """The rejected record, bytes unchanged, with the reason, its source and `seen` in headers."""
     headers = (
         *record.headers,
         ("error.type", error.type.encode()),
@@ -116,6 +124,7 @@ def dead_letter(record: Record, dlq_topic: str, error: Rejection) -> Out:
         ("source.topic", record.topic.encode()),
         ("source.partition", str(record.partition).encode()),
         ("source.offset", str(record.offset).encode()),
+        *seen,
     )
     return Out(dlq_topic, record.key, record.value, record.timestamp_ms, headers)
 
@@ -126,6 +135,7 @@ class _Pending:
     record: Record
     request: Request
     outcome: str = ""  # the filter's outcome, "rejected", or "redelivered" (a metric's label)
+    seen: tuple[tuple[str, bytes], ...] = ()  # what a rejection saw (`dead_letter`)
 
     @functools.cached_property
     def field(self) -> str:
@@ -157,14 +167,24 @@ class Processor:
         limits: Limits = Limits(),
         metrics: Metrics | None = None,
         secret: bytes = b"",
+        recorded_elsewhere: Callable[[Record], dict[str, str]] | None = None,
     ):
         self.store = store
         self.topics = topics
         self.limits = limits
         self.metrics = metrics or store.metrics
         self.secret = secret  # MEMFILTER_SECRET: server-assigned message ids, and the signature of persist events
+        # Which of a request's ids other threads store: the message-id index as it is now
+        # (None, live), or what the decision recorded (an audit replay: the index's history,
+        # which thread claimed an id when, is on no topic).
+        self.recorded_elsewhere = recorded_elsewhere
 
     async def process(self, records: list[Record]) -> list[Out]:
+        """The records to emit for a batch, in the batch's order."""
+        return [out for per_record in await self.outputs(records) for out in per_record]
+
+    async def outputs(self, records: list[Record]) -> list[list[Out]]:
+        """The records to emit for each record of the batch."""
         outs: list[list[Out]] = [[] for _ in records]
         # A record goes to the lane of its key, the thread id (a record without one is
         # rejected), so a thread's records share one lane, in order.
@@ -182,7 +202,7 @@ class Processor:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        return [out for per_record in outs for out in per_record]
+        return outs
 
     def _decode(self, i: int, record: Record, outs: list[list[Out]]) -> Request | None:
         """The record's request, or None after putting its dead letter in `outs`."""
@@ -219,7 +239,10 @@ class Processor:
         states = await self.store.read(wanted)
         unknown = {mid for thread, (ids, _) in wanted.items() for mid in ids if mid not in states[thread].rows}
         owners: dict[str, str] = {}
-        if unknown:
+        if self.recorded_elsewhere is not None:
+            for thread, t in threads.items():
+                states[thread].elsewhere = {mid: o for p in t.requests[t.next :] for mid, o in self.recorded_elsewhere(p.record).items()}
+        elif unknown:
             owners, _ = await self.store.owners(sorted(unknown))
         if owners:
             for thread, (ids, _) in wanted.items():
@@ -276,6 +299,8 @@ class Processor:
                 write, rec = None, Recorded(error=internal_error(p.record, e))
             if write is None:  # a rejection: nothing written, nothing recorded
                 p.outcome = "rejected"
+                elsewhere = {mid: state.elsewhere[mid] for mid in lookup_ids(p.request) if mid in state.elsewhere}
+                p.seen = ((VERSION_HEADER, str(state.version).encode()), (ELSEWHERE_HEADER, msgspec.json.encode(elsewhere)))
                 planned.append((p, None, rec))
                 continue
             planned.append((p, write, rec))
@@ -298,7 +323,10 @@ class Processor:
         newest = max((parse_ms(r.get("createdAt")) or -1 for r in decision.persist), default=-1)
         new_ids = [mid for mid, _ in rows if mid not in state.rows]
         shape = request.shape
-        write = Write(shape.threadId, p.field, state.version, after, shape.resourceId, newest, pack_rows(rows), encode_recorded(rec), new_ids)
+        identity = save_identity(shape.resourceId, request.request_id, processors=True)
+        write = Write(
+            shape.threadId, p.field, state.version, after, shape.resourceId, newest, pack_rows(rows), encode_recorded(rec), new_ids, identity
+        )
         if rows:
             state.size += len(new_ids)
             state.rows.update(rows)
@@ -317,7 +345,7 @@ class Processor:
         persist = None
         if rows:
             persist = msgspec.json.encode(
-                PersistMessages(p.request.request_id, shape.threadId, shape.resourceId, [msgspec.Raw(r) for _, r in rows])
+                PersistMessages(p.request.request_id, shape.threadId, shape.resourceId, [msgspec.Raw(r) for _, r in rows], version)
             )
         recorded = Recorded(filtered=msgspec.Raw(msgspec.json.encode(filtered)))
         if persist is not None:
@@ -327,7 +355,7 @@ class Processor:
     def _emit(self, p: _Pending, rec: Recorded) -> list[Out]:
         key, ts = p.record.key, p.record.timestamp_ms
         if rec.error is not msgspec.UNSET:
-            return [dead_letter(p.record, self.topics.dlq, rec.error)]
+            return [dead_letter(p.record, self.topics.dlq, rec.error, p.seen)]
         outs = [Out(self.topics.filtered, key, bytes(rec.filtered), ts)]
         if rec.persist is not msgspec.UNSET:
             persist = bytes(rec.persist)

@@ -3,9 +3,16 @@
 Every save of a thread's history is an event on `persist-messages`: the processor's own (one
 per request that saved rows, signed by it: `streams/origin.py`) and other services' (the
 agent runner's replies). Both apply them with the persister's own code and rules, so an event
-the live persister refused is refused here too. Applied in order per thread, they rebuild the history; each event that
-changes something moves the thread's version by one, exactly as the live writes did, so the
-version a decision saw (`historyVersion` on its filtered input) says how far to apply.
+the live persister refused is refused here too, and one applied before changes nothing. Each
+event that changes something moves the thread's version by one, exactly as the live writes
+did, so a version says where a write happened:
+
+- A thread's events are applied in the order they were applied live (`ThreadLog`): other
+  services' in log order, and each of the processor's where its `historyVersion` (the version
+  its decision saw) says. The processor publishes a batch's events after the batch, so in the
+  log they can follow saves that were applied after them live.
+- A decision is replayed on the version it saw: `historyVersion` on its filtered input, or
+  the `memfilter.history-version` header of a rejection's dead letter.
 
 - `rebuild`: replaces a key prefix's history with the whole topic applied by the persister's
   own code, so rebuilding twice gives the same store. (Applying the topic again on top would
@@ -15,14 +22,16 @@ version a decision saw (`historyVersion` on its filtered input) says how far to 
 - `replay`: for a range of `chat-requests`, in an isolated key prefix (never the live
   history), brings each thread to the version its recorded decision saw, decides the request
   again with the processor's own code, and compares with what was recorded on
-  `filtered-inputs`, `persist-messages` and the dead-letter topic. Message ids of threads
-  outside the range are not rebuilt, so a decision that rejected an id as another thread's is
-  reported as different unless that thread also has requests in the range.
+  `filtered-inputs`, `persist-messages` and the dead-letter topic. Which thread held a message
+  id when is on no topic (threads on other partitions decide in their own order), so each
+  decision is given the other threads' ids it saw, as recorded: none for an accepted request,
+  the `memfilter.ids-elsewhere` header for a rejection.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -35,10 +44,7 @@ from streams import origin
 from streams.filter import Limits
 from streams.history import HistoryStore
 from streams.persister import Persister
-from streams.processor import Processor, Record, Topics
-
-# Events a rebuild hands the persister at a time: three Redis round trips each.
-REBUILD_BATCH = 1000
+from streams.processor import ELSEWHERE_HEADER, VERSION_HEADER, Processor, Record, Topics
 
 Progress = Callable[[int, int], None]
 
@@ -111,19 +117,69 @@ async def _offsets(consumer, tps, position, default, last) -> dict[TopicPartitio
     return {tp: found[tp].offset if found[tp] is not None else last[tp] for tp in tps}
 
 
+class _Version(msgspec.Struct):
+    historyVersion: int | None = None
+
+
+class ThreadLog:
+    """One thread's `persist-messages` events, handed out in the order they were applied live."""
+
+    def __init__(self) -> None:
+        self.processors: deque[tuple[int, Record]] = deque()  # (the version its decision saw, event)
+        self.others: deque[Record] = deque()  # other services' events, and any without a version
+
+    def add(self, record: Record, secret: bytes) -> None:
+        version = None
+        if origin.is_processors(record.value, record.headers, secret):
+            version = msgspec.json.decode(record.value, type=_Version).historyVersion
+        if version is None:
+            self.others.append(record)
+        else:
+            self.processors.append((version, record))
+
+    def __bool__(self) -> bool:
+        return bool(self.processors or self.others)
+
+    def next(self, version: int) -> Record:
+        """The event to apply on a thread at `version`: the processor's next if it was decided on
+        this version (or an earlier one: a repeat), else the next of the others in log order."""
+        if self.processors and (self.processors[0][0] <= version or not self.others):
+            return self.processors.popleft()[1]
+        return self.others.popleft()
+
+
+def thread_logs(events: list[Record], secret: bytes) -> dict[bytes | None, ThreadLog]:
+    """The events by record key (the thread id, for every event the persister accepts)."""
+    logs: dict[bytes | None, ThreadLog] = {}
+    for record in events:
+        logs.setdefault(record.key, ThreadLog()).add(record, secret)
+    return logs
+
+
 async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: bytes, progress: Progress | None = None) -> tuple[int, int]:
-    """Replace what is under `store`'s prefix with every `persist-messages` event applied in
-    order; (events applied, events refused). Stop the workers using that prefix first.
-    `secret` is the deployment's MEMFILTER_SECRET, which tells the processor's events."""
+    """Replace what is under `store`'s prefix with every `persist-messages` event applied as it
+    was live; (events applied, events refused). Stop the workers using that prefix first.
+    `secret` is the deployment's MEMFILTER_SECRET, which tells the processor's events.
+
+    Threads are independent, so each round applies the next event of every thread in one
+    persister batch (three round trips): as many rounds as the longest thread has events."""
     events = await read_topic(bootstrap, topics.persist)
     await _drop(store)
     persister = Persister(store, topics.dlq, secret)
-    refused = 0
-    for start in range(0, len(events), REBUILD_BATCH):
-        chunk = events[start : start + REBUILD_BATCH]
-        refused += len(await persister.process(chunk))
+    logs = thread_logs(events, secret)
+    versions = dict.fromkeys(logs, 0)
+    refused = done = 0
+    while logs:
+        round_ = [(key, log.next(versions[key])) for key, log in logs.items()]
+        for (key, _), result in zip(round_, await persister.apply([event for _, event in round_])):
+            if isinstance(result, int):
+                versions[key] = result
+            else:
+                refused += 1
+        logs = {key: log for key, log in logs.items() if log}
+        done += len(round_)
         if progress:
-            progress(start + len(chunk), len(events))
+            progress(done, len(events))
     return len(events) - refused, refused
 
 
@@ -179,25 +235,24 @@ async def replay(
             recorded_filtered.setdefault((event.source.partition, event.source.offset), (r.value, event))
             recorded_by_id.setdefault(event.requestId, (r.value, event))
     recorded_persist: dict[str, bytes] = {}
-    saves: dict[str, list[Record]] = {}  # thread -> its persist events in log order
     persist_decoder = msgspec.json.Decoder(PersistMessages)
     for r in persisted:
-        if r.key is None:
-            continue  # not keyed by a thread: the persister refused it live
         if origin.is_processors(r.value, r.headers, secret):
             recorded_persist.setdefault(persist_decoder.decode(r.value).requestId, r.value)
-        saves.setdefault(r.key.decode(errors="replace"), []).append(r)
-    recorded_dead = {}
+    logs = thread_logs(persisted, secret)
+    recorded_dead: dict[tuple[int, int], dict[str, bytes]] = {}
     for r in dead:
         h = dict(r.headers)
         if h.get("source.topic", b"").decode() == topics.requests:
-            key = (int(h["source.partition"]), int(h["source.offset"]))
-            recorded_dead.setdefault(key, h.get("error.type", b"").decode())
+            recorded_dead.setdefault((int(h["source.partition"]), int(h["source.offset"])), h)
+
+    def recorded_elsewhere(record: Record) -> dict[str, str]:
+        seen = recorded_dead.get((record.partition, record.offset), {}).get(ELSEWHERE_HEADER)
+        return msgspec.json.decode(seen, type=dict[str, str]) if seen else {}
 
     store = store_of(f"replay-{uuid.uuid4().hex[:12]}")
-    processor = Processor(store, topics, limits, secret=secret)
+    processor = Processor(store, topics, limits, secret=secret, recorded_elsewhere=recorded_elsewhere)
     persister = Persister(store, topics.dlq, secret)
-    applied: dict[str, int] = {}  # thread -> persist events applied so far
     report = Report()
     try:
         for n, record in enumerate(requests, 1):
@@ -208,7 +263,7 @@ async def replay(
             diff: list[str]
             if where in recorded_filtered:
                 raw, event = recorded_filtered[where]
-                diff = await _advance(store, persister, saves.get(event.threadId, []), applied, event.threadId, event.historyVersion)
+                diff = await _advance(store, persister, logs.get(record.key), event.threadId, event.historyVersion)
                 if not diff:
                     diff = _compare(await processor.process([record]), topics, raw, recorded_persist.get(event.requestId))
                 request_id, thread = event.requestId, event.threadId
@@ -219,10 +274,15 @@ async def replay(
                 diff = _compare(await processor.process([record]), topics, raw, recorded_persist.get(rid))
                 request_id, thread = rid, event.threadId
             elif where in recorded_dead:
-                outs = await processor.process([record])
-                got = [dict(o.headers).get("error.type", b"").decode() for o in outs if o.topic == topics.dlq]
-                want = recorded_dead[where]
-                diff = [] if got == [want] else [f"recorded: rejected ({want}); replayed: {got[0] if got else 'accepted'}"]
+                headers = recorded_dead[where]
+                diff = []
+                if VERSION_HEADER in headers:  # decided against stored history: on the same
+                    diff = await _advance(store, persister, logs.get(record.key), thread, int(headers[VERSION_HEADER]))
+                if not diff:
+                    outs = await processor.process([record])
+                    got = [dict(o.headers).get("error.type", b"").decode() for o in outs if o.topic == topics.dlq]
+                    want = headers.get("error.type", b"").decode()
+                    diff = [] if got == [want] else [f"recorded: rejected ({want}); replayed: {got[0] if got else 'accepted'}"]
                 request_id = source
             else:
                 diff, request_id = ["nothing recorded for this request (not processed yet?)"], source
@@ -246,15 +306,14 @@ def _request_id(record: Record) -> str | None:
         return None
 
 
-async def _advance(store, persister, saves, applied, thread: str, version: int) -> list[str]:
-    """Apply the thread's saves in log order until its version is `version`."""
-    state = (await store.read({thread: ([], [])}))[thread]
-    while state.version < version and applied.get(thread, 0) < len(saves):
-        await persister.process([saves[applied.get(thread, 0)]])
-        applied[thread] = applied.get(thread, 0) + 1
-        state = (await store.read({thread: ([], [])}))[thread]
-    if state.version != version:
-        return [f"the decision saw history version {version}; persist-messages rebuilds version {state.version}"]
+async def _advance(store: HistoryStore, persister: Persister, log: ThreadLog | None, thread: str, version: int) -> list[str]:
+    """Apply the thread's events, in their live order, until its version is `version`."""
+    current = (await store.read({thread: ([], [])}))[thread].version
+    while current < version and log:
+        result = (await persister.apply([log.next(current)]))[0]
+        current = result if isinstance(result, int) else current
+    if current != version:
+        return [f"the decision saw history version {version}; persist-messages rebuilds version {current}"]
     return []
 
 
