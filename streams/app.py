@@ -2,35 +2,48 @@
 
 Faust hosts the worker: its lifecycle, signals, logging and web server (`/metrics`,
 `/healthz`, `/readyz`). The records themselves flow through one plain aiokafka consumer and
-one transactional producer (`RecordLoop`), not through Faust's per-event streams: measured
-on this machine, Faust's stream path cost more per event than the whole filter decision,
-and on a large backlog it stopped fetching with nothing logged. The loop, a batch at a time:
+a transactional producer per task (`RecordLoop`), not through Faust's per-event streams:
+measured on this machine, Faust's stream path cost more per event than the whole filter
+decision, and on a large backlog it stopped fetching with nothing logged.
 
-1. fetch up to `MEMFILTER_BATCH_MAX` records of the assigned partitions of both topics, in
-   offset order per partition (several workers share the partitions as one consumer group);
-2. hand the `chat-requests` records to the `Processor` (decide against Redis, save, record)
-   and the `persist-messages` written by other services to the `Persister` (the processor's
-   own events, signed by it, are already saved: `streams/origin.py`);
-3. once the batch before is committed, send what they return (to `filtered-inputs`,
-   `persist-messages` and the dead-letter topic, a producer batch per partition) and the
-   batch's offsets in one Kafka transaction. The next batch is decided meanwhile (its Redis
-   writes come after this batch's).
+A thread has two writers: its requests (`chat-requests`) and other services' saves
+(`persist-messages`, the agent runner's replies), both keyed by thread id. Partition p of the
+two topics is one *task*, always given to one worker (the range assignor over two topics of
+the same partition count, checked at assignment), so one worker applies a thread's requests
+and saves in one order. The loop, a batch at a time:
 
-Per thread, order holds because a thread's records sit in one partition and batches are
-handled one after the other. Outputs are exactly once for `read_committed` consumers: a
-batch's outputs and its offsets are committed together or not at all, and a crash leaves at
-most an open transaction, which is aborted when its id is taken up again (below); the batch
-is then consumed again. Redis is outside the transaction: the processor's record of
-processed requests makes the second pass emit the same bytes without deciding again (a
-`read_uncommitted` consumer may see both copies). A Redis outage stalls the batch, retried
-until Redis answers. Anything else unexpected, a fenced producer among them, stops the worker
-(exit 1) rather than leave it up but idle.
+1. fetch up to `MEMFILTER_BATCH_MAX` records of the assigned partitions, in offset order per
+   partition, and the `persist-messages` records committed before its requests but not yet
+   in hand (`_catch_up`);
+2. merge each task's two partitions by record timestamp and cut the batch into phases
+   (`in_order`); per phase, hand the requests to the `Processor` (decide against Redis,
+   save, record) and other services' events to the `Persister` (the processor's own events,
+   signed by it, are already saved: `streams/origin.py`);
+3. send what they return (to `filtered-inputs`, `persist-messages` and the dead-letter topic,
+   a producer batch per partition) and the batch's offsets: a transaction per task, committed
+   while the next batch is fetched and before it is decided.
 
-Transactional ids, so that a dead or stalled worker's transactions are aborted or fenced
-without waiting for a timeout: every input partition has one (`transactional_id`).
-A worker given partitions starts a producer with the id of each, which aborts what an earlier
-owner left open and fences that owner out, and keeps the one of its first partition for its
-own transactions. Whoever is given that partition next does the same to it.
+So a writer's save that was acknowledged before a client sent its next request (the agent's
+reply, say) is applied before that request, provided both are keyed by the thread id and the
+writers' clocks agree to within the time between the two.
+
+Outputs are exactly once for `read_committed` consumers: a task's outputs and its offsets are
+committed together or not at all, and a crash leaves at most an open transaction, which is
+aborted when the task's transactional id is taken up again (below); the records are then
+consumed again. Redis is outside the transaction: the processor's record of processed
+requests makes the second pass emit the same bytes without deciding again, and a save is
+applied once (`streams/persister.py`). A Redis outage stalls the batch, retried until Redis
+answers. Anything else unexpected, a fenced producer among them, stops the worker (exit 1)
+rather than leave it up but idle.
+
+Fencing, so that a dead or stalled worker can neither commit nor write after its tasks were
+given to another: each task has its own transactional id (`transactional_id`), as Kafka
+Streams' first exactly-once design had (aiokafka's transactional offset commits carry no group
+generation, so one producer per worker could not be fenced task by task). A worker given
+tasks (1) starts a producer with each task's id, which aborts what the last owner left open
+and fences that owner's producer; (2) takes a new owner epoch, which fences its Redis writes
+(`streams/history.py`); (3) only then reads the committed offsets it starts from, which no
+fenced owner can move any more.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import heapq
 import itertools
 import logging
 import os
@@ -48,16 +62,18 @@ import time
 import faust
 import mode
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import ConsumerStoppedError
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+from aiokafka.errors import ConsumerStoppedError, IllegalStateError
 from aiokafka.partitioner import murmur2
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from streams import origin
-from streams.history import HistoryStore, connect
+from streams.filter import Rejection
+from streams.history import Fenced, HistoryStore, connect
 from streams.metrics import Metrics
 from streams.persister import Persister
-from streams.processor import Out, Processor, Record
+from streams.processor import Out, Processor, Record, Topics, dead_letter
 from streams.settings import WorkerSettings
 
 log = logging.getLogger("memfilter")
@@ -66,9 +82,9 @@ log = logging.getLogger("memfilter")
 MAX_RECORD_BYTES = 8 << 20
 
 
-def transactional_id(group: str, tp: TopicPartition) -> str:
-    """The transactional id of an input partition (see the header)."""
-    return f"memfilter-{group}-{tp.topic}-{tp.partition}"
+def transactional_id(group: str, task: int) -> str:
+    """The transactional id of a task (see the header)."""
+    return f"memfilter-{group}-task-{task}"
 
 
 async def _with_redis_retry(what: str, call):
@@ -104,6 +120,19 @@ def _key_hash(key: bytes) -> int:
     return murmur2(key) & 0x7FFFFFFF
 
 
+class CoPartitioning(Exception):
+    """The two input topics cannot be consumed co-partitioned."""
+
+
+# How long a batch waits at most for `persist-messages` records that were committed before its
+# requests were fetched but are not in hand yet, checking every CATCH_UP_POLL_MS (`_catch_up`).
+# The consumer's fetches wait at most FETCH_MAX_WAIT_MS for data: a quiet partition is
+# fetched again that often.
+CATCH_UP_S = 1.0
+CATCH_UP_POLL_MS = 10
+FETCH_MAX_WAIT_MS = 100
+
+
 class RecordLoop(mode.Service):
     """Fetch a batch, process it, send its outputs, commit; one batch after the other."""
 
@@ -111,13 +140,14 @@ class RecordLoop(mode.Service):
         super().__init__(**kwargs)
         self.settings = settings
         self.metrics = metrics
+        self.store = store
         self.processor = Processor(store, settings.topics, settings.limits, metrics, settings.secret)
         self.persister = Persister(store, settings.topics.dlq, settings.secret)
         self._consumer: AIOKafkaConsumer | None = None
         self._turn = asyncio.Lock()  # held while a batch is handled; a rebalance waits for it
-        self._epoch = 0  # partition revocations so far
-        self._delivering: asyncio.Task | None = None  # the previous batch's transaction
-        self._producer: AIOKafkaProducer | None = None  # transactional: made when partitions are assigned
+        self._epoch = 0  # partition revocations and assignments so far
+        self._delivering: asyncio.Task | None = None  # the previous batch's transactions
+        self._producers: dict[int, AIOKafkaProducer] = {}  # task -> its transactional producer: made when tasks are assigned
 
     async def on_start(self) -> None:
         settings = self.settings  # the clients are made here, on the worker's event loop
@@ -133,6 +163,10 @@ class RecordLoop(mode.Service):
             heartbeat_interval_ms=int(settings.session_timeout * 250),
             metadata_max_age_ms=30_000,  # partitions added to a topic are picked up within 30 s
             isolation_level="read_committed",  # persist events of an aborted transaction are not applied
+            fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+            # Partition p of both topics to one worker (see the header): the range assignor lays
+            # out each topic's partitions over the same sorted members.
+            partition_assignment_strategy=(RangePartitionAssignor,),
         )
         await self._consumer.start()
         topics = [self.settings.topics.requests, self.settings.topics.persist]
@@ -152,7 +186,7 @@ class RecordLoop(mode.Service):
     async def on_stop(self) -> None:
         async with self._turn:
             await self._drain()
-            await self._stop_producer()
+            await self._stop_producers()
         await self._consumer.stop()
 
     @mode.Service.task
@@ -164,6 +198,13 @@ class RecordLoop(mode.Service):
                 )
                 # Read with no await between: the batch came from the assignment of this epoch.
                 epoch = self._epoch
+                if batch:
+                    # The batch before must be committed first: an open transaction of ours
+                    # holds back the stable offset of `persist-messages`, and with it any save
+                    # appended after it. Outside the turn: a fetch (`_catch_up`) waits for a
+                    # rebalance to end, which waits for the turn.
+                    await self._drain()
+                    await self._catch_up(batch)
                 async with self._turn:
                     # A rebalance between the fetch and here revoked these records' partitions;
                     # whoever holds them now (this worker too) fetches them again from the commit.
@@ -172,6 +213,9 @@ class RecordLoop(mode.Service):
                             await self._handle(batch)
         except ConsumerStoppedError:
             pass
+        except Fenced as e:
+            log.critical("memfilter worker: %s", e)
+            self._crash_process()
         except Exception:
             log.critical("memfilter worker: stopping on an unexpected error", exc_info=True)
             self._crash_process()
@@ -182,36 +226,71 @@ class RecordLoop(mode.Service):
         os._exit(1)
 
     async def _handle(self, batch) -> None:
-        topics, secret = self.settings.topics, self.settings.secret
-        requests, persisted, offsets = [], [], {}
-        for tp, records in batch.items():
-            offsets[tp] = records[-1].offset + 1
-            for r in records:
-                if r.topic == topics.requests:
-                    requests.append(Record.of(r))
-                elif not origin.is_processors(r.value, r.headers, secret):  # the processor's own are saved already
-                    persisted.append(Record.of(r))
         self.metrics.batch_size.observe(sum(len(rs) for rs in batch.values()))
-        outs: list[Out] = []
-        if requests:
-            outs += await _with_redis_retry("filtering requests", lambda: self.processor.process(requests))
-        if persisted:
-            rejected = await _with_redis_retry("applying persisted messages", lambda: self.persister.process(persisted))
-            self.metrics.persisted.inc(len(persisted) - len(rejected))
-            outs += rejected
-        await self._drain()  # a producer has one transaction at a time: the previous batch's first
-        self._delivering = asyncio.create_task(self._deliver(outs, offsets, requests))
+        outs: dict[int, list[Out]] = {tp.partition: [] for tp in batch}  # by task
+        requests: list[Record] = []
+        for phase_requests, phase_persisted in in_order(batch, self.settings.topics, self.settings.secret):
+            for record, record_outs in zip(phase_requests, await self._decide(phase_requests)):
+                outs[record.partition] += record_outs
+            for record, result in zip(phase_persisted, await self._apply(phase_persisted)):
+                if isinstance(result, Rejection):
+                    outs[record.partition].append(dead_letter(record, self.settings.topics.dlq, result))
+            requests += phase_requests
+        offsets = {tp: records[-1].offset + 1 for tp, records in batch.items() if records}
+        self._delivering = asyncio.create_task(self._deliver(outs, offsets, requests))  # the next fetch meanwhile
         for tp, offset in offsets.items():
             end = self._consumer.highwater(tp)
             if end is not None:
                 self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, end - offset))
 
-    async def _send(self, outs: list[Out]) -> list[asyncio.Future]:
+    async def _decide(self, requests: list[Record]) -> list[list[Out]]:
+        if not requests:
+            return []
+        return await _with_redis_retry("filtering requests", lambda: self.processor.outputs(requests))
+
+    async def _apply(self, persisted: list[Record]) -> list[Rejection | int]:
+        if not persisted:
+            return []
+        results = await _with_redis_retry("applying persisted messages", lambda: self.persister.apply(persisted))
+        self.metrics.persisted.inc(sum(1 for r in results if not isinstance(r, Rejection)))
+        return results
+
+    async def _catch_up(self, batch) -> None:
+        """Bring into the batch every `persist-messages` record of its requests' tasks that was
+        committed before the requests were fetched: a reply acknowledged before a request was
+        sent is then decided before it, whatever the order in which the fetcher brought the two
+        partitions. A task's save partition is caught up once a fetch of it answered after its
+        request partition's last one (the fetcher has one fetch in flight per broker, so that
+        fetch saw the log when the requests were already in it) and everything below the stable
+        offset that fetch reported is consumed. Waits at most CATCH_UP_S; stops if a rebalance
+        takes the partitions away (the batch is then dropped: `_run`)."""
+        topics, consumer = self.settings.topics, self._consumer
+        try:
+            since = {}  # save partition -> the last fetch time of its request partition
+            for task in {tp.partition for tp in batch if tp.topic == topics.requests}:
+                tp = TopicPartition(topics.persist, task)
+                if tp not in consumer.assignment():
+                    return
+                since[tp] = consumer.last_poll_timestamp(TopicPartition(topics.requests, task)) or 0
+            deadline = time.monotonic() + CATCH_UP_S
+            while since and time.monotonic() < deadline:
+                since = {tp: t for tp, t in since.items() if not await self._caught_up(tp, t)}
+                if since:
+                    more = await consumer.getmany(*since, timeout_ms=CATCH_UP_POLL_MS, max_records=self.settings.batch_max)
+                    for tp, records in more.items():
+                        batch.setdefault(tp, []).extend(records)
+        except IllegalStateError:  # no longer assigned
+            return
+
+    async def _caught_up(self, tp: TopicPartition, since: int) -> bool:
+        polled, stable = self._consumer.last_poll_timestamp(tp), self._consumer.last_stable_offset(tp)
+        return polled is not None and polled >= since and stable is not None and await self._consumer.position(tp) >= stable
+
+    async def _send(self, producer: AIOKafkaProducer, outs: list[Out]) -> list[asyncio.Future]:
         """Queue the records a batch per topic partition, in their order: the producer's
         per-record `send` costs ~8 µs of Python each, appending to a batch ~1. Partitions are
         chosen as `send` chooses them (murmur2 of the key, as Java clients do); the futures
         complete when the broker has the batches."""
-        producer = self._producer
         partitions = {topic: sorted(await producer.partitions_for(topic)) for topic in {o.topic for o in outs}}
         by_partition: dict[tuple[str, int], list[Out]] = {}
         for out in outs:
@@ -234,13 +313,17 @@ class RecordLoop(mode.Service):
             sends.append(await producer.send_batch(batch, topic, partition=partition))
         return sends
 
-    async def _deliver(self, outs: list[Out], offsets: dict[TopicPartition, int], requests: list[Record]) -> None:
-        """The batch's outputs and offsets in one transaction."""
-        producer = self._producer
-        await producer.begin_transaction()
-        await asyncio.gather(*await self._send(outs))
-        await producer.send_offsets_to_transaction(offsets, self.settings.group)
-        await producer.commit_transaction()
+    async def _deliver(self, outs: dict[int, list[Out]], offsets: dict[TopicPartition, int], requests: list[Record]) -> None:
+        """The batch's outputs and offsets: one transaction per task, each on the task's producer."""
+
+        async def transaction(task: int) -> None:
+            producer = self._producers[task]
+            await producer.begin_transaction()
+            await asyncio.gather(*await self._send(producer, outs[task]))
+            await producer.send_offsets_to_transaction({tp: o for tp, o in offsets.items() if tp.partition == task}, self.settings.group)
+            await producer.commit_transaction()
+
+        await asyncio.gather(*(transaction(task) for task in outs))
         now_ms = time.time() * 1000
         for r in requests:
             self.metrics.end_to_end.observe(max(0.0, now_ms - r.timestamp_ms) / 1000)
@@ -253,46 +336,103 @@ class RecordLoop(mode.Service):
         """Partitions leave only after the batch in hand is delivered and committed."""
         async with self._turn:
             await self._drain()
-            await self._stop_producer()
+            await self._stop_producers()
             self._epoch += 1
         self.metrics.lag.clear()
         self.metrics.assigned.set(0)
 
     async def partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        """Take up the transactional id of every assigned partition (see the module's header):
-        starting a producer with an id aborts the transaction its last user left open and
-        fences that user out. The first partition's producer is kept for this worker's own."""
+        """Take up the assigned tasks (see the module's header): start each task's producer,
+        which aborts the transaction its last owner left open and fences that owner out; then
+        take a new owner epoch for Redis writes, and only then read where to start from
+        (the committed offsets), which no fenced owner can move any more."""
         self.metrics.assigned.set(len(assigned))
         if not assigned:
             return
-        first, *others = sorted(assigned)
-        fencers = [self._transactional(tp) for tp in others]
-        self._producer = self._transactional(first)
-        await asyncio.gather(self._producer.start(), *(p.start() for p in fencers))
-        await asyncio.gather(*(p.stop() for p in fencers))
+        tasks = self._check_co_partitioned(assigned)
+        async with self._turn:
+            self._producers = {task: self._transactional(task) for task in tasks}
+            await asyncio.gather(*(p.start() for p in self._producers.values()))
+            await self.store.take_epoch()
+            await self._seek_to_committed(assigned)
 
-    def _transactional(self, tp: TopicPartition) -> AIOKafkaProducer:
+    async def _seek_to_committed(self, assigned: set[TopicPartition]) -> None:
+        """Start every assigned partition again from its committed offset (the beginning if
+        none), and drop what was fetched before: all at once, after the last await, so that no
+        batch fetched from a partition already moved back is taken for one fetched after."""
+        tps = sorted(assigned)
+        committed = dict(zip(tps, await asyncio.gather(*(self._consumer.committed(tp) for tp in tps))))
+        never = [tp for tp, offset in committed.items() if offset is None]
+        beginnings = await self._consumer.beginning_offsets(never) if never else {}
+        for tp, offset in committed.items():
+            self._consumer.seek(tp, beginnings[tp] if offset is None else offset)
+        self._epoch += 1  # a batch fetched before the seek is dropped (`_run`): it is fetched again from here
+
+    def _check_co_partitioned(self, assigned: set[TopicPartition]) -> list[int]:
+        """The tasks assigned: the partition numbers, the same for both topics."""
+        topics = self.settings.topics
+        counts = {t: len(self._consumer.partitions_for_topic(t) or ()) for t in (topics.requests, topics.persist)}
+        if counts[topics.requests] != counts[topics.persist]:
+            raise CoPartitioning(
+                f"{topics.requests} has {counts[topics.requests]} partitions and {topics.persist} {counts[topics.persist]}; "
+                "a thread's requests and saves must be read by one worker: give both topics the same number of partitions"
+            )
+        by_topic = {t: sorted(tp.partition for tp in assigned if tp.topic == t) for t in (topics.requests, topics.persist)}
+        if by_topic[topics.requests] != by_topic[topics.persist]:
+            raise CoPartitioning(
+                f"assigned {topics.requests} partitions {by_topic[topics.requests]} but {topics.persist} partitions "
+                f"{by_topic[topics.persist]}: every worker of group {self.settings.group} must use the range assignor"
+            )
+        return by_topic[topics.requests]
+
+    def _transactional(self, task: int) -> AIOKafkaProducer:
         settings = self.settings
         return AIOKafkaProducer(
             bootstrap_servers=settings.bootstrap,
             client_id=f"memfilter-{settings.group}",
-            transactional_id=transactional_id(settings.group, tp),
+            transactional_id=transactional_id(settings.group, task),
             acks="all",
             linger_ms=0,  # batches are built whole (`_send`) and sent at once
             max_batch_size=1 << 20,
             max_request_size=MAX_RECORD_BYTES,
         )
 
-    async def _stop_producer(self) -> None:
-        if self._producer is not None:
-            producer, self._producer = self._producer, None
-            await producer.stop()
+    async def _stop_producers(self) -> None:
+        producers, self._producers = self._producers, {}
+        await asyncio.gather(*(p.stop() for p in producers.values()))
 
     async def _drain(self) -> None:
-        """Wait for the previous batch's transaction; a failure there (a fenced producer, say) stops the worker."""
+        """Wait for the previous batch's transactions; a failure there (a fenced producer, say) stops the worker."""
         if self._delivering is not None:
-            delivering, self._delivering = self._delivering, None
-            await delivering
+            await self._delivering  # several may wait for it (the loop, a rebalance)
+            self._delivering = None
+
+
+def in_order(batch: dict[TopicPartition, list], topics: Topics, secret: bytes) -> list[tuple[list[Record], list[Record]]]:
+    """The batch's requests and other writers' persist events, in the order to apply them: in
+    each task, the two partitions merged by record timestamp (a save first on a tie), as Kafka
+    Streams merges co-partitioned inputs; then cut into phases, (requests, events), such that
+    each thread's records of one phase are all requests or all events. Phases are applied one
+    after the other, so each thread sees its records in merged order, and a phase's requests
+    go to the processor together (its round trips do not grow with the number of threads)."""
+    phases: list[tuple[list[Record], list[Record]]] = []
+    last: dict[bytes | None, tuple[int, bool]] = {}  # thread (record key) -> (its phase, requests?)
+    for task in sorted({tp.partition for tp in batch}):
+        requests = [(Record.of(r), True) for r in batch.get(TopicPartition(topics.requests, task), ())]
+        persisted = [
+            (Record.of(r), False)
+            for r in batch.get(TopicPartition(topics.persist, task), ())
+            if not origin.is_processors(r.value, r.headers, secret)  # the processor's own are saved already
+        ]
+        for record, is_request in heapq.merge(persisted, requests, key=lambda item: item[0].timestamp_ms):
+            phase, was_request = last.get(record.key, (-1, None))
+            if was_request is not is_request:
+                phase += 1
+                last[record.key] = (phase, is_request)
+            if phase == len(phases):
+                phases.append(([], []))
+            phases[phase][0 if is_request else 1].append(record)
+    return phases
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -312,6 +452,9 @@ class _Rebalance(ConsumerRebalanceListener):
     async def _or_stop(self, step) -> None:
         try:
             await step
+        except CoPartitioning as e:
+            log.critical("memfilter worker: %s", e)
+            self.loop._crash_process()
         except Exception:
             log.critical("memfilter worker: stopping on an unexpected error in a rebalance", exc_info=True)
             self.loop._crash_process()

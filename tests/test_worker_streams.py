@@ -89,7 +89,7 @@ async def check_redis(pipeline: Pipeline, threads: int = THREADS, turns: int = T
     try:
         pipe = client.pipeline(transaction=False)
         for i in range(threads):
-            rows, order, _, _ = store.keys(f"{tag}{i}")
+            rows, order, *_ = store.keys(f"{tag}{i}")
             pipe.lrange(order, 0, -1)
             pipe.hlen(rows)
         replies = await pipe.execute()

@@ -1,11 +1,10 @@
 """What a dead or stalled worker leaves in Kafka: its transactions, aborted or fenced.
 
-A worker sends each batch's outputs and offsets in one transaction. Its transactional id is
-that of its first input partition, and it takes up the id of every other partition it is
-given; a worker given partitions after another so aborts the transaction the other left open
-and fences it out. Here the other worker is played by a bare producer with such an id, whose
-transaction would otherwise stay open for ten minutes and hold up every `read_committed`
-consumer of the partitions it wrote to.
+A worker sends each batch's outputs and offsets in one transaction per task (partition p of
+both input topics), with the task's transactional id; a worker given a task after another so
+aborts the transaction the other left open and fences it out. Here the other worker is played
+by a bare producer with such an id, whose transaction would otherwise stay open for ten
+minutes and hold up every `read_committed` consumer of the partitions it wrote to.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import asyncio
 import json
 
 import pytest
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from pipeline import Collector, publish
@@ -32,12 +31,12 @@ def requests(n: int) -> list[tuple[bytes, bytes, int]]:
 
 
 async def left_open(pipeline, partition: int) -> AIOKafkaProducer:
-    """A producer with the transactional id of a `chat-requests` partition, mid-transaction:
+    """A producer with the transactional id of a task, mid-transaction:
     one record on every `filtered-inputs` partition, not committed."""
     t = pipeline.topics
     group = pipeline.env()["MEMFILTER_GROUP"]
     producer = AIOKafkaProducer(
-        bootstrap_servers=pipeline.bootstrap, transactional_id=transactional_id(group, TopicPartition(t.requests, partition)),
+        bootstrap_servers=pipeline.bootstrap, transactional_id=transactional_id(group, partition),
         transaction_timeout_ms=600_000,
     )
     await producer.start()
@@ -47,7 +46,7 @@ async def left_open(pipeline, partition: int) -> AIOKafkaProducer:
     return producer
 
 
-@pytest.mark.parametrize("partition", [0, 5], ids=["the worker's own id", "an id the worker takes up"])
+@pytest.mark.parametrize("partition", [0, 5], ids=["the first task", "another task"])
 def test_a_transaction_left_open_is_aborted_when_a_worker_takes_up_its_id(pipeline, partition):
     t = pipeline.topics
 
