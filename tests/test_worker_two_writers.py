@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.partitioner import murmur2
 
 from pipeline import Collector, Pipeline, dump, header, publish
@@ -379,3 +380,27 @@ async def end_offsets(bootstrap: str, topic: str) -> str:
         return ",".join(f"{tp.partition}:{o}" for tp, o in (await consumer.end_offsets(tps)).items())
     finally:
         await consumer.stop()
+
+
+def test_a_worker_refuses_topics_whose_partitions_do_not_pair_up(services):
+    """A thread's requests and saves must land on partitions of the same number: a worker given
+    `persist-messages` with another partition count exits, naming both topics."""
+    pipeline = Pipeline(services.bootstrap, services.redis_url)
+    t = pipeline.topics
+
+    async def create():
+        admin = AIOKafkaAdminClient(bootstrap_servers=pipeline.bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(name, 4 if name == t.persist else 8, 1) for name in t.__dict__.values()])
+        finally:
+            await admin.close()
+
+    asyncio.run(create())
+    worker = pipeline.start_worker()
+    try:
+        assert worker.wait(60) == 1
+    finally:
+        pipeline.stop_all()
+    log = pipeline.log_path(0).read_text()
+    assert f"{t.requests} has 8 partitions and {t.persist} 4; a thread's requests and saves must be read by one worker" in log
