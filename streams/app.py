@@ -148,6 +148,7 @@ class RecordLoop(mode.Service):
         self._epoch = 0  # partition revocations and assignments so far
         self._delivering: asyncio.Task | None = None  # the previous batch's transactions
         self._producers: dict[int, AIOKafkaProducer] = {}  # task -> its transactional producer: made when tasks are assigned
+        self._committed: dict[TopicPartition, int] = {}  # the offsets committed (or started from), by assigned partition
 
     async def on_start(self) -> None:
         settings = self.settings  # the clients are made here, on the worker's event loop
@@ -208,7 +209,7 @@ class RecordLoop(mode.Service):
                 async with self._turn:
                     # A rebalance between the fetch and here revoked these records' partitions;
                     # whoever holds them now (this worker too) fetches them again from the commit.
-                    if batch and epoch == self._epoch:
+                    if epoch == self._epoch and self._producers:
                         with _collector_paused():
                             await self._handle(batch)
         except ConsumerStoppedError:
@@ -226,7 +227,12 @@ class RecordLoop(mode.Service):
         os._exit(1)
 
     async def _handle(self, batch) -> None:
-        self.metrics.batch_size.observe(sum(len(rs) for rs in batch.values()))
+        """Decide and apply the batch, then commit its outputs with the consumer's positions:
+        past the last record, and past the transaction markers after it (a partition whose last
+        records are markers, ours on `persist-messages` among them, is committed when it moves
+        past them, so an idle worker's lag is 0)."""
+        if batch:
+            self.metrics.batch_size.observe(sum(len(rs) for rs in batch.values()))
         outs: dict[int, list[Out]] = {tp.partition: [] for tp in batch}  # by task
         requests: list[Record] = []
         for phase_requests, phase_persisted in in_order(batch, self.settings.topics, self.settings.secret):
@@ -236,12 +242,17 @@ class RecordLoop(mode.Service):
                 if isinstance(result, Rejection):
                     outs[record.partition].append(dead_letter(record, self.settings.topics.dlq, result))
             requests += phase_requests
-        offsets = {tp: records[-1].offset + 1 for tp, records in batch.items() if records}
-        self._delivering = asyncio.create_task(self._deliver(outs, offsets, requests))  # the next fetch meanwhile
-        for tp, offset in offsets.items():
+        positions = {tp: await self._consumer.position(tp) for tp in self._committed}
+        offsets = {tp: p for tp, p in positions.items() if p > self._committed[tp]}
+        for tp in offsets:
+            outs.setdefault(tp.partition, [])
+        if offsets or any(outs.values()):
+            await self._drain()  # one transaction at a time per producer
+            self._delivering = asyncio.create_task(self._deliver(outs, offsets, requests))  # the next fetch meanwhile
+        for tp, position in positions.items():
             end = self._consumer.highwater(tp)
             if end is not None:
-                self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, end - offset))
+                self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, end - position))
 
     async def _decide(self, requests: list[Record]) -> list[list[Out]]:
         if not requests:
@@ -320,10 +331,12 @@ class RecordLoop(mode.Service):
             producer = self._producers[task]
             await producer.begin_transaction()
             await asyncio.gather(*await self._send(producer, outs[task]))
-            await producer.send_offsets_to_transaction({tp: o for tp, o in offsets.items() if tp.partition == task}, self.settings.group)
+            if mine := {tp: o for tp, o in offsets.items() if tp.partition == task}:
+                await producer.send_offsets_to_transaction(mine, self.settings.group)
             await producer.commit_transaction()
 
         await asyncio.gather(*(transaction(task) for task in outs))
+        self._committed.update(offsets)
         now_ms = time.time() * 1000
         for r in requests:
             self.metrics.end_to_end.observe(max(0.0, now_ms - r.timestamp_ms) / 1000)
@@ -337,6 +350,7 @@ class RecordLoop(mode.Service):
         async with self._turn:
             await self._drain()
             await self._stop_producers()
+            self._committed = {}
             self._epoch += 1
         self.metrics.lag.clear()
         self.metrics.assigned.set(0)
@@ -366,6 +380,7 @@ class RecordLoop(mode.Service):
         beginnings = await self._consumer.beginning_offsets(never) if never else {}
         for tp, offset in committed.items():
             self._consumer.seek(tp, beginnings[tp] if offset is None else offset)
+        self._committed = {tp: beginnings[tp] if offset is None else offset for tp, offset in committed.items()}
         self._epoch += 1  # a batch fetched before the seek is dropped (`_run`): it is fetched again from here
 
     def _check_co_partitioned(self, assigned: set[TopicPartition]) -> list[int]:
@@ -475,6 +490,7 @@ def create_app(settings: WorkerSettings) -> faust.App:
         web_host=settings.web_bind,
         web_port=settings.web_port,
         web_bind=settings.web_bind,
+        env={},  # only the worker's documented settings configure it, never Faust's own variables (WEB_PORT, ...)
     )
     app.boot_strategy = _WebOnly(app)
     client = connect(settings.redis_url)

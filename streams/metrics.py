@@ -11,7 +11,7 @@ One registry per worker (so tests can run several in one process). What an opera
 | `memfilter_end_to_end_seconds` | histogram | record timestamp to its outputs committed (the batch's transaction) |
 | `memfilter_batch_size` | histogram | records per batch |
 | `memfilter_redis_round_trips_total` | counter | pipelined Redis round trips |
-| `memfilter_consumer_lag{topic,partition}` | gauge | records not yet consumed, per assigned partition |
+| `memfilter_consumer_lag{topic,partition}` | gauge | offsets not yet consumed, per assigned partition (0 when idle: transaction markers count as consumed) |
 | `memfilter_assigned_partitions` | gauge | partitions this worker holds |
 """
 

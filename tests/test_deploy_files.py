@@ -66,6 +66,7 @@ def test_kubernetes_workers_take_settings_from_a_configmap_and_are_ready_on_read
     [container] = pod["spec"]["containers"]
     assert container["envFrom"] == [{"configMapRef": {"name": docs["ConfigMap"]["metadata"]["name"]}}]
     assert [e["name"] for e in container["env"]] == ["MEMFILTER_SECRET"] and "secretKeyRef" in container["env"][0]["valueFrom"]
+    assert pod["spec"]["enableServiceLinks"] is False
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     port = int(docs["ConfigMap"]["data"]["MEMFILTER_WEB_PORT"])

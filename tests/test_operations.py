@@ -16,6 +16,7 @@ import urllib.request
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from pipeline import REPO, Collector, Pipeline, dump, free_port, publish
 from test_worker_streams import stream
@@ -196,6 +197,35 @@ class TestMetricsAndHealth:
         assert sample_value(text, "memfilter_end_to_end_seconds_count") == published
         assert sample_value(text, "memfilter_assigned_partitions") == 16
 
+    def test_an_idle_worker_has_no_lag_in_its_metrics_nor_in_its_groups_committed_offsets(self, processed):
+        """The last records of a `persist-messages` partition are transaction markers (the
+        worker's own commits): committed past them, a `lag > 0` alert clears when idle."""
+        pipeline, worker, *_ = processed
+        t = pipeline.topics
+
+        def lags() -> list[float]:
+            text = scrape(worker.web_port, "/metrics")[1]
+            return [float(line.split()[-1]) for line in text.splitlines() if line.startswith("memfilter_consumer_lag{")]
+
+        deadline = time.monotonic() + 30
+        while (len(lags()) != 16 or any(lags())) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(lags()) == 16 and not any(lags()), lags()
+
+        async def group_lag() -> dict[str, int]:
+            admin = AIOKafkaAdminClient(bootstrap_servers=pipeline.bootstrap)
+            await admin.start()
+            try:
+                committed = await admin.list_consumer_group_offsets(pipeline.env()["MEMFILTER_GROUP"])
+            finally:
+                await admin.close()
+            ends = {}
+            for topic in (t.requests, t.persist):
+                ends.update({TopicPartition(topic, int(p)): int(o) for p, o in (x.split(":") for x in (await end_offsets(pipeline.bootstrap, topic)).split(","))})
+            return {f"{tp.topic}-{tp.partition}": end - committed[tp].offset for tp, end in ends.items() if end != committed[tp].offset}
+
+        assert asyncio.run(group_lag()) == {}
+
     def test_readyz_goes_not_ready_when_redis_stops_and_ready_when_it_is_back(self, services, tmp_path):
         port = free_port()
         conf = tmp_path / "redis.conf"
@@ -229,3 +259,11 @@ def wait_for_status(port: int, path: str, status: int, timeout: float = 60) -> b
             pass
         time.sleep(0.2)
     return False
+
+
+def test_fausts_own_environment_variables_do_not_change_the_worker(pipeline):
+    """Kubernetes service links inject `WEB_PORT=tcp://10.0.0.1:80`-style variables, which
+    Faust reads as its settings: only the worker's documented settings may change it."""
+    worker = pipeline.start_worker(WEB_PORT="tcp://10.0.0.1:80", WEB_BIND="0.0.0.0")
+    assert wait_for_status(worker.web_port, "/healthz", 200), pipeline.log_path(0).read_text()[-2000:]
+    assert worker.poll() is None
