@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import gc
 import dataclasses
 import os
@@ -311,6 +312,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfilter", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('memfilter')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("explain", help="the filter's decision for a request and a history, without Kafka or Redis")
@@ -344,12 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_tail)
 
     p = sub.add_parser("history", help="show a stored thread, or rebuild history from persist-messages")
-    p.add_argument("action", choices=["show", "rebuild"])
-    p.add_argument("thread", nargs="?", help="thread id (show)")
-    p.add_argument("--json", action="store_true", help="show: each stored row as one line of JSON")
-    p.add_argument("--redis-url", help="Redis to read or rebuild into (default REDIS_URL)")
-    p.add_argument("--prefix", help="key prefix (default MEMFILTER_REDIS_PREFIX or mf)")
-    p.set_defaults(run=cmd_history)
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = actions.add_parser("show", help="a stored thread in save order")
+    show.add_argument("thread", help="thread id")
+    show.add_argument("--json", action="store_true", help="each stored row as one line of JSON")
+    rebuild = actions.add_parser("rebuild", help="replace the history under a prefix with persist-messages applied as it was live")
+    for q in (show, rebuild):
+        q.add_argument("--redis-url", help="Redis to read or rebuild into (default REDIS_URL)")
+        q.add_argument("--prefix", help="key prefix (default MEMFILTER_REDIS_PREFIX or mf)")
+        q.set_defaults(run=cmd_history)
 
     p = sub.add_parser(
         "replay",

@@ -8,6 +8,7 @@ replay it, rebuild its history and read the worker's metrics, all on the real Ka
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import subprocess
 import time
@@ -18,6 +19,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from conftest import memfilter
 from pipeline import REPO, Collector, Pipeline, dump, free_port, publish
 from test_worker_streams import stream
 
@@ -267,3 +269,17 @@ def test_fausts_own_environment_variables_do_not_change_the_worker(pipeline):
     worker = pipeline.start_worker(WEB_PORT="tcp://10.0.0.1:80", WEB_BIND="0.0.0.0")
     assert wait_for_status(worker.web_port, "/healthz", 200), pipeline.log_path(0).read_text()[-2000:]
     assert worker.poll() is None
+
+
+class TestCommandLine:
+    def test_version_is_printed(self):
+        result = memfilter("--version")
+        assert result.returncode == 0 and result.stdout.strip() == f"memfilter {importlib.metadata.version('memfilter')}"
+
+    def test_history_show_without_a_thread_says_the_thread_is_required(self):
+        result = memfilter("history", "show")
+        assert result.returncode == 2 and "the following arguments are required: thread" in result.stderr
+
+    def test_history_rebuild_refuses_a_stray_argument_instead_of_ignoring_it(self):
+        result = memfilter("history", "rebuild", "mf-new")
+        assert result.returncode == 2 and "unrecognized arguments: mf-new" in result.stderr
