@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
 
@@ -152,6 +152,17 @@ async def read(bootstrap: str, topics: list[str], until, timeout: float = 120) -
     finally:
         await consumer.stop()
     return records
+
+
+async def end_offsets(bootstrap: str, topic: str) -> str:
+    """`--from`/`--to` of `memfilter replay`: the topic's end offsets now."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        return ",".join(f"{tp.partition}:{o}" for tp, o in (await consumer.end_offsets(tps)).items())
+    finally:
+        await consumer.stop()
 
 
 def header(record: ConsumerRecord, name: str) -> str | None:

@@ -16,11 +16,11 @@ import urllib.error
 import urllib.request
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from conftest import memfilter
-from pipeline import REPO, Collector, Pipeline, dump, free_port, publish
+from pipeline import REPO, Collector, Pipeline, dump, end_offsets, free_port, publish
 from test_worker_streams import stream
 
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
@@ -66,16 +66,6 @@ async def a_tool_turn(pipeline: Pipeline, seen: Collector, thread: str, tamper: 
     answered = assistant(thread, dict(CALL, state="result", result={"booked": True}))
     await publish(pipeline.bootstrap, t.requests, [request(thread, 1, [user(thread, 0), answered])])
     assert await seen.wait_for(lambda recs: sum(r.key == thread.encode() for r in recs if r.topic == t.filtered) == 2)
-
-
-async def end_offsets(bootstrap: str, topic: str) -> str:
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap)
-    await consumer.start()
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-        return ",".join(f"{tp.partition}:{o}" for tp, o in (await consumer.end_offsets(tps)).items())
-    finally:
-        await consumer.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.partitioner import murmur2
 
-from pipeline import Collector, Pipeline, dump, header, publish
+from pipeline import Collector, Pipeline, dump, end_offsets, header, publish
 
 T0 = 1772366400000
 TURNS = 3
@@ -369,17 +369,6 @@ def test_an_audit_of_a_healthy_log_finds_no_difference_with_ids_shared_across_pa
 def decided(records) -> list:
     """The filtered inputs and dead letters of requests (not of refused saves)."""
     return [r for r in records if r.topic.startswith("filtered-inputs") or header(r, "source.topic").startswith("chat-requests")]
-
-
-async def end_offsets(bootstrap: str, topic: str) -> str:
-    """`--from`/`--to` of `memfilter replay`: the topic's end offsets now."""
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap)
-    await consumer.start()
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
-        return ",".join(f"{tp.partition}:{o}" for tp, o in (await consumer.end_offsets(tps)).items())
-    finally:
-        await consumer.stop()
 
 
 def test_a_worker_refuses_topics_whose_partitions_do_not_pair_up(services):
