@@ -54,10 +54,12 @@ import functools
 import gc
 import heapq
 import itertools
+import importlib.metadata
 import logging
 import os
 import random
 import time
+from urllib.parse import urlsplit
 
 import faust
 import mode
@@ -70,16 +72,21 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from streams import origin
 from streams.filter import Rejection
-from streams.history import Fenced, HistoryStore, connect
+from streams.history import TIMEOUT_S, Fenced, HistoryStore, connect
 from streams.metrics import Metrics
 from streams.persister import Persister
 from streams.processor import Out, Processor, Record, Topics, dead_letter
-from streams.settings import WorkerSettings
+from streams.settings import Settings
 
 log = logging.getLogger("memfilter")
 # Largest record fetched or sent: a request is at most MEMFILTER_MAX_BYTES (1 MiB), and its
 # filtered input adds stored rows and server fields. The stack's broker accepts this much.
 MAX_RECORD_BYTES = 8 << 20
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    return url if parts.password is None else url.replace(f":{parts.password}@", ":***@", 1)
 
 
 def transactional_id(group: str, task: int) -> str:
@@ -94,7 +101,8 @@ async def _with_redis_retry(what: str, call):
         try:
             return await call()
         except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-            log.warning("Redis unavailable while %s (%s); retrying in %.1fs", what, e, delay)
+            reason = f"no answer within {TIMEOUT_S:.0f} s" if isinstance(e, TimeoutError) else f"{type(e).__name__}: {e}"
+            log.warning("Redis unavailable while %s (%s); retrying in %.1fs", what, reason, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
@@ -136,7 +144,7 @@ FETCH_MAX_WAIT_MS = 100
 class RecordLoop(mode.Service):
     """Fetch a batch, process it, send its outputs, commit; one batch after the other."""
 
-    def __init__(self, settings: WorkerSettings, store: HistoryStore, metrics: Metrics, **kwargs):
+    def __init__(self, settings: Settings, store: HistoryStore, metrics: Metrics, **kwargs):
         super().__init__(**kwargs)
         self.settings = settings
         self.metrics = metrics
@@ -152,6 +160,11 @@ class RecordLoop(mode.Service):
 
     async def on_start(self) -> None:
         settings = self.settings  # the clients are made here, on the worker's event loop
+        log.info(
+            "memfilter worker %s starting: group %s, Kafka %s, Redis %s, web http://%s:%d",
+            importlib.metadata.version("memfilter"), settings.group, settings.bootstrap,
+            _without_password(settings.redis_url), settings.web_bind, settings.web_port,
+        )
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.bootstrap,
             group_id=settings.group,
@@ -362,6 +375,7 @@ class RecordLoop(mode.Service):
         (the committed offsets), which no fenced owner can move any more."""
         self.metrics.assigned.set(len(assigned))
         if not assigned:
+            log.info("memfilter worker ready: no tasks for now (the group has more workers than partitions)")
             return
         tasks = self._check_co_partitioned(assigned)
         async with self._turn:
@@ -369,6 +383,8 @@ class RecordLoop(mode.Service):
             await asyncio.gather(*(p.start() for p in self._producers.values()))
             await self.store.take_epoch()
             await self._seek_to_committed(assigned)
+        topics = self.settings.topics
+        log.info("memfilter worker ready: %d tasks %s (partitions of %s and %s)", len(tasks), tasks, topics.requests, topics.persist)
 
     async def _seek_to_committed(self, assigned: set[TopicPartition]) -> None:
         """Start every assigned partition again from its committed offset (the beginning if
@@ -481,7 +497,7 @@ class _WebOnly(faust.App.BootStrategy):
     enable_kafka = False
 
 
-def create_app(settings: WorkerSettings) -> faust.App:
+def create_app(settings: Settings) -> faust.App:
     app = faust.App(
         settings.group,
         broker=f"kafka://{settings.bootstrap}",

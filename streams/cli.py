@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import gc
-import dataclasses
+import logging
 import os
 import sys
 from pathlib import Path
+
+from streams.settings import VARIABLES, Settings, SettingError
 
 
 def _read_input(path: str | None) -> bytes:
@@ -32,16 +34,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_stack(args: argparse.Namespace) -> int:
     from streams import stack
 
-    settings = stack.Settings.from_env()
-    if args.partitions is not None:
-        settings = dataclasses.replace(settings, partitions=args.partitions)
+    settings = stack.Settings.of(Settings.from_env(), args.partitions)
     try:
         if args.action == "up":
             print(stack.up(settings).exports(stack.secret(settings)))
         elif args.action == "down":
             print("stopped" if stack.down(settings) else f"no stack recorded in {settings.dir}")
         else:
-            print(stack.status(settings))
+            text, all_running = stack.status(settings)
+            print(text)
+            return 0 if all_running else 3
     except stack.StackError as e:
         print(f"memfilter stack {args.action}: {e}", file=sys.stderr)
         return 1
@@ -77,31 +79,44 @@ def _no_secret(settings) -> str | None:
     return None
 
 
+def _web_port_free(settings) -> str | None:
+    """None if the worker's web server can listen, else a one-line reason."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((settings.web_bind, settings.web_port))
+            return None
+        except OSError as e:
+            return (
+                f"cannot serve the web server on {settings.web_bind}:{settings.web_port} ({e.strerror}): "
+                "each worker on a host needs its own port: --web-port or MEMFILTER_WEB_PORT"
+            )
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
-    import faust
+    import msgspec
 
     from streams.app import create_app
-    from streams.settings import WorkerSettings
+    from streams.logs import Worker
 
-    settings = WorkerSettings.from_env()
+    settings = Settings.from_env()
     if args.web_port is not None:
-        settings = dataclasses.replace(settings, web_port=args.web_port)
-    reason = _no_secret(settings) or _reachable(settings)
+        settings = msgspec.structs.replace(settings, web_port=args.web_port)
+    reason = _no_secret(settings) or _web_port_free(settings) or _reachable(settings)
     if reason is not None:
         print(f"memfilter worker: {reason}", file=sys.stderr)
         return 1
     app = create_app(settings)
     gc.freeze()  # what start-up made stays: the collector need not scan it on every batch
-    worker = faust.Worker(app, loglevel=args.loglevel)
-    # Faust's terminal spinner sets the root logger to DEBUG so that every record spins it:
-    # aiokafka then formats a debug line per record sent, 6% of the worker's time.
-    worker.spinner = None
+    worker = Worker(app, loglevel=args.loglevel)
     worker.execute_from_commandline()
     return 0
 
 
-def _requests_of(raw: bytes) -> list[tuple[int, bytes]]:
-    """(line or item number, request bytes) from a JSON array or JSON lines."""
+def _requests_of(raw: bytes) -> list[tuple[str, bytes]]:
+    """(where: "item N" of a JSON array or "line N" of JSON lines, request bytes)."""
     import msgspec
 
     if raw.lstrip().startswith(b"["):
@@ -109,18 +124,29 @@ def _requests_of(raw: bytes) -> list[tuple[int, bytes]]:
             items = msgspec.json.decode(raw, type=list[msgspec.Raw])
         except msgspec.DecodeError as e:
             raise ValueError(f"input is not a JSON array: {e}") from None
-        return [(n, bytes(item)) for n, item in enumerate(items, 1)]
-    return [(n, line) for n, line in enumerate(raw.splitlines(), 1) if line.strip()]
+        return [(f"item {n}", bytes(item)) for n, item in enumerate(items, 1)]
+    return [(f"line {n}", line) for n, line in enumerate(raw.splitlines(), 1) if line.strip()]
 
 
 def _progress(label: str):
-    """A progress line on stderr for long runs (every 1,000 items and at the end)."""
+    """`show(n, total)`: a progress bar on stderr when it is a terminal (tqdm), nothing else."""
+    from tqdm import tqdm
 
-    def show(n: int, total: int) -> None:
-        if total >= 1000 and (n % 1000 == 0 or n == total):
-            print(f"\r{label} {n:,}/{total:,}", end="" if n < total else "\n", file=sys.stderr, flush=True)
+    bars: dict = {}
+
+    def show(n: int, total: int, what: str = label) -> None:
+        bar = bars.get(what)
+        if bar is None:
+            bar = bars[what] = tqdm(total=total, desc=what, file=sys.stderr, disable=None, leave=False, mininterval=0.5)
+        bar.update(n - bar.n)
+        if n >= total:
+            bar.close()
 
     return show
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -128,38 +154,40 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
     from streams.client import Client
     from streams.filter import Rejected, decode_request
-    from streams.settings import WorkerSettings
     from streams.stack import broker_answers
 
-    settings = WorkerSettings.from_env()
+    settings = Settings.from_env()
     try:
         numbered = _requests_of(_read_input(args.file))
     except (OSError, ValueError) as e:
         print(f"memfilter publish: {e}", file=sys.stderr)
         return 2
+    if not numbered:
+        print("memfilter publish: no requests in the input (a JSON array or JSON lines of ChatRequests)", file=sys.stderr)
+        return 2
     good, bad = [], []
-    for n, value in numbered:
+    for where, value in numbered:
         try:
             decode_request(value, "publish", settings.limits)
             good.append(value)
         except Rejected as e:
-            bad.append(f"line {n}: {e.type}: {e.message}")
-    if bad and not args.skip_invalid:
-        print(f"memfilter publish: {bad[0]} (nothing published; --skip-invalid sends the valid ones)", file=sys.stderr)
-        return 1
+            bad.append(f"{where}: {e.type}: {e.message}")
     for line in bad:
-        print(f"memfilter publish: skipped {line}", file=sys.stderr)
+        print(f"memfilter publish: {'skipped ' if args.skip_invalid else ''}{line}", file=sys.stderr)
+    if bad and not args.skip_invalid:
+        print(f"memfilter publish: {_plural(len(bad), 'invalid request')}; nothing published (--skip-invalid sends the valid ones)", file=sys.stderr)
+        return 1
     if not asyncio.run(broker_answers(settings.bootstrap, timeout=10)):
         print(f"memfilter publish: Kafka at {settings.bootstrap} does not answer; set KAFKA_BOOTSTRAP_SERVERS", file=sys.stderr)
         return 1
 
     shown = _progress("published")
 
-    async def send() -> int:
-        async with Client(settings.bootstrap, settings.topics) as client:
+    async def send() -> list[str]:
+        async with Client(settings.bootstrap, settings.topics, settings.limits) as client:
             return await client.publish(good, on_sent=lambda n: shown(n, len(good)))
 
-    print(f"published {asyncio.run(send())} requests to {settings.topics.requests}")
+    print(f"published {_plural(len(asyncio.run(send())), 'request')} to {settings.topics.requests}")
     return 0
 
 
@@ -181,14 +209,31 @@ def _readable(topic_kind: str, record) -> str:
     return f"{key}  {event.get('requestId')}  {len(ids)} messages {ids}"
 
 
+def _with_meta(record, readable: str, as_json: bool) -> str:
+    """The event with its record's topic, partition, offset, timestamp, key and headers (--meta):
+    one JSON object (the value under "value", as a string if it is not JSON), or two lines."""
+    import msgspec
+
+    key = record.key.decode(errors="replace") if record.key is not None else None
+    headers = {k: v.decode(errors="replace") for k, v in record.headers}
+    if not as_json:
+        return f"{record.topic}-{record.partition}@{record.offset}  key={key}  headers={headers}\n    {readable}"
+    try:
+        msgspec.json.decode(record.value)
+        value = msgspec.Raw(record.value)
+    except (msgspec.DecodeError, TypeError):  # a dead letter keeps what the client sent, JSON or not
+        value = record.value.decode(errors="replace") if record.value is not None else None
+    meta = {"topic": record.topic, "partition": record.partition, "offset": record.offset, "timestamp": record.timestamp}
+    return msgspec.json.encode({**meta, "key": key, "headers": headers, "value": value}).decode()
+
+
 def cmd_tail(args: argparse.Namespace) -> int:
     import asyncio
 
     from streams.client import Client
-    from streams.settings import WorkerSettings
     from streams.stack import broker_answers
 
-    settings = WorkerSettings.from_env()
+    settings = Settings.from_env()
     kinds = {v: k for k, v in vars(settings.topics).items()}
     topic = args.topic or settings.topics.filtered
     if topic not in kinds:
@@ -202,7 +247,8 @@ def cmd_tail(args: argparse.Namespace) -> int:
         shown = 0
         client = Client(settings.bootstrap, settings.topics)
         async for record in client.records(topic, args.thread, args.from_beginning, args.idle_ms):
-            print(record.value.decode(errors="replace") if args.json else _readable(kinds[topic], record), flush=True)
+            value = record.value.decode(errors="replace") if args.json else _readable(kinds[topic], record)
+            print(_with_meta(record, value, args.json) if args.meta else value, flush=True)
             shown += 1
             if args.max is not None and shown >= args.max:
                 return
@@ -220,9 +266,9 @@ def _run_or_explain(command: str, settings, coroutine):
     import asyncio
 
     from aiokafka.errors import KafkaConnectionError
-    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import RedisError
 
-    from streams.replay import TopicMissing
+    from streams.recorded import TopicMissing
 
     try:
         return asyncio.run(coroutine)
@@ -230,8 +276,8 @@ def _run_or_explain(command: str, settings, coroutine):
         reason = f"{e}; create it (`memfilter stack up` does) or set MEMFILTER_TOPIC_*"
     except KafkaConnectionError:
         reason = f"Kafka at {settings.bootstrap} does not answer; set KAFKA_BOOTSTRAP_SERVERS"
-    except RedisConnectionError as e:
-        reason = f"Redis does not answer ({e}); set REDIS_URL or --redis-url"
+    except (RedisError, TimeoutError) as e:
+        reason = f"Redis does not answer as Redis ({type(e).__name__}: {e}); set REDIS_URL or --redis-url"
     print(f"memfilter {command}: {reason}", file=sys.stderr)
     raise SystemExit(1)
 
@@ -242,14 +288,40 @@ def _store(url: str, prefix: str):
     return HistoryStore(connect(url), prefix)
 
 
+async def _workers_of(settings) -> int:
+    """How many workers the group has now (members of its consumer group)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap, request_timeout_ms=10_000)
+    await admin.start()
+    try:
+        described = await admin.describe_consumer_groups([settings.group])
+        return sum(len(g["members"]) for d in described for g in d.to_object()["groups"])
+    finally:
+        await admin.close()
+
+
+async def _refuse_live(settings, url: str, prefix: str, doing: str) -> str | None:
+    """Why `doing` may not touch `prefix` in the Redis at `url` now: the workers run on it."""
+    if (url, prefix) != (settings.redis_url, settings.redis_prefix):
+        return None
+    workers = await _workers_of(settings)
+    if workers:
+        return (
+            f"{_plural(workers, 'worker')} of group {settings.group} run on prefix {prefix}; stop them before you {doing} it, "
+            "or use another prefix (--prefix NEW; point the workers at it with MEMFILTER_REDIS_PREFIX)"
+        )
+    return None
+
+
 def cmd_history(args: argparse.Namespace) -> int:
     import msgspec
 
+    from streams.history import prefixes
     from streams.replay import rebuild
-    from streams.settings import WorkerSettings
 
-    settings = WorkerSettings.from_env()
-    url, prefix = args.redis_url or settings.redis_url, args.prefix or settings.redis_prefix
+    settings = Settings.from_env()
+    url, prefix = args.redis_url or settings.redis_url, getattr(args, "prefix", None) or settings.redis_prefix
 
     async def show() -> int:
         store = _store(url, prefix)
@@ -268,21 +340,39 @@ def cmd_history(args: argparse.Namespace) -> int:
         return 0
 
     async def rebuild_all() -> int:
+        if reason := await _refuse_live(settings, url, prefix, "rebuild"):
+            print(f"memfilter history rebuild: {reason}", file=sys.stderr)
+            return 1
+        print(f"memfilter history rebuild: replacing the history under prefix {prefix} with {settings.topics.persist}", file=sys.stderr)
         applied, refused = await rebuild(settings.bootstrap, settings.topics, _store(url, prefix), settings.secret, _progress("applied"))
         print(f"rebuilt history under prefix {prefix} from {applied + refused:,} events of {settings.topics.persist} ({refused:,} refused)")
+        return 0
+
+    async def list_prefixes() -> int:
+        found = await prefixes(_store(url, prefix).redis)
+        for name, keys in sorted(found.items()):
+            print(f"{name}  {_plural(keys, 'key')}{'  (MEMFILTER_REDIS_PREFIX: the workers’)' if name == settings.redis_prefix else ''}")
+        return 0
+
+    async def drop() -> int:
+        if reason := await _refuse_live(settings, url, prefix, "drop"):
+            print(f"memfilter history drop: {reason}", file=sys.stderr)
+            return 1
+        print(f"dropped prefix {prefix}: {_plural(await _store(url, prefix).drop(), 'key')} deleted")
         return 0
 
     if args.action == "rebuild" and (reason := _no_secret(settings)):
         print(f"memfilter history rebuild: {reason}", file=sys.stderr)
         return 2
-    return _run_or_explain(f"history {args.action}", settings, show() if args.action == "show" else rebuild_all())
+    run = {"show": show, "rebuild": rebuild_all, "prefixes": list_prefixes, "drop": drop}[args.action]
+    return _run_or_explain(f"history {args.action}", settings, run())
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from streams.replay import parse_position, replay
-    from streams.settings import WorkerSettings
+    from streams.recorded import parse_position
+    from streams.replay import replay
 
-    settings = WorkerSettings.from_env()
+    settings = Settings.from_env()
     try:
         start, end = parse_position(args.start), parse_position(args.end)
     except ValueError as e:
@@ -290,6 +380,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return 2
     if reason := _no_secret(settings):
         print(f"memfilter replay: {reason}", file=sys.stderr)
+        return 2
+    if args.report and not os.access(Path(args.report).resolve().parent, os.W_OK):
+        print(f"memfilter replay: cannot write the report {args.report}: its folder does not exist or is not writable", file=sys.stderr)
         return 2
     url = args.redis_url or settings.redis_url
     report = _run_or_explain(
@@ -310,6 +403,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 1 if args.strict and report.different else 0
 
 
+STACK_VARIABLES = {"MEMFILTER_STACK_DIR", "MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT", "MEMFILTER_PARTITIONS", "MEMFILTER_MAVEN_SETTINGS"}
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfilter", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('memfilter')}")
@@ -317,70 +419,96 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("explain", help="the filter's decision for a request and a history, without Kafka or Redis")
     p.add_argument("file", nargs="?", help="a case or JSON array of cases (default: stdin)")
-    p.set_defaults(run=cmd_explain)
+    p.set_defaults(parser=p, run=cmd_explain)
 
     p = sub.add_parser(
         "worker",
         help="run a processor worker (a Faust worker); several workers form one consumer group",
-        description="Consume chat-requests and persist-messages; settings from the environment "
-        "(KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, MEMFILTER_GROUP, MEMFILTER_REDIS_PREFIX, MEMFILTER_TOPIC_*, "
-        "MEMFILTER_BATCH_MAX, MEMFILTER_BATCH_WITHIN, MEMFILTER_MAX_BYTES, MEMFILTER_MAX_MESSAGES, MEMFILTER_WEB_PORT, MEMFILTER_WEB_BIND, "
-        "MEMFILTER_SESSION_TIMEOUT, MEMFILTER_DATA_DIR).",
+        description="Consume chat-requests and persist-messages; settings from the environment ("
+        + ", ".join(v for v in VARIABLES.values() if v not in STACK_VARIABLES)
+        + "; the README's settings table says what each does).",
     )
     p.add_argument("--web-port", type=int, help="port of the worker's web server (default MEMFILTER_WEB_PORT or 6066)")
     p.add_argument("--loglevel", default="warn", choices=["crit", "error", "warn", "info", "debug"])
-    p.set_defaults(run=cmd_worker)
+    p.set_defaults(parser=p, run=cmd_worker)
 
     p = sub.add_parser("publish", help="publish ChatRequests (JSON array or JSON lines) to chat-requests")
     p.add_argument("file", nargs="?", help="requests file (default: stdin)")
     p.add_argument("--skip-invalid", action="store_true", help="publish the valid requests and report the others")
-    p.set_defaults(run=cmd_publish)
+    p.set_defaults(parser=p, run=cmd_publish)
 
     p = sub.add_parser("tail", help="follow filtered-inputs (or another of the product's topics)")
     p.add_argument("topic", nargs="?", help="topic name (default: filtered-inputs)")
     p.add_argument("--json", action="store_true", help="print each event's value as one line of JSON")
     p.add_argument("--thread", help="only this thread's events")
     p.add_argument("--from-beginning", action="store_true", help="start at the topic's first event")
-    p.add_argument("--max", type=int, help="stop after this many events")
-    p.add_argument("--idle-ms", type=int, help="stop after this long without an event")
-    p.set_defaults(run=cmd_tail)
+    p.add_argument("--max", type=_positive, help="stop after this many events")
+    p.add_argument("--idle-ms", type=_positive, help="stop after this long without an event")
+    p.add_argument("--meta", action="store_true", help="show each record's topic, partition, offset, key and headers too")
+    p.set_defaults(parser=p, run=cmd_tail)
 
-    p = sub.add_parser("history", help="show a stored thread, or rebuild history from persist-messages")
+    p = sub.add_parser("history", help="show a stored thread, rebuild history from persist-messages, list or drop key prefixes")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     show = actions.add_parser("show", help="a stored thread in save order")
     show.add_argument("thread", help="thread id")
     show.add_argument("--json", action="store_true", help="each stored row as one line of JSON")
-    rebuild = actions.add_parser("rebuild", help="replace the history under a prefix with persist-messages applied as it was live")
-    for q in (show, rebuild):
-        q.add_argument("--redis-url", help="Redis to read or rebuild into (default REDIS_URL)")
-        q.add_argument("--prefix", help="key prefix (default MEMFILTER_REDIS_PREFIX or mf)")
-        q.set_defaults(run=cmd_history)
+    rebuild = actions.add_parser(
+        "rebuild", help="replace the history under a prefix with persist-messages applied as it was live (refused while workers run on it)"
+    )
+    listed = actions.add_parser("prefixes", help="the key prefixes holding a history in Redis (leftovers of rebuilds and replays too)")
+    drop = actions.add_parser("drop", help="delete every key under a prefix (refused while workers run on it)")
+    drop.add_argument("--prefix", required=True, help="the prefix to delete (never a default)")
+    for q in (show, rebuild, listed, drop):
+        q.add_argument("--redis-url", help="Redis to use (default REDIS_URL)")
+        if q is not drop:
+            q.add_argument("--prefix", help="key prefix (default MEMFILTER_REDIS_PREFIX or mf)")
+        q.set_defaults(parser=q, run=cmd_history)
 
     p = sub.add_parser(
         "replay",
         help="audit: decide a range of chat-requests again on history rebuilt from persist-messages, compare with what was recorded",
     )
-    p.add_argument("--from", dest="start", help="first request: offset, partition:offset list, or ISO time (default: the beginning)")
+    p.add_argument(
+        "--from",
+        dest="start",
+        help="first request: an offset of every partition (100: offset 100 of each), partition:offset,... or an ISO time (default: the beginning)",
+    )
     p.add_argument("--to", dest="end", help="end of the range, exclusive, in the same forms (default: the end)")
     p.add_argument("--report", help="write the report as JSON to this file")
     p.add_argument("--strict", action="store_true", help="exit 1 when any request differs")
     p.add_argument("--redis-url", help="Redis for the isolated rebuild (default REDIS_URL; keys under a fresh replay-* prefix, deleted after)")
-    p.set_defaults(run=cmd_replay)
+    p.set_defaults(parser=p, run=cmd_replay)
 
     p = sub.add_parser(
         "stack",
         help="a local Kafka (KRaft) and Redis for the product and its tests",
         description="Start, stop or show a local single-node Kafka broker and Redis server on loopback ports. "
-        "Settings: MEMFILTER_STACK_DIR (default .stack/ in the checkout), MEMFILTER_KAFKA_PORT (9092), "
+        "`up` starts what is not running (a service that died is started again on its data); `status` exits 3 "
+        "unless everything runs. Settings: MEMFILTER_STACK_DIR (default .stack/ in the checkout), MEMFILTER_KAFKA_PORT (9092), "
         "MEMFILTER_CONTROLLER_PORT (9093), MEMFILTER_REDIS_PORT (6379), MEMFILTER_PARTITIONS (8), "
         "MEMFILTER_MAVEN_SETTINGS (a Maven settings.xml, optional).",
     )
     p.add_argument("action", choices=["up", "down", "status"], help='up prints `export` lines: eval "$(memfilter stack up)"')
-    p.add_argument("--partitions", type=int, help="partitions of each topic created by `up` (default 8)")
-    p.set_defaults(run=cmd_stack)
+    p.add_argument("--partitions", type=_positive, help="partitions of each topic `up` makes (default 8); must match existing topics")
+    p.set_defaults(parser=p, run=cmd_stack)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.run(args)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand's own usage, not the top level's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command != "worker":
+        # A command says in one line when Kafka does not answer; aiokafka's own lines would
+        # come first (the worker logs them: it keeps running through an outage).
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    try:
+        return args.run(args)
+    except SettingError as e:
+        print(f"memfilter {args.command}: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`memfilter tail | head -1`): stop quietly, as Python's docs advise.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -2,11 +2,15 @@
 topic's events (optionally one thread's), typed with the `schemas` Structs.
 
     async with Client("127.0.0.1:9092") as client:
-        await client.publish([ChatRequest(threadId="t1", resourceId="u1", messages=[...])])
+        ids = await client.publish([{"threadId": "t1", "resourceId": "u1", "messages": [...]}])
         async for event in client.filtered_inputs(thread="t1"):
-            ...
+            ...  # event.requestId is one of `ids`
 
-`memfilter publish` and `memfilter tail` are this client on the command line.
+`publish` checks every request as the processor will (`InvalidRequest` names the first that
+would be a dead letter, and then nothing is sent), and returns each one's `requestId`: its own,
+or the one the processor gives a request without one (from where it landed), so a caller can
+find its filtered inputs. `memfilter publish` and `memfilter tail` are this client on the
+command line.
 """
 
 from __future__ import annotations
@@ -18,13 +22,23 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
 
 from schemas.wire import ChatRequest, FilteredInput
+from streams.filter import Limits, Rejected, decode_request
 from streams.processor import Topics
 
 
+class InvalidRequest(ValueError):
+    """A request the processor would reject; nothing was published."""
+
+    def __init__(self, index: int, error: Rejected):
+        super().__init__(f"request {index} would be rejected ({error.type}): {error.message}")
+        self.index, self.type = index, error.type
+
+
 class Client:
-    def __init__(self, bootstrap: str, topics: Topics = Topics()):
+    def __init__(self, bootstrap: str, topics: Topics = Topics(), limits: Limits = Limits()):
         self.bootstrap = bootstrap
         self.topics = topics
+        self.limits = limits
         self._producer: AIOKafkaProducer | None = None
 
     async def __aenter__(self) -> Client:
@@ -34,27 +48,35 @@ class Client:
         if self._producer is not None:
             await self._producer.stop()
 
-    async def publish(self, requests: Iterable[ChatRequest | bytes], on_sent=None) -> int:
-        """Publish requests to the requests topic, keyed by thread id; wait until the broker has
-        them all. Bytes are sent as they are (they must be a ChatRequest). Returns the count."""
+    async def publish(self, requests: Iterable[ChatRequest | dict | bytes], on_sent=None) -> list[str]:
+        """Publish requests (Structs, dicts or JSON bytes) to the requests topic, keyed by thread
+        id, once every one of them passed the processor's checks (else `InvalidRequest`); wait
+        until the broker has them all. Returns their request ids, in order."""
+        values = [r if isinstance(r, bytes) else msgspec.json.encode(r) for r in requests]
+        checked = []
+        for n, value in enumerate(values):
+            try:
+                checked.append(decode_request(value, "", self.limits).shape)
+            except Rejected as e:
+                raise InvalidRequest(n, e) from None
         if self._producer is None:
             self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5, max_request_size=4 << 20)
             await self._producer.start()
-        pending = []
-        for request in requests:
-            value = request if isinstance(request, bytes) else msgspec.json.encode(request)
-            thread = msgspec.json.decode(value, type=ChatRequest).threadId if isinstance(request, bytes) else request.threadId
-            pending.append(await self._producer.send(self.topics.requests, value, key=thread.encode()))
-        for n, future in enumerate(pending, 1):
-            await future
+        pending = [await self._producer.send(self.topics.requests, v, key=r.threadId.encode()) for v, r in zip(values, checked)]
+        ids = []
+        for request, future in zip(checked, pending):
+            sent = await future
+            ids.append(request.requestId or f"{sent.topic}-{sent.partition}-{sent.offset}")
             if on_sent is not None:
-                on_sent(n)
-        return len(pending)
+                on_sent(len(ids))
+        return ids
 
     async def records(
         self, topic: str, thread: str | None = None, from_beginning: bool = False, idle_ms: int | None = None
     ) -> AsyncIterator[ConsumerRecord]:
-        """Follow a topic's records (of one thread if `thread`); stop after `idle_ms` without any."""
+        """Follow a topic's records (of one thread if `thread`); stop after `idle_ms` without any
+        (counted from the first fetch, which waits at least a second for a new consumer's
+        partitions)."""
         consumer = AIOKafkaConsumer(
             topic,
             bootstrap_servers=self.bootstrap,
@@ -65,11 +87,13 @@ class Client:
         )
         await consumer.start()
         key = thread.encode() if thread is not None else None
+        wait_ms = max(idle_ms or 0, 1000)
         try:
             while True:
-                batch = await consumer.getmany(timeout_ms=idle_ms if idle_ms is not None else 1000)
+                batch = await consumer.getmany(timeout_ms=wait_ms)
                 if not batch and idle_ms is not None:
                     return
+                wait_ms = idle_ms if idle_ms is not None else 1000
                 for records in batch.values():
                     for record in records:
                         if key is None or record.key == key:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -298,7 +299,7 @@ TIMEOUT_S = 10.0
 
 def connect(url: str, **options) -> aioredis.Redis:
     """A Redis client for the history store (`url` as in REDIS_URL)."""
-    return aioredis.from_url(url, socket_timeout=None, socket_connect_timeout=5, **options)
+    return aioredis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=5, **options)
 
 
 class HistoryStore:
@@ -487,3 +488,39 @@ class HistoryStore:
         rows, order, *_ = self.keys(thread)
         ids = await self.redis.lrange(order, 0, -1)
         return await self.redis.hmget(rows, ids) if ids else []
+
+    async def drop(self) -> int:
+        """Delete every key under this store's prefix; how many there were."""
+        dropped = 0
+        async for keys in _batches(self.redis.scan_iter(match=f"{_glob_escape(self.prefix)}:*", count=1000), 1000):
+            dropped += await self.redis.unlink(*keys)
+        return dropped
+
+
+_KEY_PREFIX = re.compile(rb"^(.*?):(?:t:\{|ids:\{|epoch$)")
+
+
+async def prefixes(client: aioredis.Redis) -> dict[str, int]:
+    """The history stores in a Redis: prefix -> how many keys it has (replays and rebuilds
+    into new prefixes leave some behind)."""
+    found: dict[str, int] = {}
+    async for key in client.scan_iter(count=1000):
+        if m := _KEY_PREFIX.match(key):
+            name = m.group(1).decode(errors="replace")
+            found[name] = found.get(name, 0) + 1
+    return found
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+async def _batches(items, size: int):
+    batch = []
+    async for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

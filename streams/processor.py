@@ -81,7 +81,7 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     offset: int
     timestamp_ms: int
     key: bytes | None
-    value: bytes
+    value: bytes | None  # None: a tombstone, which a client can publish
     headers: tuple[tuple[str, bytes], ...] = ()
 
     @classmethod

@@ -1,57 +1,139 @@
-"""The worker's settings, all from the environment (names in the README's settings table)."""
+"""Every setting of the product, from the environment: one typed object, checked when made.
+
+Each environment variable in the README's settings table is one field of `Settings`, with its
+type, bounds and default. `Settings.from_env()` converts and checks them all with msgspec (the
+same library that checks the wire types), so a bad value stops a command before it starts,
+with one line that names the variable and what it takes:
+
+    MEMFILTER_MAX_MESSAGES='abc' is not valid: expected `int`, got `str`
+
+Every command reads its settings here and nowhere else; nothing else in the environment
+changes what the product does.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
 
 from streams.filter import Limits
 from streams.history import PROCESSED_TTL_S
 from streams.processor import Topics
 
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Positive = Annotated[int, Meta(ge=1)]
+Seconds = Annotated[float, Meta(gt=0)]
 
-@dataclass(frozen=True)
-class WorkerSettings:
-    bootstrap: str
-    redis_url: str
-    group: str  # the Faust app id, and so the consumer group
-    redis_prefix: str
-    topics: Topics
-    limits: Limits
-    batch_max: int  # records fetched and handled together (requests are decided in lanes of ~100)
-    batch_within: float  # seconds a batch waits to fill
-    web_port: int
-    web_bind: str  # address the web server listens on (0.0.0.0 in a container)
-    data_dir: str
-    session_timeout: float  # seconds before a silent worker's partitions go to the others
-    processed_ttl: int  # seconds a thread's processed-request records outlive its last request
-    secret: bytes  # MEMFILTER_SECRET: keys server-assigned message ids and signs the processor's persist events
+# Field -> environment variable. The field names are what the code reads.
+VARIABLES = {
+    "bootstrap": "KAFKA_BOOTSTRAP_SERVERS",
+    "redis_url": "REDIS_URL",
+    "group": "MEMFILTER_GROUP",
+    "redis_prefix": "MEMFILTER_REDIS_PREFIX",
+    "topic_requests": "MEMFILTER_TOPIC_REQUESTS",
+    "topic_filtered": "MEMFILTER_TOPIC_FILTERED",
+    "topic_persist": "MEMFILTER_TOPIC_PERSIST",
+    "topic_dlq": "MEMFILTER_TOPIC_DLQ",
+    "max_bytes": "MEMFILTER_MAX_BYTES",
+    "max_messages": "MEMFILTER_MAX_MESSAGES",
+    "batch_max": "MEMFILTER_BATCH_MAX",
+    "batch_within": "MEMFILTER_BATCH_WITHIN",
+    "session_timeout": "MEMFILTER_SESSION_TIMEOUT",
+    "processed_ttl": "MEMFILTER_PROCESSED_TTL",
+    "secret_text": "MEMFILTER_SECRET",
+    "web_port": "MEMFILTER_WEB_PORT",
+    "web_bind": "MEMFILTER_WEB_BIND",
+    "data_dir": "MEMFILTER_DATA_DIR",
+    "stack_dir": "MEMFILTER_STACK_DIR",
+    "kafka_port": "MEMFILTER_KAFKA_PORT",
+    "controller_port": "MEMFILTER_CONTROLLER_PORT",
+    "redis_port": "MEMFILTER_REDIS_PORT",
+    "partitions": "MEMFILTER_PARTITIONS",
+    "maven_settings": "MEMFILTER_MAVEN_SETTINGS",
+}
+
+_BOOTSTRAP = re.compile(r"^[^\s,:]+:\d{1,5}(,[^\s,:]+:\d{1,5})*$")
+
+
+class SettingError(ValueError):
+    """A setting that will not do: one line naming the variable and the fix."""
+
+
+class Settings(msgspec.Struct, frozen=True, rename=VARIABLES):
+    # Kafka and Redis: every command
+    bootstrap: str = "127.0.0.1:9092"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    topic_requests: str = "chat-requests"
+    topic_filtered: str = "filtered-inputs"
+    topic_persist: str = "persist-messages"
+    topic_dlq: str = "chat-requests-dlq"
+    redis_prefix: str = "mf"
+    # the worker
+    group: str = "memfilter"  # the Faust app id, and so the consumer group
+    max_bytes: Positive = 1 << 20
+    max_messages: Positive = 1000
+    batch_max: Positive = 1500  # records fetched and handled together
+    batch_within: Annotated[float, Meta(ge=0)] = 0.05  # seconds a fetch waits to fill a batch
+    session_timeout: Seconds = 10.0  # seconds before a silent worker's partitions go to the others
+    processed_ttl: Positive = PROCESSED_TTL_S  # seconds a thread's processed-request records outlive its last request
+    secret_text: str = ""  # keys server-assigned message ids and signs the processor's persist events
+    web_port: Port = 6066
+    web_bind: str = "127.0.0.1"  # 0.0.0.0 in a container
+    data_dir: str = ""  # Faust's data folder; default $TMPDIR/memfilter-<group>
+    # `memfilter stack`
+    stack_dir: str = ""  # default: .stack/ in a checkout, else ~/.local/state/memfilter/stack
+    kafka_port: Port = 9092
+    controller_port: Port = 9093
+    redis_port: Port = 6379
+    partitions: Positive | None = None  # None: 8 for topics `stack up` makes, existing ones as they are
+    maven_settings: str = ""
 
     @classmethod
-    def from_env(cls, env=os.environ) -> WorkerSettings:
-        group = env.get("MEMFILTER_GROUP", "memfilter")
-        return cls(
-            bootstrap=env.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
-            redis_url=env.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
-            group=group,
-            redis_prefix=env.get("MEMFILTER_REDIS_PREFIX", "mf"),
-            topics=Topics(
-                requests=env.get("MEMFILTER_TOPIC_REQUESTS", "chat-requests"),
-                filtered=env.get("MEMFILTER_TOPIC_FILTERED", "filtered-inputs"),
-                persist=env.get("MEMFILTER_TOPIC_PERSIST", "persist-messages"),
-                dlq=env.get("MEMFILTER_TOPIC_DLQ", "chat-requests-dlq"),
-            ),
-            limits=Limits(
-                max_bytes=int(env.get("MEMFILTER_MAX_BYTES", 1 << 20)),
-                max_messages=int(env.get("MEMFILTER_MAX_MESSAGES", 1000)),
-            ),
-            batch_max=int(env.get("MEMFILTER_BATCH_MAX", 1500)),
-            batch_within=float(env.get("MEMFILTER_BATCH_WITHIN", 0.05)),
-            web_port=int(env.get("MEMFILTER_WEB_PORT", 6066)),
-            web_bind=env.get("MEMFILTER_WEB_BIND", "127.0.0.1"),
-            data_dir=env.get("MEMFILTER_DATA_DIR", os.path.join(tempfile.gettempdir(), f"memfilter-{group}")),
-            session_timeout=float(env.get("MEMFILTER_SESSION_TIMEOUT", 10)),
-            processed_ttl=int(env.get("MEMFILTER_PROCESSED_TTL", PROCESSED_TTL_S)),
-            secret=env.get("MEMFILTER_SECRET", "").encode(),
+    def from_env(cls, env=os.environ) -> Settings:
+        """The settings in `env`; SettingError names the first variable that will not do."""
+        given = {name: env[name] for name in VARIABLES.values() if name in env}
+        try:
+            settings = msgspec.convert(given, cls, strict=False)
+        except msgspec.ValidationError as e:
+            detail, _, where = str(e).partition(" - at `$.")
+            name = where.rstrip("`")
+            raise SettingError(f"{name}={given.get(name)!r} is not valid: {detail[0].lower()}{detail[1:]}") from None
+        if not _BOOTSTRAP.match(settings.bootstrap):
+            raise SettingError(f"KAFKA_BOOTSTRAP_SERVERS={settings.bootstrap!r} is not valid: expected host:port[,host:port...]")
+        if not settings.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise SettingError(
+                f"REDIS_URL={settings.redis_url!r} is not valid: expected redis://HOST:PORT/DB (or rediss://, unix://)"
+            )
+        return msgspec.structs.replace(
+            settings,
+            data_dir=settings.data_dir or os.path.join(tempfile.gettempdir(), f"memfilter-{settings.group}"),
+            stack_dir=str(Path(settings.stack_dir or _default_stack_dir()).resolve()),
         )
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(self.topic_requests, self.topic_filtered, self.topic_persist, self.topic_dlq)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(max_bytes=self.max_bytes, max_messages=self.max_messages)
+
+    @property
+    def secret(self) -> bytes:
+        return self.secret_text.encode()
+
+
+def _default_stack_dir() -> Path:
+    """`.stack/` in a checkout (where the tests and `deploy/` scripts expect it); for an
+    installed package, a folder of the user's state, as XDG says."""
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").exists():
+        return checkout / ".stack"
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "memfilter" / "stack"

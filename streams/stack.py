@@ -2,19 +2,23 @@
 
 The processor's tests and its local demo run against the real things, not stand-ins: Apache
 Kafka in KRaft mode (broker and controller in one JVM), from the `org.apache.kafka:kafka_2.13`
-jars that Maven collects from Maven Central (`deploy/kafka-pom.xml`), and Debian's
+jars that Maven collects from Maven Central (`streams/kafka-pom.xml`, shipped in the package), and Debian's
 `redis-server`. Both listen on loopback ports; their jars, data, logs and pids live under one
-stack folder (default `.stack/` in the checkout, git-ignored).
+stack folder (default `.stack/` in the checkout, git-ignored; for an installed package
+`~/.local/state/memfilter/stack`).
 
 `up` is idempotent: a stack that already answers is reused. Every failure (no Java, Maven
 unreachable, a port taken, a stack of another folder on the ports) is one line naming the
-cause, a non-zero exit, and nothing left running that this call started.
+cause, a non-zero exit, and nothing left running that this call started. A service of the
+stack that died is started again by the next `up`, on its own data; `status` says, service by
+service, what runs (and exits 3 unless all of it does).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -26,9 +30,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-POM = REPO / "deploy" / "kafka-pom.xml"
+from streams import settings as product_settings
+
+POM = Path(__file__).resolve().parent / "kafka-pom.xml"
 TOPICS = ("chat-requests", "filtered-inputs", "persist-messages", "chat-requests-dlq")
+DEFAULT_PARTITIONS = 8
+SERVICES = ("kafka", "redis")
 
 
 class StackError(Exception):
@@ -37,21 +44,22 @@ class StackError(Exception):
 
 @dataclass(frozen=True)
 class Settings:
+    """The stack's part of the product's settings (`streams/settings.py`)."""
+
     dir: Path
     kafka_port: int
     controller_port: int
     redis_port: int
-    partitions: int
+    partitions: int | None  # None: DEFAULT_PARTITIONS for topics made now, existing ones as they are
+    maven_settings: str = ""
+
+    @classmethod
+    def of(cls, s: product_settings.Settings, partitions: int | None = None) -> Settings:
+        return cls(Path(s.stack_dir), s.kafka_port, s.controller_port, s.redis_port, partitions or s.partitions, s.maven_settings)
 
     @classmethod
     def from_env(cls, env=os.environ) -> Settings:
-        return cls(
-            dir=Path(env.get("MEMFILTER_STACK_DIR", REPO / ".stack")).resolve(),
-            kafka_port=int(env.get("MEMFILTER_KAFKA_PORT", 9092)),
-            controller_port=int(env.get("MEMFILTER_CONTROLLER_PORT", 9093)),
-            redis_port=int(env.get("MEMFILTER_REDIS_PORT", 6379)),
-            partitions=int(env.get("MEMFILTER_PARTITIONS", 8)),
-        )
+        return cls.of(product_settings.Settings.from_env(env))
 
     @property
     def bootstrap(self) -> str:
@@ -111,15 +119,23 @@ def _alive(pid: int, marker: str) -> bool:
     return marker in cmdline
 
 
-def running(s: Settings) -> Running | None:
-    """The stack recorded in this folder, if both of its processes still run."""
+def recorded(s: Settings) -> Running | None:
+    """What `up` recorded in this folder, whether or not its processes still run."""
     try:
-        r = Running(**json.loads(_state_file(s).read_text()))
+        return Running(**json.loads(_state_file(s).read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    if _alive(r.kafka_pid, str(s.dir)) and _alive(r.redis_pid, "redis-server"):
-        return r
-    return None
+
+
+def alive(s: Settings, r: Running) -> dict[str, bool]:
+    """Which of the recorded stack's services still run."""
+    return {"kafka": _alive(r.kafka_pid, str(s.dir)), "redis": _alive(r.redis_pid, "redis-server")}
+
+
+def running(s: Settings) -> Running | None:
+    """The stack recorded in this folder, if both of its processes still run."""
+    r = recorded(s)
+    return r if r is not None and all(alive(s, r).values()) else None
 
 
 # ---- preflight: everything that can fail before a process starts --------------------------
@@ -177,12 +193,15 @@ def _listener_of(port: int) -> str:
     return "another process"
 
 
-def _check_ports(s: Settings) -> None:
-    for name, port, setting in (
-        ("Kafka", s.kafka_port, "MEMFILTER_KAFKA_PORT"),
-        ("the Kafka controller", s.controller_port, "MEMFILTER_CONTROLLER_PORT"),
-        ("Redis", s.redis_port, "MEMFILTER_REDIS_PORT"),
+def _check_ports(s: Settings, services: set[str]) -> None:
+    """The ports of the services about to start are free."""
+    for service, name, port, setting in (
+        ("kafka", "Kafka", s.kafka_port, "MEMFILTER_KAFKA_PORT"),
+        ("kafka", "the Kafka controller", s.controller_port, "MEMFILTER_CONTROLLER_PORT"),
+        ("redis", "Redis", s.redis_port, "MEMFILTER_REDIS_PORT"),
     ):
+        if service not in services:
+            continue
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -208,8 +227,8 @@ def _kafka_libs(s: Settings) -> Path:
         raise StackError("no `mvn` on PATH: Maven collects the Kafka jars (apt-get install maven)")
     _say(f"collecting the Kafka jars with Maven into {libs} (first start only)")
     cmd = ["mvn", "-q", "-B", "-f", str(POM), "dependency:copy-dependencies", "-DincludeScope=runtime", f"-DoutputDirectory={libs}"]
-    if os.environ.get("MEMFILTER_MAVEN_SETTINGS"):
-        cmd[1:1] = ["-s", os.environ["MEMFILTER_MAVEN_SETTINGS"]]
+    if s.maven_settings:
+        cmd[1:1] = ["-s", s.maven_settings]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         errors = [line for line in done.stdout.splitlines() if line.startswith("[ERROR]")]
@@ -313,6 +332,8 @@ async def broker_answers(bootstrap: str, timeout: float) -> bool:
     """Does a Kafka broker answer a metadata request at `bootstrap` within `timeout` seconds?"""
     from aiokafka.admin import AIOKafkaAdminClient
 
+    quiet = logging.getLogger("aiokafka")  # its connection errors are this answer's to give
+    level, quiet.level = quiet.level, logging.CRITICAL
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout * 1000))
     try:
         await asyncio.wait_for(admin.start(), timeout)
@@ -322,37 +343,48 @@ async def broker_answers(bootstrap: str, timeout: float) -> bool:
         return False
     finally:
         await admin.close()
+        quiet.setLevel(level)
 
 
 async def _create_topics(s: Settings, deadline: float) -> None:
+    """Create the topics that are missing; refuse a partition count other than the existing."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     while True:
         admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap, request_timeout_ms=5000)
         try:
             await admin.start()
-            existing = set(await admin.list_topics())
-            missing = [NewTopic(t, s.partitions, 1) for t in TOPICS if t not in existing]
+            existing = set(await admin.list_topics()) & set(TOPICS)
+            counts = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(sorted(existing))} if existing else {}
+            missing = [NewTopic(t, s.partitions or next(iter(counts.values()), DEFAULT_PARTITIONS), 1) for t in TOPICS if t not in existing]
             if missing:
                 await admin.create_topics(missing)
-            return
+            break
         except Exception as e:  # the broker is still starting: not yet a failure
             if time.monotonic() > deadline:
                 raise StackError(f"Kafka on {s.bootstrap} did not answer in time: {e!r}") from None
             await asyncio.sleep(0.5)
         finally:
             await admin.close()
+    other = {t: n for t, n in counts.items() if s.partitions and n != s.partitions}
+    if other:
+        raise StackError(
+            f"the stack's topics have {sorted(set(other.values()))} partitions, not {s.partitions}: a topic's partitions "
+            f"cannot change without moving its threads; run `memfilter stack down`, delete {s.dir / 'kafka'}, and `up` again"
+        )
 
 
-def _wait(s: Settings, kafka: subprocess.Popen, redis: subprocess.Popen, timeout: float) -> None:
+def _wait(s: Settings, started: dict[str, subprocess.Popen], timeout: float) -> None:
+    """Until the services just started answer, and the topics exist."""
     deadline = time.monotonic() + timeout
-    while not _redis_answers(s.redis_port):
+    redis, kafka = started.get("redis"), started.get("kafka")
+    while redis is not None and not _redis_answers(s.redis_port):
         if redis.poll() is not None:
             raise StackError(f"redis-server exited at start: see {s.dir / 'redis' / 'redis.log'}")
         if time.monotonic() > deadline:
             raise StackError(f"Redis on port {s.redis_port} did not answer within {timeout:.0f}s")
         time.sleep(0.1)
-    while not _port_open(s.kafka_port):
+    while kafka is not None and not _port_open(s.kafka_port):
         if kafka.poll() is not None:
             raise StackError(f"Kafka exited at start: see {s.dir / 'kafka' / 'kafka.log'}")
         if time.monotonic() > deadline:
@@ -379,38 +411,48 @@ def _stop(pid: int, marker: str, grace: float) -> None:
 
 
 def up(s: Settings, timeout: float = 90.0) -> Running:
-    """Start the stack in `s.dir`, or find it already running; return its record."""
-    already = running(s)
-    if already is not None:
+    """Start the stack in `s.dir`, or what of it stopped (a service that died is started again
+    on its data); return its record."""
+    before = recorded(s)
+    up_already = alive(s, before) if before is not None else dict.fromkeys(SERVICES, False)
+    if before is not None and all(up_already.values()):
+        s = Settings(s.dir, before.kafka_port, before.controller_port, before.redis_port, s.partitions, s.maven_settings)
+        asyncio.run(_create_topics(s, time.monotonic() + timeout))
         _say(f"already running from {s.dir}")
-        return already
-    java = _check_java()
-    server = _redis_server()
-    _check_ports(s)
+        return before
+    if before is not None:  # a service of the running stack stays on its ports
+        s = Settings(s.dir, before.kafka_port, before.controller_port, before.redis_port, s.partitions, s.maven_settings)
+    missing = {name for name, is_up in up_already.items() if not is_up}
+    java = _check_java() if "kafka" in missing else ""
+    server = _redis_server() if "redis" in missing else ""
+    _check_ports(s, missing)
     s.dir.mkdir(parents=True, exist_ok=True)
-    libs = _kafka_libs(s)
-    started: list[tuple[int, str]] = []
+    libs = _kafka_libs(s) if "kafka" in missing else None
+    started: dict[str, subprocess.Popen] = {}
     try:
-        redis = _start_redis(s, server)
-        started.append((redis.pid, "redis-server"))
-        kafka = _start_kafka(s, java, libs)
-        started.append((kafka.pid, str(s.dir)))
-        _wait(s, kafka, redis, timeout)
+        if "redis" in missing:
+            started["redis"] = _start_redis(s, server)
+        if "kafka" in missing:
+            started["kafka"] = _start_kafka(s, java, libs)
+        _wait(s, started, timeout)
     except BaseException:
-        for pid, marker in reversed(started):
-            _stop(pid, marker, grace=5)
+        for name, process in reversed(started.items()):
+            _stop(process.pid, str(s.dir) if name == "kafka" else "redis-server", grace=5)
         raise
-    record = Running(kafka.pid, redis.pid, s.kafka_port, s.controller_port, s.redis_port)
+    pid = lambda name: started[name].pid if name in started else getattr(before, f"{name}_pid")  # noqa: E731
+    record = Running(pid("kafka"), pid("redis"), s.kafka_port, s.controller_port, s.redis_port)
     _state_file(s).write_text(json.dumps(asdict(record)))
-    _say(f"Kafka on {s.bootstrap} (pid {kafka.pid}), Redis on {s.redis_url} (pid {redis.pid}), topics with {s.partitions} partitions")
+    if before is not None:
+        _say(f"started {' and '.join(sorted(missing))} again; the stack runs from {s.dir}")
+    else:
+        _say(f"Kafka on {s.bootstrap} (pid {record.kafka_pid}), Redis on {s.redis_url} (pid {record.redis_pid}), topics made")
     return record
 
 
 def down(s: Settings) -> bool:
     """Stop the stack of `s.dir`: Kafka first (a controlled shutdown), then Redis."""
-    try:
-        r = Running(**json.loads(_state_file(s).read_text()))
-    except (OSError, ValueError, TypeError):
+    r = recorded(s)
+    if r is None:
         return False
     _stop(r.kafka_pid, str(s.dir), grace=30)
     _stop(r.redis_pid, "redis-server", grace=10)
@@ -418,12 +460,22 @@ def down(s: Settings) -> bool:
     return True
 
 
-def status(s: Settings) -> str:
-    r = running(s)
+def status(s: Settings) -> tuple[str, bool]:
+    """What runs, service by service; and whether all of it runs."""
+    r = recorded(s)
     if r is None:
-        return f"stopped (stack folder {s.dir})"
-    return (
-        f"running from {s.dir}\n"
-        f"  kafka  pid {r.kafka_pid}  127.0.0.1:{r.kafka_port} (controller {r.controller_port})\n"
-        f"  redis  pid {r.redis_pid}  redis://127.0.0.1:{r.redis_port}/0"
-    )
+        return f"stopped (stack folder {s.dir})", False
+    is_up = alive(s, r)
+    if all(is_up.values()):
+        head = f"running from {s.dir}"
+    elif any(is_up.values()):
+        head = f"partly running from {s.dir}: `memfilter stack up` starts what stopped"
+    else:
+        head = f"stopped (stack folder {s.dir})"
+    state = {name: "running" if is_up[name] else "stopped" for name in SERVICES}
+    lines = [
+        head,
+        f"  kafka  {state['kafka']}  pid {r.kafka_pid}  127.0.0.1:{r.kafka_port} (controller {r.controller_port})",
+        f"  redis  {state['redis']}  pid {r.redis_pid}  redis://127.0.0.1:{r.redis_port}/0",
+    ]
+    return "\n".join(lines), all(is_up.values())

@@ -175,6 +175,46 @@ class TestStackUpIsIdempotent:
         assert "already running" in again.stderr
         assert memfilter("stack", "status", env=env).stdout == before
 
+    def test_status_exits_0_when_everything_runs_and_3_when_nothing_does(self, second_stack, tmp_path):
+        env, _ = second_stack
+        assert memfilter("stack", "status", env=env).returncode == 0
+        stopped = memfilter("stack", "status", env={**env, "MEMFILTER_STACK_DIR": str(tmp_path / "none")})
+        assert stopped.returncode == 3 and stopped.stdout.startswith("stopped")
+
+    def test_a_service_that_died_is_named_by_status_and_started_again_by_up_with_its_data(self, second_stack):
+        env, first = second_stack
+        exports = dict(line.removeprefix("export ").split("=", 1) for line in first.stdout.splitlines())
+        redis_pid = int(memfilter("stack", "status", env=env).stdout.split("redis  running  pid ")[1].split()[0])
+        asyncio.run(self._redis(exports["REDIS_URL"], "set", "kept", "yes"))
+        time.sleep(1.5)  # appendfsync everysec
+        os.kill(redis_pid, 9)
+        while Path(f"/proc/{redis_pid}").exists() and "zombie" not in Path(f"/proc/{redis_pid}/status").read_text():
+            time.sleep(0.1)
+
+        partly = memfilter("stack", "status", env=env)
+        assert partly.returncode == 3
+        assert partly.stdout.startswith("partly running") and "kafka  running" in partly.stdout and "redis  stopped" in partly.stdout
+
+        again = memfilter("stack", "up", env=env)
+        assert again.returncode == 0, again.stderr
+        assert "started redis again" in again.stderr and again.stdout == first.stdout
+        assert memfilter("stack", "status", env=env).returncode == 0
+        assert asyncio.run(self._redis(exports["REDIS_URL"], "get", "kept")) == b"yes"
+
+    def test_up_with_another_partition_count_than_the_topics_have_is_refused(self, second_stack):
+        env, _ = second_stack
+        result = memfilter("stack", "up", "--partitions", "4", env=env)
+        assert result.returncode == 1
+        assert "the stack's topics have [2] partitions, not 4" in one_line_failure(result)
+
+    @staticmethod
+    async def _redis(url: str, *command: str):
+        client = aioredis.from_url(url)
+        try:
+            return await client.execute_command(*command)
+        finally:
+            await client.aclose()
+
     def test_a_stack_of_another_folder_on_the_same_ports_is_named(self, second_stack, tmp_path):
         env, _ = second_stack
         other = {**env, "MEMFILTER_STACK_DIR": str(tmp_path / "stack")}

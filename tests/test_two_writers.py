@@ -25,7 +25,7 @@ from streams.app import in_order
 from streams.history import Fenced, HistoryStore, Save
 from streams.persister import Persister
 from streams.processor import Processor, Record, Topics
-from streams.replay import ThreadLog
+from streams.recorded import Recorded
 
 T0 = 1772366400000
 SECRET = b"the-tests-secret-0123456789"
@@ -256,12 +256,13 @@ class TestMergedOrder:
 
 
 class TestRebuildOrder:
-    def test_the_processors_save_goes_where_its_decision_was_made_among_other_writers(self):
-        log = ThreadLog()
+    def test_the_processors_save_goes_where_its_decision_was_made_among_other_writers(self, tmp_path):
+        recorded = Recorded(tmp_path, TOPICS, SECRET)
         for offset, version in ((0, None), (1, None), (2, 1), (3, None)):
             value = json.dumps({"requestId": str(offset), "threadId": "t", "resourceId": "r", "messages": [], **({"historyVersion": version} if version is not None else {})}).encode()
             headers = origin.headers(value, SECRET) if version is not None else ()
-            log.add(Record(TOPICS.persist, 0, offset, 0, b"t", value, headers), SECRET)
+            recorded.add_persisted([Record(TOPICS.persist, 0, offset, 0, b"t", value, headers)])
+        log = recorded.log(b"t")
         order = []
         version = 0
         while log:

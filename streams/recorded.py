@@ -1,0 +1,256 @@
+"""What the product's topics recorded, read once and kept on disk, for audits and rebuilds.
+
+A replay compares each request of a range with what was recorded for it on `filtered-inputs`,
+`persist-messages` and the dead-letter topic, and brings threads to the history version each
+decision saw from `persist-messages`; a rebuild applies all of `persist-messages`. Those
+topics grow without bound, so they are not held in memory: each is read once, in batches,
+into an SQLite file (Python's own `sqlite3`) in a temporary folder that is deleted after,
+indexed by what is looked up. Memory stays flat however long the topics are; the disk holds
+about what the topics do.
+
+What is kept, and how it is found:
+- filtered inputs of `chat-requests` records: by the request's source position, and by
+  `requestId` (the first of each);
+- `persist-messages` events: by thread, in log order, as `ThreadLog`s; the processor's own
+  (signed: `streams/origin.py`) also by `requestId`;
+- dead letters of `chat-requests` records: by source position.
+Records that are none of these (a record a tool wrote on a topic by hand) are passed over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from datetime import datetime
+from pathlib import Path
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from schemas.wire import FilteredInput
+from streams import origin
+from streams.processor import Record, Topics
+
+Progress = Callable[[int, int, str], None]  # (done, total, what)
+
+
+class TopicMissing(Exception):
+    """A topic to read is not on the broker."""
+
+
+def parse_position(text: str | None) -> int | datetime | dict[int, int] | None:
+    """`--from`/`--to`: one offset for every partition (`120`), offsets by partition
+    (`0:120,3:98`), or a time (`2026-11-30T10:00:00Z`)."""
+    if text is None:
+        return None
+    if text.isdigit():
+        return int(text)
+    if ":" in text and all(part.split(":")[0].isdigit() and part.split(":")[1].isdigit() for part in text.split(",")):
+        return {int(p): int(o) for p, o in (part.split(":") for part in text.split(","))}
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not an offset, partition:offset list or ISO time") from None
+
+
+async def read_topic(bootstrap: str, topic: str, start=None, end=None, progress: Progress | None = None) -> AsyncIterator[list[Record]]:
+    """The topic's records from `start` (default: the beginning) to `end` (exclusive; default:
+    its end when called), partition by partition in offset order, a batch at a time."""
+    probe = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    try:
+        await probe.start()
+        known = await probe.topics()
+    finally:
+        await probe.stop()
+    if topic not in known:
+        raise TopicMissing(f"topic {topic} does not exist on {bootstrap}")
+    # read_committed: what the workers' transactions committed, not copies a crash left in an
+    # aborted one (the end offsets are then the last stable ones)
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, isolation_level="read_committed")
+    await consumer.start()  # subscribed first: start() loads the topic's partitions
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        consumer.unsubscribe()
+        first = await consumer.beginning_offsets(tps)
+        last = await consumer.end_offsets(tps)
+        lo = await _offsets(consumer, tps, start, first, last)
+        hi = await _offsets(consumer, tps, end, last, last)
+        consumer.assign(tps)
+        total, done = sum(max(0, hi[tp] - lo[tp]) for tp in tps), 0
+        for tp in tps:
+            if lo[tp] >= hi[tp]:
+                continue
+            consumer.seek(tp, lo[tp])
+            while (position := await consumer.position(tp)) < hi[tp]:
+                batch = await consumer.getmany(tp, timeout_ms=1000, max_records=5000)
+                records = [Record.of(r) for r in batch.get(tp, []) if r.offset < hi[tp]]
+                done += (min(await consumer.position(tp), hi[tp]) - position)
+                if progress:
+                    progress(done, total, topic)
+                if records:
+                    yield records
+    finally:
+        await consumer.stop()
+
+
+async def _offsets(consumer, tps, position, default, last) -> dict[TopicPartition, int]:
+    """Offsets by partition for a `parse_position` value (None: `default`), at most the end."""
+    if position is None:
+        return dict(default)
+    if isinstance(position, int):
+        return {tp: min(position, last[tp]) for tp in tps}
+    if isinstance(position, dict):
+        return {tp: min(position.get(tp.partition, default[tp]), last[tp]) for tp in tps}
+    found = await consumer.offsets_for_times({tp: int(position.timestamp() * 1000) for tp in tps})
+    return {tp: found[tp].offset if found[tp] is not None else last[tp] for tp in tps}
+
+
+class _Saved(msgspec.Struct):
+    requestId: str = ""
+    historyVersion: int | None = None
+
+
+_SCHEMA = """
+CREATE TABLE filtered (seq INTEGER PRIMARY KEY, partition INT, offset INT, request_id TEXT, value BLOB);
+CREATE INDEX filtered_at ON filtered (partition, offset);
+CREATE INDEX filtered_for ON filtered (request_id);
+-- processors: 1 for the processor's events placed by their version, 0 for the others (log order);
+-- request_id: of the processor's events only
+CREATE TABLE persist (seq INTEGER PRIMARY KEY, thread BLOB, processors INT, version INT, request_id TEXT, record BLOB);
+CREATE INDEX persist_log ON persist (thread, processors, seq);
+CREATE INDEX persist_for ON persist (request_id);
+CREATE TABLE dead (partition INT, offset INT, headers BLOB);
+CREATE INDEX dead_at ON dead (partition, offset);
+"""
+
+_record = msgspec.msgpack.Encoder()
+_as_record = msgspec.msgpack.Decoder(Record)
+_headers = msgspec.msgpack.Decoder(list[tuple[str, bytes]])
+
+
+class Recorded:
+    """The recorded events of one deployment's topics, in an SQLite file under `folder`."""
+
+    def __init__(self, folder: Path, topics: Topics, secret: bytes):
+        self.topics = topics
+        self.secret = secret  # tells the processor's persist events (`streams/origin.py`)
+        self.db = sqlite3.connect(folder / "recorded.sqlite3")
+        self.db.executescript("PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF;" + _SCHEMA)
+
+    @classmethod
+    @contextlib.contextmanager
+    def temporary(cls, topics: Topics, secret: bytes) -> Iterator[Recorded]:
+        with tempfile.TemporaryDirectory(prefix="memfilter-recorded-") as folder:
+            recorded = cls(Path(folder), topics, secret)
+            try:
+                yield recorded
+            finally:
+                recorded.db.close()
+
+    async def load(self, bootstrap: str, topics: Iterable[str], progress: Progress | None = None) -> None:
+        """Read these of the deployment's topics, whole, into the file."""
+        add = {self.topics.filtered: self.add_filtered, self.topics.persist: self.add_persisted, self.topics.dlq: self.add_dead}
+        for topic in topics:
+            async for records in read_topic(bootstrap, topic, progress=progress):
+                add[topic](records)
+        self.db.commit()
+
+    # ---- adding --------------------------------------------------------------------------
+
+    def add_filtered(self, records: list[Record]) -> None:
+        rows = []
+        for r in records:
+            try:
+                event = msgspec.json.decode(r.value, type=FilteredInput)
+            except (msgspec.DecodeError, TypeError):
+                continue  # not the processor's
+            if event.source.topic == self.topics.requests:
+                rows.append((event.source.partition, event.source.offset, event.requestId, r.value))
+        self.db.executemany("INSERT INTO filtered (partition, offset, request_id, value) VALUES (?, ?, ?, ?)", rows)
+
+    def add_persisted(self, records: list[Record]) -> None:
+        rows = []
+        for r in records:
+            saved = _Saved()
+            if origin.is_processors(r.value, r.headers, self.secret):
+                saved = msgspec.json.decode(r.value, type=_Saved)
+            # an event of the processor's without a version goes with the others, in log order
+            placed = saved.historyVersion is not None
+            rows.append((r.key, int(placed), saved.historyVersion, saved.requestId or None, _record.encode(r)))
+        self.db.executemany("INSERT INTO persist (thread, processors, version, request_id, record) VALUES (?, ?, ?, ?, ?)", rows)
+
+    def add_dead(self, records: list[Record]) -> None:
+        rows = []
+        for r in records:
+            h = dict(r.headers)
+            if h.get("source.topic", b"").decode(errors="replace") == self.topics.requests:
+                with contextlib.suppress(KeyError, ValueError):
+                    rows.append((int(h["source.partition"]), int(h["source.offset"]), _record.encode(list(r.headers))))
+        self.db.executemany("INSERT INTO dead (partition, offset, headers) VALUES (?, ?, ?)", rows)
+
+    # ---- looking up ----------------------------------------------------------------------
+
+    def filtered_at(self, partition: int, offset: int) -> bytes | None:
+        """The first filtered input recorded for the request at this position."""
+        return self._one("SELECT value FROM filtered WHERE partition = ? AND offset = ? ORDER BY seq LIMIT 1", partition, offset)
+
+    def filtered_for(self, request_id: str) -> bytes | None:
+        """The first filtered input recorded for this request id."""
+        return self._one("SELECT value FROM filtered WHERE request_id = ? ORDER BY seq LIMIT 1", request_id)
+
+    def processors_save(self, request_id: str) -> bytes | None:
+        """The processor's first `persist-messages` event for this request id."""
+        record = self._one("SELECT record FROM persist WHERE request_id = ? ORDER BY seq LIMIT 1", request_id)
+        return _as_record.decode(record).value if record is not None else None
+
+    def dead_at(self, partition: int, offset: int) -> dict[str, bytes] | None:
+        """The headers of the first dead letter recorded for the request at this position."""
+        headers = self._one("SELECT headers FROM dead WHERE partition = ? AND offset = ? ORDER BY rowid LIMIT 1", partition, offset)
+        return dict(_headers.decode(headers)) if headers is not None else None
+
+    def persisted(self) -> int:
+        return self._one("SELECT count(*) FROM persist")
+
+    def threads(self) -> list[bytes | None]:
+        return [thread for (thread,) in self.db.execute("SELECT DISTINCT thread FROM persist")]
+
+    def log(self, thread: bytes | None) -> ThreadLog:
+        return ThreadLog(self.db, thread)
+
+    def _one(self, query: str, *args):
+        row = self.db.execute(query, args).fetchone()
+        return row[0] if row is not None else None
+
+
+class ThreadLog:
+    """One thread's `persist-messages` events, handed out in the order they were applied live:
+    other services' in log order, each of the processor's where its `historyVersion` says."""
+
+    def __init__(self, db: sqlite3.Connection, thread: bytes | None):
+        self.db = db
+        self.thread = thread
+        self._after = {True: -1, False: -1}  # the last seq handed out, of the processor's and of the others'
+        self._head: dict[bool, tuple[int, int | None, bytes] | None] = {}  # the next of each, once looked up
+
+    def _next_of(self, processors: bool) -> tuple[int, int | None, bytes] | None:
+        if processors not in self._head:
+            self._head[processors] = self.db.execute(
+                "SELECT seq, version, record FROM persist WHERE thread IS ? AND processors = ? AND seq > ? ORDER BY seq LIMIT 1",
+                (self.thread, int(processors), self._after[processors]),
+            ).fetchone()
+        return self._head[processors]
+
+    def __bool__(self) -> bool:
+        return self._next_of(True) is not None or self._next_of(False) is not None
+
+    def next(self, version: int) -> Record:
+        """The event to apply on the thread at `version`: the processor's next if it was decided
+        on this version (or an earlier one: a repeat), else the next of the others."""
+        mine = self._next_of(True)
+        take = mine is not None and (mine[1] <= version or self._next_of(False) is None)
+        seq, _, record = self._next_of(take)
+        self._after[take] = seq
+        del self._head[take]
+        return _as_record.decode(record)
