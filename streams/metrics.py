@@ -13,11 +13,14 @@ One registry per worker (so tests can run several in one process). What an opera
 | `memfilter_redis_round_trips_total` | counter | pipelined Redis round trips |
 | `memfilter_consumer_lag{topic,partition}` | gauge | offsets not yet consumed, per assigned partition (0 when idle: transaction markers count as consumed) |
 | `memfilter_assigned_partitions` | gauge | partitions this worker holds |
+
+And the Prometheus client's standard collectors: `process_*` (CPU, resident memory, open
+files), `python_info` and `python_gc_*`.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
@@ -38,6 +41,8 @@ class Metrics:
         self.round_trips = Counter("memfilter_redis_round_trips", "Pipelined Redis round trips", registry=r)
         self.lag = Gauge("memfilter_consumer_lag", "Records not yet consumed", ["topic", "partition"], registry=r)
         self.assigned = Gauge("memfilter_assigned_partitions", "Partitions this worker holds", registry=r)
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(standard)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -188,6 +188,9 @@ class TestMetricsAndHealth:
         assert sample_value(text, "memfilter_persisted_total") == 2  # the runner's two saves
         assert sample_value(text, "memfilter_end_to_end_seconds_count") == published
         assert sample_value(text, "memfilter_assigned_partitions") == 16
+        assert sample_value(text, "process_resident_memory_bytes") > 10_000_000  # the standard collectors too
+        assert sample_value(text, "process_cpu_seconds_total") > 0
+        assert 'python_info{implementation="CPython"' in text and "python_gc_collections_total" in text
 
     def test_an_idle_worker_has_no_lag_in_its_metrics_nor_in_its_groups_committed_offsets(self, processed):
         """The last records of a `persist-messages` partition are transaction markers (the
