@@ -90,6 +90,17 @@ class TestSettingsAreCheckedAtStart:
         assert history.returncode == 1 and "Redis does not answer as Redis" in one_error_line(history)
 
 
+class TestAKafkaThatDoesNotAnswer:
+    @pytest.mark.parametrize("command", [("tail",), ("replay",), ("worker",), ("history", "rebuild")])
+    def test_is_one_line_with_nothing_of_aiokafkas_before_it(self, services, command):
+        silent = f"127.0.0.1:{free_port()}"
+        env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": silent, "REDIS_URL": services.redis_url, "MEMFILTER_SECRET": "x" * 16}
+        result = memfilter(*command, env=env, timeout=120)
+        assert result.returncode == 1
+        line = one_error_line(result)
+        assert f"Kafka at {silent} does not answer" in line and "set KAFKA_BOOTSTRAP_SERVERS" in line
+
+
 class TestTheWorkerSaysWhatItDoes:
     def test_it_says_it_started_and_which_tasks_it_took_at_the_default_log_level(self, pipeline):
         pipeline.start_worker()

@@ -8,6 +8,7 @@ process of that folder left behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -24,7 +25,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
 from conftest import memfilter, stack_env
-from pipeline import free_port
+from pipeline import REPO, free_port, read
+from streams.client import Client
 from streams.stack import TOPICS
 
 
@@ -206,6 +208,49 @@ class TestStackUpIsIdempotent:
         result = memfilter("stack", "up", "--partitions", "4", env=env)
         assert result.returncode == 1
         assert "the stack's topics have [2] partitions, not 4" in one_line_failure(result)
+
+    def test_a_worker_through_a_broker_restart_logs_each_repeated_error_once_per_10_s(self, second_stack, tmp_path):
+        env, first = second_stack
+        exports = dict(line.removeprefix("export ").split("=", 1) for line in first.stdout.splitlines())
+        log = tmp_path / "worker.log"
+        with open(log, "wb") as out:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "streams", "worker", "--web-port", str(free_port())],
+                env={**env, **exports, "MEMFILTER_GROUP": f"restart-{uuid.uuid4().hex[:6]}"}, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+            )
+        try:
+            self._wait_for(log, "memfilter worker ready", 1)
+            kafka_pid = int(memfilter("stack", "status", env=env).stdout.split("kafka  running  pid ")[1].split()[0])
+            before = len(log.read_text().splitlines())
+            os.kill(kafka_pid, 9)
+            time.sleep(15)
+            assert memfilter("stack", "up", env=env).returncode == 0
+            assert asyncio.run(self._answered(exports["KAFKA_BOOTSTRAP_SERVERS"])) == ["after-restart"]
+            assert worker.poll() is None
+        finally:
+            worker.terminate()
+            worker.wait(30)
+        during = log.read_text().splitlines()[before:]
+        print(f"\n{len(during)} log lines while the broker was away:\n" + "\n".join(line[:200] for line in during))
+        assert len(during) < 40 and any("more like it in the last" in line for line in during)
+
+    @staticmethod
+    async def _answered(bootstrap: str) -> list[str]:
+        """Publish a request; the request ids of the filtered inputs that come out."""
+        thread = f"restart-{uuid.uuid4().hex[:6]}"
+        content = {"format": 2, "parts": [{"type": "text", "text": "still there?"}]}
+        body = {"requestId": "after-restart", "threadId": thread, "resourceId": "u", "messages": [{"id": f"{thread}-u", "role": "user", "content": content}]}
+        async with Client(bootstrap) as client:
+            await client.publish([body])
+        found = await read(bootstrap, ["filtered-inputs"], lambda rs: any(r.key == thread.encode() for r in rs), timeout=120)
+        return [json.loads(r.value)["requestId"] for r in found if r.key == thread.encode()]
+
+    @staticmethod
+    def _wait_for(log: Path, text: str, times: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while log.read_text().count(text) < times:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
 
     @staticmethod
     async def _redis(url: str, *command: str):
