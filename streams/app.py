@@ -292,10 +292,10 @@ class RecordLoop(mode.Service):
         try:
             since = {}  # save partition -> the last fetch time of its request partition
             for task in {tp.partition for tp in batch if tp.topic == topics.requests}:
-                tp = TopicPartition(topics.persist, task)
-                if tp not in consumer.assignment():
+                tp, requests_tp = TopicPartition(topics.persist, task), TopicPartition(topics.requests, task)
+                if not {tp, requests_tp} <= consumer.assignment():
                     return
-                since[tp] = consumer.last_poll_timestamp(TopicPartition(topics.requests, task)) or 0
+                since[tp] = consumer.last_poll_timestamp(requests_tp) or 0
             deadline = time.monotonic() + CATCH_UP_S
             while since and time.monotonic() < deadline:
                 since = {tp: t for tp, t in since.items() if not await self._caught_up(tp, t)}
@@ -307,6 +307,8 @@ class RecordLoop(mode.Service):
             return
 
     async def _caught_up(self, tp: TopicPartition, since: int) -> bool:
+        if tp not in self._consumer.assignment():  # revoked meanwhile (aiokafka asserts, below): nothing to wait for
+            return True
         polled, stable = self._consumer.last_poll_timestamp(tp), self._consumer.last_stable_offset(tp)
         return polled is not None and polled >= since and stable is not None and await self._consumer.position(tp) >= stable
 

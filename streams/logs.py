@@ -4,8 +4,9 @@ Faust sets up the root logger at the worker's `--loglevel` (warn by default). Tw
 added to that, here and nowhere else:
 - the worker's own logger, `memfilter`, shows at info whatever the level (unless asked for
   `error` or `crit`): an operator sees it start and get its partitions;
-- a message that repeats (the same logger and text, any arguments) is shown once per
-  REPEAT_WINDOW_S; the next one shown says how many were held back. A broker restart makes
+- a message that repeats (the same logger and text, whatever numbers are in it: node ids,
+  ports, delays) is shown once per REPEAT_WINDOW_S; the next one shown says how many were
+  held back. Text that differs otherwise (another reason for the same failure) shows. A broker restart makes
   aiokafka log one error per request in flight, hundreds a second, and a log that floods
   hides what matters. Critical lines are never held back.
 """
@@ -13,11 +14,13 @@ added to that, here and nowhere else:
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import faust
 
 REPEAT_WINDOW_S = 10.0
+_DIGITS = re.compile(r"\d+")
 
 
 class Repeats(logging.Filter):
@@ -26,12 +29,12 @@ class Repeats(logging.Filter):
     def __init__(self, window: float = REPEAT_WINDOW_S):
         super().__init__()
         self.window = window
-        self.seen: dict[tuple[str, str], tuple[float, int]] = {}  # (logger, message) -> (last shown, held back since)
+        self.seen: dict[tuple[str, str], tuple[float, int]] = {}  # (logger, message without numbers) -> (last shown, held back since)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not logging.WARNING <= record.levelno < logging.CRITICAL:
             return True
-        key = (record.name, str(record.msg))
+        key = (record.name, _DIGITS.sub("#", record.getMessage()))
         now = time.monotonic()
         shown, held = self.seen.get(key, (-self.window, 0))
         if now - shown < self.window:

@@ -160,6 +160,7 @@ class TestRepeatedLogLinesAreHeldBack:
         try:
             for node in range(300):
                 log.error("Unable connect to node %d", node % 3)
+            log.error("Unable connect to node 1 (another reason)")
             log.warning("another message")
             log.critical("never held back")
             log.critical("never held back")
@@ -169,6 +170,7 @@ class TestRepeatedLogLinesAreHeldBack:
             log.removeHandler(handler)
         assert lines == [
             "Unable connect to node 0",
+            "Unable connect to node 1 (another reason)",
             "another message",
             "never held back",
             "never held back",
