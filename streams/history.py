@@ -299,7 +299,10 @@ TIMEOUT_S = 10.0
 
 def connect(url: str, **options) -> aioredis.Redis:
     """A Redis client for the history store (`url` as in REDIS_URL)."""
-    return aioredis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=5, **options)
+    # No socket timeout: it would put every command's send in a task of its own (`wait_for`),
+    # which waits for the event loop's next turn: a fifth of the worker's throughput. The
+    # worker bounds its calls itself (`_pipeline`, `take_epoch`: TIMEOUT_S).
+    return aioredis.from_url(url, socket_timeout=None, socket_connect_timeout=5, **options)
 
 
 class HistoryStore:
@@ -322,7 +325,12 @@ class HistoryStore:
         a BusyLoadingError, which is a ConnectionError and so retried like an outage. A Redis that
         does not answer within TIMEOUT_S raises TimeoutError."""
         pool = self.redis.connection_pool
-        conn = await pool.get_connection()
+        try:
+            async with asyncio.timeout(TIMEOUT_S):  # a new connection's handshake waits for Redis too
+                conn = await pool.get_connection()
+        except TimeoutError:
+            await pool.disconnect(inuse_connections=False)  # not one left half through its handshake
+            raise
         try:
             async with asyncio.timeout(TIMEOUT_S):
                 await conn.send_packed_command([hiredis.pack_command(c) for c in commands], check_health=False)
@@ -438,7 +446,8 @@ class HistoryStore:
     async def take_epoch(self) -> int:
         """A new owner epoch, newer than every one handed out before: taken by a worker each
         time it is given partitions, before it reads or writes any of their threads."""
-        self.epoch = await self.redis.incr(f"{self.prefix}:epoch")
+        async with asyncio.timeout(TIMEOUT_S):
+            self.epoch = await self.redis.incr(f"{self.prefix}:epoch")
         return self.epoch
 
     async def commit(self, writes: list[Write]) -> list[tuple[str, Any]]:
