@@ -20,7 +20,7 @@ worker_gone() {
   echo "run-local: the worker exited; the end of its log ($log):" >&2
   tail -n 5 "$log" >&2
 }
-until grep -q "memfilter worker ready" "$log"; do
+until grep -qs "memfilter worker ready" "$log"; do
   if worker_gone; then exit 1; fi
   sleep 0.2
 done
