@@ -22,7 +22,6 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 import uuid
 
 import msgspec

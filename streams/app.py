@@ -53,8 +53,8 @@ import contextlib
 import functools
 import gc
 import heapq
-import itertools
 import importlib.metadata
+import itertools
 import logging
 import os
 import random

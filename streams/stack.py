@@ -57,10 +57,6 @@ class Settings:
     def of(cls, s: product_settings.Settings, partitions: int | None = None) -> Settings:
         return cls(Path(s.stack_dir), s.kafka_port, s.controller_port, s.redis_port, partitions or s.partitions, s.maven_settings)
 
-    @classmethod
-    def from_env(cls, env=os.environ) -> Settings:
-        return cls.of(product_settings.Settings.from_env(env))
-
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.kafka_port}"
@@ -130,12 +126,6 @@ def recorded(s: Settings) -> Running | None:
 def alive(s: Settings, r: Running) -> dict[str, bool]:
     """Which of the recorded stack's services still run."""
     return {"kafka": _alive(r.kafka_pid, str(s.dir)), "redis": _alive(r.redis_pid, "redis-server")}
-
-
-def running(s: Settings) -> Running | None:
-    """The stack recorded in this folder, if both of its processes still run."""
-    r = recorded(s)
-    return r if r is not None and all(alive(s, r).values()) else None
 
 
 # ---- preflight: everything that can fail before a process starts --------------------------
