@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from streams.settings import VARIABLES, Settings, SettingError
+from streams.settings import STACK_VARIABLES, VARIABLES, Settings, SettingError
 
 
 def _read_input(path: str | None) -> bytes:
@@ -308,7 +308,8 @@ async def _refuse_live(settings, url: str, prefix: str, doing: str) -> str | Non
     workers = await _workers_of(settings)
     if workers:
         return (
-            f"{_plural(workers, 'worker')} of group {settings.group} run on prefix {prefix}; stop them before you {doing} it, "
+            f"{_plural(workers, 'worker')} of group {settings.group} {'runs' if workers == 1 else 'run'} on prefix {prefix}; "
+            f"stop {'it' if workers == 1 else 'them'} before you {doing} it, "
             "or use another prefix (--prefix NEW; point the workers at it with MEMFILTER_REDIS_PREFIX)"
         )
     return None
@@ -351,7 +352,7 @@ def cmd_history(args: argparse.Namespace) -> int:
     async def list_prefixes() -> int:
         found = await prefixes(_store(url, prefix).redis)
         for name, keys in sorted(found.items()):
-            print(f"{name}  {_plural(keys, 'key')}{'  (MEMFILTER_REDIS_PREFIX: the workers’)' if name == settings.redis_prefix else ''}")
+            print(f"{name}  {_plural(keys, 'key')}{'  (the workers’ prefix: MEMFILTER_REDIS_PREFIX)' if name == settings.redis_prefix else ''}")
         return 0
 
     async def drop() -> int:
@@ -401,9 +402,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         with open(args.report, "wb") as f:
             f.write(report.to_json())
     return 1 if args.strict and report.different else 0
-
-
-STACK_VARIABLES = {"MEMFILTER_STACK_DIR", "MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT", "MEMFILTER_PARTITIONS", "MEMFILTER_MAVEN_SETTINGS"}
 
 
 def _positive(text: str) -> int:

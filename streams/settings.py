@@ -58,6 +58,9 @@ VARIABLES = {
     "maven_settings": "MEMFILTER_MAVEN_SETTINGS",
 }
 
+# Read by `memfilter stack` only
+STACK_VARIABLES = {"MEMFILTER_STACK_DIR", "MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT", "MEMFILTER_PARTITIONS", "MEMFILTER_MAVEN_SETTINGS"}
+
 _BOOTSTRAP = re.compile(r"^[^\s,:]+:\d{1,5}(,[^\s,:]+:\d{1,5})*$")
 
 

@@ -273,7 +273,7 @@ class TestHistoryPrefixes:
         for action in (("rebuild",), ("drop", "--prefix", pipeline.prefix)):
             refused = pipeline.memfilter("history", *action)
             assert refused.returncode == 1
-            assert f"1 worker of group memfilter-{pipeline.name} run on prefix {pipeline.prefix}; stop them before" in one_error_line(refused)
+            assert f"1 worker of group memfilter-{pipeline.name} runs on prefix {pipeline.prefix}; stop it before" in one_error_line(refused)
 
         leftover = f"{pipeline.prefix}-rebuilt"
         rebuilt = pipeline.memfilter("history", "rebuild", "--prefix", leftover)
