@@ -218,7 +218,7 @@ class RecordLoop(mode.Service):
                     # appended after it. Outside the turn: a fetch (`_catch_up`) waits for a
                     # rebalance to end, which waits for the turn.
                     await self._drain()
-                    await self._catch_up(batch)
+                    await self._catch_up(batch, epoch)
                 async with self._turn:
                     # A rebalance between the fetch and here revoked these records' partitions;
                     # whoever holds them now (this worker too) fetches them again from the commit.
@@ -279,7 +279,7 @@ class RecordLoop(mode.Service):
         self.metrics.persisted.inc(sum(1 for r in results if not isinstance(r, Rejection)))
         return results
 
-    async def _catch_up(self, batch) -> None:
+    async def _catch_up(self, batch, epoch: int) -> None:
         """Bring into the batch every `persist-messages` record of its requests' tasks that was
         committed before the requests were fetched: a reply acknowledged before a request was
         sent is then decided before it, whatever the order in which the fetcher brought the two
@@ -287,7 +287,10 @@ class RecordLoop(mode.Service):
         request partition's last one (the fetcher has one fetch in flight per broker, so that
         fetch saw the log when the requests were already in it) and everything below the stable
         offset that fetch reported is consumed. Waits at most CATCH_UP_S; stops if a rebalance
-        takes the partitions away (the batch is then dropped: `_run`)."""
+        takes the partitions away (the batch is then dropped: `_run`). A rebalance can run inside
+        a fetch here, which then returns records from the new assignment's positions: those are
+        handed back (the partitions are sought back to them), or dropping the batch would lose
+        them."""
         topics, consumer = self.settings.topics, self._consumer
         try:
             since = {}  # save partition -> the last fetch time of its request partition
@@ -301,6 +304,11 @@ class RecordLoop(mode.Service):
                 since = {tp: t for tp, t in since.items() if not await self._caught_up(tp, t)}
                 if since:
                     more = await consumer.getmany(*since, timeout_ms=CATCH_UP_POLL_MS, max_records=self.settings.batch_max)
+                    if epoch != self._epoch:
+                        for tp, records in more.items():
+                            if records:
+                                consumer.seek(tp, records[0].offset)
+                        return
                     for tp, records in more.items():
                         batch.setdefault(tp, []).extend(records)
         except IllegalStateError:  # no longer assigned

@@ -136,7 +136,9 @@ async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded
             report.requests += 1
             source = f"{record.topic}-{record.partition}-{record.offset}"
             thread = record.key.decode(errors="replace") if record.key is not None else ""
-            log = logs.get(record.key) or logs.setdefault(record.key, recorded.log(record.key))
+            if record.key not in logs:
+                logs[record.key] = recorded.log(record.key)
+            log = logs[record.key]
             request_id = _request_id(record)
             diff: list[str]
             if (raw := recorded.filtered_at(record.partition, record.offset)) is not None:

@@ -227,8 +227,8 @@ class TestTail:
         assert {e["value"]["threadId"] for e in events} == {"m-0", "m-1", "m-2"}
 
     def test_a_reader_that_goes_away_ends_it_without_a_traceback(self, pipeline):
-        asyncio.run(self._publish(pipeline, 50))
-        command = f"{sys.executable} -m streams tail {pipeline.topics.requests} --from-beginning --json | head -1"
+        asyncio.run(self._publish(pipeline, 1000))  # more than a pipe holds: tail writes into a closed one
+        command = f"{sys.executable} -m streams tail {pipeline.topics.requests} --from-beginning --json --idle-ms 5000 | head -1"
         result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=pipeline.env(), cwd=REPO, timeout=60)
         assert len(result.stdout.splitlines()) == 1 and "Traceback" not in result.stderr and result.stderr == ""
 
