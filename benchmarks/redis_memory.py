@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import secrets
 import subprocess
 import sys
 import uuid
@@ -27,7 +26,7 @@ import uuid
 import msgspec
 import redis.asyncio as aioredis
 
-from benchmarks.worker_throughput import REPO, clean_up, count_until, create_topics, free_port, publish
+from benchmarks.worker_throughput import REPO, clean_up, count_until, create_topics, free_port, publish, worker_env
 
 KINDS = ("rows", "order", "meta", "done", "saves", "ids", "other")
 
@@ -92,11 +91,7 @@ async def soak(args, bootstrap: str, redis_url: str, topics: dict[str, str], pre
     total = args.threads * args.turns
     await publish(bootstrap, topics["requests"], requests(args.threads, args.turns))
     print(f"workload: {total:,} requests, {args.threads:,} threads of {args.turns} turns, one new user message each")
-    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "REDIS_URL": redis_url, "MEMFILTER_GROUP": prefix,
-           "MEMFILTER_REDIS_PREFIX": prefix, "MEMFILTER_TOPIC_REQUESTS": topics["requests"],
-           "MEMFILTER_TOPIC_FILTERED": topics["filtered"], "MEMFILTER_TOPIC_PERSIST": topics["persist"],
-           "MEMFILTER_TOPIC_DLQ": topics["dlq"], "MEMFILTER_DATA_DIR": f"/tmp/{prefix}",
-           "MEMFILTER_SECRET": os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32)}
+    env = worker_env(bootstrap, redis_url, topics, prefix)
     worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(free_port())], env=env, cwd=REPO,
                               stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
     client = aioredis.from_url(redis_url)

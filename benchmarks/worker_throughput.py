@@ -231,6 +231,15 @@ async def count_until(bootstrap: str, topic: str, n: int, on_record=None, timeou
         await consumer.stop()
 
 
+def worker_env(bootstrap: str, redis_url: str, topics: dict[str, str], prefix: str) -> dict[str, str]:
+    """A benchmark worker's settings: the run's topics, and its prefix as group and key prefix."""
+    return {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "REDIS_URL": redis_url, "MEMFILTER_GROUP": prefix,
+            "MEMFILTER_REDIS_PREFIX": prefix, "MEMFILTER_TOPIC_REQUESTS": topics["requests"],
+            "MEMFILTER_TOPIC_FILTERED": topics["filtered"], "MEMFILTER_TOPIC_PERSIST": topics["persist"],
+            "MEMFILTER_TOPIC_DLQ": topics["dlq"], "MEMFILTER_DATA_DIR": f"/tmp/{prefix}",
+            "MEMFILTER_SECRET": os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32)}
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -330,11 +339,7 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
     print(f"(a) aiokafka consume+produce:  {rate_a:9,.0f} requests/s   CPU {cpu_a * 1e6:.0f} µs per request")
 
     web_port = free_port()
-    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "REDIS_URL": redis_url, "MEMFILTER_GROUP": prefix,
-           "MEMFILTER_REDIS_PREFIX": prefix, "MEMFILTER_TOPIC_REQUESTS": topics["requests"],
-           "MEMFILTER_TOPIC_FILTERED": topics["filtered"], "MEMFILTER_TOPIC_PERSIST": topics["persist"],
-           "MEMFILTER_TOPIC_DLQ": topics["dlq"], "MEMFILTER_DATA_DIR": f"/tmp/{prefix}",
-           "MEMFILTER_SECRET": os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32)}
+    env = worker_env(bootstrap, redis_url, topics, prefix)
     worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(web_port)], env=env, cwd=REPO,
                               stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
     try:

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from conftest import memfilter
-from pipeline import REPO, Pipeline, free_port, read
+from pipeline import REPO, Pipeline, free_port, read, redis_config
 from streams.client import Client, InvalidRequest
 from streams.logs import Repeats
 
@@ -116,11 +116,9 @@ class TestTheWorkerSaysWhatItDoes:
         assert "each worker on a host needs its own port: --web-port or MEMFILTER_WEB_PORT" in one_error_line(second)
 
     def test_a_hung_redis_is_named_every_time_the_worker_gives_up_waiting_and_nothing_is_lost(self, services, tmp_path):
-        port = free_port()
-        conf = tmp_path / "redis.conf"
-        conf.write_text(f"bind 127.0.0.1\nport {port}\ndir {tmp_path}\nsave \"\"\n")
+        conf, url = redis_config(tmp_path)
         server = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL)
-        pipeline = Pipeline(services.bootstrap, f"redis://127.0.0.1:{port}/0")
+        pipeline = Pipeline(services.bootstrap, url)
         asyncio.run(pipeline.create_topics())
         try:
             time.sleep(0.5)

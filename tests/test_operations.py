@@ -20,7 +20,7 @@ from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from conftest import memfilter
-from pipeline import REPO, Collector, Pipeline, dump, end_offsets, free_port, publish
+from pipeline import REPO, Collector, Pipeline, dump, end_offsets, free_port, publish, redis_config
 from test_worker_streams import stream
 
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
@@ -222,11 +222,9 @@ class TestMetricsAndHealth:
         assert asyncio.run(group_lag()) == {}
 
     def test_readyz_goes_not_ready_when_redis_stops_and_ready_when_it_is_back(self, services, tmp_path):
-        port = free_port()
-        conf = tmp_path / "redis.conf"
-        conf.write_text(f"bind 127.0.0.1\nport {port}\ndir {tmp_path}\nsave \"\"\n")
+        conf, url = redis_config(tmp_path)
         server = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL)
-        pipeline = Pipeline(services.bootstrap, f"redis://127.0.0.1:{port}/0")
+        pipeline = Pipeline(services.bootstrap, url)
         asyncio.run(pipeline.create_topics())
         try:
             worker = pipeline.start_worker()
