@@ -7,9 +7,12 @@ One worker processes them from a backlog, on the stack's Kafka and Redis (`memfi
 up`; KAFKA_BOOTSTRAP_SERVERS and REDIS_URL as it prints).
 
 After each tenth of the requests comes out, it prints how much Redis memory the run's keys take,
-by kind (`MEMORY USAGE` of each key): rows, order lists, meta, processed-request records
-(`done`), applied-save identities (`saves`), the message-id index; the rows' own JSON bytes;
-and the share of everything but rows and order lists. At the end, the worker's throughput.
+by kind (`MEMORY USAGE` of each key): rows, order lists, meta, processed-request records not yet
+dropped (`pending`), retry windows (`recent`), applied-save identities (`saved`), the
+message-id index (`ids`); the rows' own JSON bytes; and the share of everything but rows and
+order lists, of the keys' bytes and of Redis's `used_memory` (grown since the run began). The
+goal (issue 14): that share stays at most 10%, whatever the number of requests. At the end,
+the worker's throughput and the bytes per request.
 
     .venv/bin/python -m benchmarks.redis_memory [--threads 2000] [--turns 100]
 """
@@ -28,7 +31,7 @@ import redis.asyncio as aioredis
 
 from benchmarks.worker_throughput import REPO, clean_up, count_until, create_topics, free_port, publish, worker_env
 
-KINDS = ("rows", "order", "meta", "done", "saves", "ids", "other")
+KINDS = ("rows", "order", "meta", "pending", "recent", "saved", "ids", "other")
 
 
 def requests(threads: int, turns: int):
@@ -42,9 +45,9 @@ def requests(threads: int, turns: int):
 
 
 def kind_of(key: bytes) -> str:
-    if b":ids:{" in key:
+    if b":idx:{" in key:
         return "ids"
-    for kind in ("rows", "order", "meta", "done", "saves"):
+    for kind in KINDS[:6]:
         if key.endswith(b":" + kind.encode()):
             return kind
     return "other"
@@ -67,6 +70,12 @@ async def usage(client: aioredis.Redis, prefix: str) -> tuple[dict[str, int], in
             by_kind[kind_of(key)] += size or 0
         row_bytes += sum(len(v) for values in results[len(chunk) :] for v in values)
     return by_kind, row_bytes
+
+
+async def redis_cpu(client: aioredis.Redis) -> float:
+    """Seconds of CPU the Redis server has used (INFO cpu: its main thread and the rest)."""
+    cpu = await client.info("cpu")
+    return cpu["used_cpu_sys"] + cpu["used_cpu_user"]
 
 
 async def main() -> None:
@@ -95,7 +104,7 @@ async def soak(args, bootstrap: str, redis_url: str, topics: dict[str, str], pre
     worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(free_port())], env=env, cwd=REPO,
                               stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
     client = aioredis.from_url(redis_url)
-    header = f"{'requests':>9} {'used_memory':>12} " + " ".join(f"{k:>9}" for k in KINDS) + f" {'row JSON':>9} {'not rows':>9}"
+    header = f"{'requests':>9} {'used_memory':>12} " + " ".join(f"{k:>8}" for k in KINDS) + f" {'row JSON':>8} {'not rows: keys':>14} {'used':>5}"
     print("Redis bytes of the run's keys, by kind (MB), after each tenth:")
     print(header)
     try:
@@ -109,17 +118,22 @@ async def soak(args, bootstrap: str, redis_url: str, topics: dict[str, str], pre
 
         reading = asyncio.create_task(count_until(bootstrap, topics["filtered"], total, on_record=counted, timeout=3600))
         baseline = (await client.info("memory"))["used_memory"]
+        cpu_before = await redis_cpu(client)
         for _ in range(10):
             done = await reached.get()
             by_kind, row_bytes = await usage(client, prefix)
             used = (await client.info("memory"))["used_memory"] - baseline
             whole = sum(by_kind.values())
-            beyond = whole - by_kind["rows"] - by_kind["order"]
-            print(f"{done:>9,} {used / 1e6:>12.1f} " + " ".join(f"{by_kind[k] / 1e6:>9.1f}" for k in KINDS)
-                  + f" {row_bytes / 1e6:>9.1f} {beyond / max(whole, 1):>9.0%}", flush=True)
+            history = by_kind["rows"] + by_kind["order"]
+            print(f"{done:>9,} {used / 1e6:>12.1f} " + " ".join(f"{by_kind[k] / 1e6:>8.2f}" for k in KINDS)
+                  + f" {row_bytes / 1e6:>8.1f} {(whole - history) / max(whole, 1):>14.1%} {(used - history) / max(used, 1):>5.1%}", flush=True)
         first, last = await reading
+        redis_cpu_s = await redis_cpu(client) - cpu_before
         print(f"worker: {total / (last - first):,.0f} requests/s over the run ({last - first:.0f} s); "
-              f"per request: {whole / total:,.0f} bytes of Redis, {row_bytes / total:,.0f} of them row JSON")
+              f"per request: {whole / total:,.0f} bytes of Redis keys, {row_bytes / total:,.0f} of them row JSON, "
+              f"{(whole - history) / total:,.1f} beyond rows and order lists")
+        print(f"Redis CPU: {redis_cpu_s:.1f} s over the run, {redis_cpu_s / total * 1e6:.0f} µs a request "
+              f"(one core: {total / max(redis_cpu_s, 1e-9):,.0f} requests/s)")
     finally:
         await client.aclose()
         worker.terminate()

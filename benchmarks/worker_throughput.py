@@ -140,7 +140,7 @@ async def seed(redis_url: str, prefix: str, history: dict) -> None:
             chunk = threads[start:start + 500]
             await store.claim([(r["id"], thread) for thread, rows in chunk for r in rows])
             await store.apply([Save(thread, "r-bench", max(parse_ms(r["createdAt"]) for r in rows),
-                                    [(r["id"], msgspec.json.encode(r)) for r in rows], [r["role"] for r in rows], "seed", may_own=True)
+                                    [(r["id"], msgspec.json.encode(r)) for r in rows], [r["role"] for r in rows], b"", may_own=True)
                                for thread, rows in chunk])
     finally:
         await client.aclose()

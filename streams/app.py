@@ -261,7 +261,8 @@ class RecordLoop(mode.Service):
             outs.setdefault(tp.partition, [])
         if offsets or any(outs.values()):
             await self._drain()  # one transaction at a time per producer
-            self._delivering = asyncio.create_task(self._deliver(outs, offsets, requests))  # the next fetch meanwhile
+            recorded = self.processor.take_recorded()
+            self._delivering = asyncio.create_task(self._deliver(outs, offsets, requests, recorded))  # the next fetch meanwhile
         for tp, position in positions.items():
             end = self._consumer.highwater(tp)
             if end is not None:
@@ -347,8 +348,12 @@ class RecordLoop(mode.Service):
             sends.append(await producer.send_batch(batch, topic, partition=partition))
         return sends
 
-    async def _deliver(self, outs: dict[int, list[Out]], offsets: dict[TopicPartition, int], requests: list[Record]) -> None:
-        """The batch's outputs and offsets: one transaction per task, each on the task's producer."""
+    async def _deliver(
+        self, outs: dict[int, list[Out]], offsets: dict[TopicPartition, int], requests: list[Record], recorded: list[tuple[str, str]]
+    ) -> None:
+        """The batch's outputs and offsets: one transaction per task, each on the task's
+        producer; then the batch's records of processed requests are dropped from Redis, as
+        no re-delivery needs them any more (`streams/history.py`)."""
 
         async def transaction(task: int) -> None:
             producer = self._producers[task]
@@ -360,6 +365,10 @@ class RecordLoop(mode.Service):
 
         await asyncio.gather(*(transaction(task) for task in outs))
         self._committed.update(offsets)
+        try:
+            await self.store.drop_records(recorded)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            log.warning("Redis unavailable while dropping %d committed records (%s); they expire after MEMFILTER_PROCESSED_TTL", len(recorded), e)
         now_ms = time.time() * 1000
         for r in requests:
             self.metrics.end_to_end.observe(max(0.0, now_ms - r.timestamp_ms) / 1000)
@@ -521,7 +530,7 @@ def create_app(settings: Settings) -> faust.App:
     app.boot_strategy = _WebOnly(app)
     client = connect(settings.redis_url)
     metrics = Metrics()
-    loop = RecordLoop(settings, HistoryStore(client, settings.redis_prefix, metrics, settings.processed_ttl), metrics)
+    loop = RecordLoop(settings, HistoryStore(client, settings.redis_prefix, metrics, settings.processed_ttl, settings.retry_window), metrics)
     app.add_dependency(loop)
 
     @app.page("/metrics")

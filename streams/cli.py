@@ -282,10 +282,10 @@ def _run_or_explain(command: str, settings, coroutine):
     raise SystemExit(1)
 
 
-def _store(url: str, prefix: str):
+def _store(url: str, prefix: str, settings: Settings):
     from streams.history import HistoryStore, connect
 
-    return HistoryStore(connect(url), prefix)
+    return HistoryStore(connect(url), prefix, processed_ttl=settings.processed_ttl, retry_window=settings.retry_window)
 
 
 async def _workers_of(settings) -> int:
@@ -325,7 +325,7 @@ def cmd_history(args: argparse.Namespace) -> int:
     url, prefix = args.redis_url or settings.redis_url, getattr(args, "prefix", None) or settings.redis_prefix
 
     async def show() -> int:
-        store = _store(url, prefix)
+        store = _store(url, prefix, settings)
         rows = await store.thread_rows(args.thread)
         if not rows:
             print(f"memfilter history show: thread {args.thread} has no stored messages under prefix {prefix}", file=sys.stderr)
@@ -345,12 +345,12 @@ def cmd_history(args: argparse.Namespace) -> int:
             print(f"memfilter history rebuild: {reason}", file=sys.stderr)
             return 1
         print(f"memfilter history rebuild: replacing the history under prefix {prefix} with {settings.topics.persist}", file=sys.stderr)
-        applied, refused = await rebuild(settings.bootstrap, settings.topics, _store(url, prefix), settings.secret, _progress("applied"))
+        applied, refused = await rebuild(settings.bootstrap, settings.topics, _store(url, prefix, settings), settings.secret, _progress("applied"))
         print(f"rebuilt history under prefix {prefix} from {applied + refused:,} events of {settings.topics.persist} ({refused:,} refused)")
         return 0
 
     async def list_prefixes() -> int:
-        found = await prefixes(_store(url, prefix).redis)
+        found = await prefixes(_store(url, prefix, settings).redis)
         for name, keys in sorted(found.items()):
             print(f"{name}  {_plural(keys, 'key')}{'  (the workers’ prefix: MEMFILTER_REDIS_PREFIX)' if name == settings.redis_prefix else ''}")
         return 0
@@ -359,7 +359,7 @@ def cmd_history(args: argparse.Namespace) -> int:
         if reason := await _refuse_live(settings, url, prefix, "drop"):
             print(f"memfilter history drop: {reason}", file=sys.stderr)
             return 1
-        print(f"dropped prefix {prefix}: {_plural(await _store(url, prefix).drop(), 'key')} deleted")
+        print(f"dropped prefix {prefix}: {_plural(await _store(url, prefix, settings).drop(), 'key')} deleted")
         return 0
 
     if args.action == "rebuild" and (reason := _no_secret(settings)):
@@ -390,7 +390,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "replay",
         settings,
         replay(
-            settings.bootstrap, settings.topics, lambda prefix: _store(url, prefix), settings.secret, start, end, settings.limits, _progress("replayed")
+            settings.bootstrap, settings.topics, lambda prefix: _store(url, prefix, settings), settings.secret, start, end, settings.limits, _progress("replayed")
         ),
     )
     for d in report.differences:

@@ -90,7 +90,7 @@ class StoredView(msgspec.Struct):
     """What a decision sees of storage: the thread, and the ids its request names."""
 
     rows: dict[str, bytes]  # stored JSON, in this thread, of (at least) the request's message ids
-    elsewhere: dict[str, str]  # request message id -> the other thread that stores it (others may be there too)
+    elsewhere: dict[str, str]  # request message id -> what names the other thread that stores it (others may be there too)
     owner: str | None = None  # resourceId owning the thread (recorded, else of its rows)
     size: int = 0  # rows the thread holds; 0 is an empty thread
     newest_ms: int | None = None  # newest createdAt among the thread's rows, epoch ms
@@ -219,11 +219,10 @@ def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[st
     if not view.elsewhere:  # the usual case: no id of the request is stored anywhere else
         return
     for mid in ids:
-        other = view.elsewhere.get(mid) if mid is not None else None
-        if other is not None and mid not in view.rows:
+        if mid is not None and mid in view.elsewhere and mid not in view.rows:
             raise Rejected(
                 "foreign-message-id",
-                f"message id {mid} is stored in thread {other}; thread {shape.threadId} cannot reuse it (give the message a new id)",
+                f"message id {mid} is stored in another thread; thread {shape.threadId} cannot reuse it (give the message a new id)",
             )
 
 

@@ -13,35 +13,46 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:t:{T}:rows` | hash | message id -> the stored row (JSON), as saved |
 | `mf:t:{T}:order` | list | message ids in save order: the thread's order |
 | `mf:t:{T}:meta` | hash | `owner` (resourceId), `version` (writes so far), `newest` (newest createdAt, epoch ms), `epoch` (of the last worker that wrote it) |
-| `mf:t:{T}:saves` | set | the identity of every save applied (`save_identity`): a save found here changes nothing |
-| `mf:t:{T}:done` | hash | processed request (`record_field`: its resource and request id) -> what was emitted for it (`Recorded`, JSON); expires `processed_ttl` after the thread's last processed request |
-| `mf:ids:{B}` | hash | message id -> the thread that owns it, for the ids of bucket B (crc32 of the id mod 64) |
+| `mf:t:{T}:pending` | hash | processed request (`record_field`) -> what was emitted for it (`Recorded`, JSON), until the batch's Kafka transaction commits |
+| `mf:t:{T}:recent` | string | the retry window: the thread's last `retry_window` processed requests, `WINDOW_ENTRY` each |
+| `mf:t:{T}:saved` | string | the identity (`save_identity`, 8 bytes) of every other service's save applied |
+| `mf:idx:{B}` | hash | message id digest -> digest of the thread that owns it (`id_key`, `thread_tag`), 4,096 buckets |
 | `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
 
+Only rows and order lists grow with the conversation; everything else is a few bytes per
+message or save, or per thread (README, "Capacity").
+
 A thread is read with plain commands, meta first, in one pipeline for its batch (a Lua
-script cost Redis six times as much; consistency comes from the write). A request's rows, its owner claim, the version
-bump and its processed record are written by one Lua script (`COMMIT`), atomically and once:
-it refuses a request already recorded (`dup`) and a decision made on a version that has since
-moved (`stale`: the persister saved a reply meanwhile, or the batch's earlier request of the
-thread did not commit), and the caller decides again. The message-id index lives in other
-slots, 64 buckets so that a batch reads it in at most 64 commands; ids are claimed (`CLAIM`)
-before the thread write, so a crash in between leaves claims the re-delivered request finds as
-its own.
+script cost Redis six times as much; consistency comes from the write). A request's rows, its
+owner claim, the version bump and its processed record are written by one Lua script
+(`COMMIT`), atomically: it refuses a decision made on a version that has since moved
+(`stale`: the persister saved a reply meanwhile, or the batch's earlier request of the thread
+did not commit), and the caller decides again. The message-id index lives in other slots;
+ids are claimed before the thread write, so a crash in between leaves claims the re-delivered
+request finds as its own.
 
 Every write is fenced (`FENCE`): a worker that lost its partitions (stalled past its session
 timeout, say) and wakes up cannot write a thread that their new owner has written since.
 
-A processed record is kept for re-delivery, under the resource that sent the request and its
-request id: a request of another resource with the same id never finds it (nor the thread,
-which another resource owns). Rejections are not recorded: a rejection writes nothing, and a
-re-delivered one is decided again (still a rejection: owners and id claims never go back).
-A request saved here whose batch's Kafka transaction did not commit comes again, and must
-find its record. That happens within minutes of the
-save (as soon as a worker takes up the partition), so records need not stay for the life of
-the thread, and at ~4 KB a request (the filtered input, the saved rows) they would be most of
-Redis's memory. A thread's records go together, `processed_ttl` (MEMFILTER_PROCESSED_TTL,
-default 7 days) after its last request; a request re-delivered later than that would be
-decided again, on a history that already holds what it saved.
+Processed requests, kept under the resource that sent them and their request id (a request
+of another resource with the same id never finds them). Rejections are not recorded: a
+rejection writes nothing, and a re-delivered one is decided again, with the same result.
+- Re-delivery after a crash: a request committed here whose batch's Kafka transaction did not
+  commit comes again from the same position and must emit the same bytes. Its whole output
+  is kept in `pending` until the transaction commits; then the worker drops it
+  (`drop_records`, one round trip per batch while the next one is fetched).
+- Client retries: the same request id published again (at another position). The thread's
+  last `retry_window` processed requests are kept in `recent` (8 bytes of digest, the
+  position and the record time each); a retry of one of them, published within
+  `processed_ttl` of it by record time, is a `duplicate` dead letter naming the original's
+  position, never a second filtered input. Later than that it is decided again like any
+  request (its messages are stored by then). The window is by count and record time, so an
+  audit replay, given the same window from the log, decides the same; `recent` and a left
+  over `pending` also expire `processed_ttl` after the thread's last request.
+
+Saves are applied once: the identity of every other service's save is kept in `saved` (the
+processor's own events are skipped live, being saved already, and told apart in a rebuild
+by their version: `streams/recorded.py`).
 
 Every call here is one pipelined round trip for all the threads it is given.
 """
@@ -51,7 +62,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-import zlib
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,21 +81,6 @@ from streams.metrics import Metrics
 # thousands of ids. Rows go in as msgpack strings (Redis's cmsgpack reads no `bin` values);
 # they are UTF-8 JSON anyway.
 
-# Claims ids of one bucket, ARGV[1] = [id, thread, id, thread, ...]; the holder of each after.
-CLAIM = """
-local pairs = cmsgpack.unpack(ARGV[1])
-local out = {}
-for i = 1, #pairs, 2 do
-  local held = redis.call('HGET', KEYS[1], pairs[i])
-  if not held then
-    redis.call('HSET', KEYS[1], pairs[i], pairs[i + 1])
-    held = pairs[i + 1]
-  end
-  out[#out + 1] = held
-end
-return out
-"""
-
 # The owner epoch (ARGV[1] of the fencing prelude, below): a worker takes one from `{prefix}:epoch`
 # each time it is given partitions, and every script that writes a thread stamps the thread's
 # meta with it. A write carrying an epoch older than the thread's is refused (`fenced`): it comes
@@ -98,10 +94,9 @@ STAMP = "if mine > stored then redis.call('HSET', KEYS[3], 'epoch', ARGV[1]) end
 
 # ARGV: epoch, record field (`record_field`), version seen, owner, newest createdAt, record,
 # field of the request committed just before in the batch (or ''), rows as
-# [id, row, id, row, ...], seconds to keep the records, the save's identity (`save_identity`).
+# [id, row, id, row, ...], seconds to keep the records, the request's window entry
+# (`WINDOW_ENTRY`), the window's size in bytes.
 COMMIT = FENCE + """
-local rec = redis.call('HGET', KEYS[4], ARGV[2])
-if rec then return {'dup', rec} end
 local version = tonumber(redis.call('HGET', KEYS[3], 'version') or '0')
 if version ~= tonumber(ARGV[3]) then return {'stale', tostring(version)} end
 if ARGV[7] ~= '' and redis.call('HEXISTS', KEYS[4], ARGV[7]) == 0 then return {'stale', tostring(version)} end
@@ -120,17 +115,21 @@ if #rows > 0 then
   if tonumber(ARGV[5]) > newest then redis.call('HSET', KEYS[3], 'newest', ARGV[5]) end
   version = version + 1
   redis.call('HSET', KEYS[3], 'version', version)
-  redis.call('SADD', KEYS[5], ARGV[10])
 end
 redis.call('HSET', KEYS[4], ARGV[2], ARGV[6])
 redis.call('EXPIRE', KEYS[4], ARGV[9])
+local window = (redis.call('GET', KEYS[5]) or '') .. ARGV[10]
+local size = tonumber(ARGV[11])
+if #window > size then window = string.sub(window, #window - size + 1) end
+redis.call('SET', KEYS[5], window, 'EX', ARGV[9])
 return {'ok', tostring(version)}
 """
 
 # Rows from `persist-messages` (other services' saves; the processor's own in a rebuild or
 # replay), under the same rules as the filter's base layer where they touch a stored row:
-# - a save is applied once: its identity (`save_identity`) is added to the thread's `saves`
-#   set, and a save found there is a re-delivery or a repeat and changes nothing;
+# - another service's save is applied once: its identity (`save_identity`, 8 bytes) is
+#   appended to the thread's `saved`, and a save found there is a re-delivery or a repeat and
+#   changes nothing (the processor's own events have none: see the module's header);
 # - a row equal to the stored one changes nothing;
 # - a row that would move any stored tool invocation back (to a lower state rank, or away from
 #   a terminal state, or drop it) is not saved: the stored row stays, as it does against an
@@ -138,13 +137,21 @@ return {'ok', tostring(version)}
 # - no row changes the role of a stored row (`role`, refused before any write);
 # - only the processor's own events (`may_own`) save in a thread that has no owner yet.
 # ARGV: epoch, owner, newest createdAt, rows as [id, row, ...], roles as [role, ...], '1' if it
-# may own, the save's identity, tool states as {state: rank}. Returns ('ok', the version after).
+# may own, the save's identity (or ''), tool states as {state: rank}. Returns ('ok', the version
+# after).
 APPLY = FENCE + """
 local owner = redis.call('HGET', KEYS[3], 'owner')
 if owner and owner ~= ARGV[2] then return {'ownership', owner} end
 if not owner and ARGV[6] ~= '1' then return {'unowned', ''} end
 local version = redis.call('HGET', KEYS[3], 'version') or '0'
-if redis.call('SISMEMBER', KEYS[5], ARGV[7]) == 1 then return {'ok', version} end
+local saved = ARGV[7] ~= '' and (redis.call('GET', KEYS[6]) or '')
+if saved then
+  local at = string.find(saved, ARGV[7], 1, true)
+  while at do
+    if at % 8 == 1 then return {'ok', version} end
+    at = string.find(saved, ARGV[7], at + 1, true)
+  end
+end
 local rows = cmsgpack.unpack(ARGV[4])
 local roles = cmsgpack.unpack(ARGV[5])
 local ranks = cmsgpack.unpack(ARGV[8])
@@ -181,7 +188,7 @@ for i = 1, #rows, 2 do
   end
 end
 """ + STAMP + """
-redis.call('SADD', KEYS[5], ARGV[7])
+if saved then redis.call('SET', KEYS[6], saved .. ARGV[7]) end
 local changed = false
 for i = 1, #rows, 2 do
   local old = redis.call('HGET', KEYS[1], rows[i])
@@ -204,10 +211,18 @@ return {'ok', tostring(version)}
 """
 
 
-ID_BUCKETS = 64
+ID_BUCKETS = 4096  # at Redis's default of 128 fields a compact hash, compact up to ~500,000 ids (README, "Capacity")
 PROCESSED_TTL_S = 7 * 24 * 3600
+RETRY_WINDOW = 16
+# A request in its thread's retry window: digest of its `record_field`, its position
+# (partition, offset) and its record time (epoch ms).
+WINDOW_ENTRY = struct.Struct(">8sIqq")
 _pack = msgspec.msgpack.encode
 _STATE_RANKS = _pack(STATE_RANKS)
+
+
+def _digest(text: str, size: int) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=size).digest()
 
 
 def pack_rows(rows: list[tuple[str, bytes]]) -> bytes:
@@ -216,15 +231,39 @@ def pack_rows(rows: list[tuple[str, bytes]]) -> bytes:
 
 
 def record_field(resource: str, request_id: str) -> str:
-    """The field of a processed request's record in its thread's `done` hash."""
+    """What names a processed request in its thread: its field in `pending`, and (digested:
+    `window_key`) in `recent`."""
     return msgspec.json.encode([resource, request_id]).decode()  # '["r1","req-1"]': unambiguous
 
 
-def save_identity(resource: str, request_id: str, processors: bool) -> str:
-    """What names one save in its thread's `saves` set: the writer (the processor, or another
-    service), the resource and the event's `requestId`. A save of the same identity again (a
-    re-delivery, or the same event published twice) changes nothing."""
-    return msgspec.json.encode(["processor" if processors else "service", resource, request_id]).decode()
+def window_key(field: str) -> bytes:
+    """A request's digest in the retry window (8 bytes: two requests of a thread's window
+    collide with odds of 2**-64)."""
+    return _digest(field, 8)
+
+
+def in_window(window: bytes, key: bytes) -> tuple[int, int, int] | None:
+    """The newest entry of the request `key` in a thread's window: (partition, offset, record
+    time), or None."""
+    at = window.rfind(key)
+    while at >= 0:
+        if at % WINDOW_ENTRY.size == 0:
+            return WINDOW_ENTRY.unpack_from(window, at)[1:]
+        at = window.rfind(key, 0, at + len(key) - 1)
+    return None
+
+
+def thread_tag(thread: str) -> bytes:
+    """What the message-id index holds for the thread that owns an id: 8 bytes of digest (it
+    only has to tell this thread from the others, and names no thread to anyone)."""
+    return _digest(thread, 8)
+
+
+def save_identity(resource: str, request_id: str) -> bytes:
+    """What names another service's save in its thread's `saved`: 8 bytes of digest of the
+    resource and the event's `requestId`. A save of the same identity again (a re-delivery,
+    or the same event published twice) changes nothing."""
+    return _digest(msgspec.json.encode(["service", resource, request_id]).decode(), 8)
 
 
 class Fenced(Exception):
@@ -238,7 +277,8 @@ class Fenced(Exception):
 
 
 class Recorded(msgspec.Struct, omit_defaults=True):
-    """What was emitted for a processed request, to emit again byte for byte on re-delivery."""
+    """What was emitted for a processed request, to emit again byte for byte on re-delivery
+    (kept in `pending` until its batch's Kafka transaction commits)."""
 
     filtered: msgspec.Raw | UnsetType = UNSET  # the FilteredInput value, as sent
     persist: msgspec.Raw | UnsetType = UNSET  # the PersistMessages value, as sent
@@ -261,8 +301,9 @@ class ThreadState:
     newest_ms: int | None
     size: int
     rows: dict[str, bytes]  # stored rows of the ids asked for
-    elsewhere: dict[str, str]  # asked-for id not stored here -> the other thread that owns it
-    done: dict[str, Recorded] = field(default_factory=dict)  # asked-for record fields processed
+    elsewhere: dict[str, str]  # asked-for id not stored here -> the `thread_tag` (hex) of the other thread that owns it
+    pending: dict[str, Recorded] = field(default_factory=dict)  # asked-for record fields whose outputs may not be committed yet
+    window: bytes = b""  # the retry window (`recent`)
 
 
 class Write(msgspec.Struct, frozen=True, gc=False):
@@ -277,7 +318,7 @@ class Write(msgspec.Struct, frozen=True, gc=False):
     rows: bytes  # `pack_rows` of the rows to save
     recorded: bytes
     new_ids: list[str]  # ids of the rows not stored in the thread before: to claim first
-    identity: str  # `save_identity` of the request's persist event
+    entry: bytes  # the request's `WINDOW_ENTRY`
 
 
 class Save(msgspec.Struct, frozen=True, gc=False):
@@ -288,7 +329,7 @@ class Save(msgspec.Struct, frozen=True, gc=False):
     newest_ms: int
     rows: list[tuple[str, bytes]]
     roles: list[str]  # each row's role
-    identity: str  # `save_identity`
+    identity: bytes  # `save_identity`, or b"" for the processor's own event
     may_own: bool = False  # the processor's own event: it may set the owner of a thread that has none
 
 
@@ -306,13 +347,22 @@ def connect(url: str, **options) -> aioredis.Redis:
 
 
 class HistoryStore:
-    def __init__(self, client: aioredis.Redis, prefix: str = "mf", metrics: Metrics | None = None, processed_ttl: int = PROCESSED_TTL_S):
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = "mf",
+        metrics: Metrics | None = None,
+        processed_ttl: int = PROCESSED_TTL_S,
+        retry_window: int = RETRY_WINDOW,
+    ):
         self.redis = client
         self.prefix = prefix
-        self.processed_ttl = processed_ttl  # seconds a thread's processed records outlive its last request
+        self.processed_ttl = processed_ttl  # seconds: the retry window's time bound (see the header)
+        self.retry_window = retry_window  # requests: the retry window's size
+        self.window_bytes = retry_window * WINDOW_ENTRY.size
         self.epoch = 0  # this writer's owner epoch (`take_epoch`); 0 for a store no worker uses (a replay's)
         self.metrics = metrics or Metrics()  # counts the round trips
-        self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (CLAIM, COMMIT, APPLY)}
+        self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (COMMIT, APPLY)}
 
     async def _pipeline(self, commands: list[tuple]) -> list[Any]:
         """Send the commands in one write and read their replies: one round trip. Replies are
@@ -373,38 +423,37 @@ class HistoryStore:
         raise AssertionError("unreachable")
 
     def keys(self, thread: str) -> list[str]:
+        """The thread's keys: rows, order, meta, pending, recent, saved."""
         if "{" in thread or "}" in thread or "%" in thread:  # one whole hash tag (see the layout)
             thread = thread.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
         base = f"{self.prefix}:t:{{{thread}}}"
-        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:done", f"{base}:saves"]
+        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:pending", f"{base}:recent", f"{base}:saved"]
 
-    def id_bucket(self, mid: str) -> str:
-        return f"{self.prefix}:ids:{{{zlib.crc32(mid.encode()) % ID_BUCKETS}}}"
-
-    def _by_bucket(self, ids) -> dict[str, list[str]]:
-        buckets: dict[str, list[str]] = {}
-        for mid in ids:
-            buckets.setdefault(self.id_bucket(mid), []).append(mid)
-        return buckets
+    def id_key(self, mid: str) -> tuple[str, bytes]:
+        """Where the message-id index keeps an id: its bucket, and its field there (8 bytes of
+        digest beside the bucket's 12 bits: ids collide with odds of 2**-76 a pair)."""
+        digest = _digest(mid, 10)
+        return f"{self.prefix}:idx:{{{int.from_bytes(digest[:2], 'big') % ID_BUCKETS}}}", digest[2:]
 
     async def read(self, wanted: dict[str, tuple[list[str], list[str]]]) -> dict[str, ThreadState]:
         """For each thread, its (message ids, record fields) of interest: one round trip.
         `elsewhere` is left empty: `owners` fills it for the ids not stored in the thread."""
         commands: list[tuple] = []
         for thread, (ids, fields) in wanted.items():
-            rows, _, meta, done, _ = self.keys(thread)
+            rows, _, meta, pending, recent, _ = self.keys(thread)
             commands.append(("HMGET", meta, "owner", "version", "newest"))  # first: a write after it is caught as stale
             commands.append(("HLEN", rows))
             if ids:
                 commands.append(("HMGET", rows, *ids))
             if fields:
-                commands.append(("HMGET", done, *fields))
+                commands.append(("HMGET", pending, *fields))
+                commands.append(("GET", recent))
         replies = iter(await self._pipeline(commands))
         states = {}
         for thread, (ids, fields) in wanted.items():
             (owner, version, newest), size = next(replies), next(replies)
             rows = next(replies) if ids else ()
-            done = next(replies) if fields else ()
+            pending, window = (next(replies), next(replies)) if fields else ((), None)
             states[thread] = ThreadState(
                 owner=owner.decode() if owner else None,
                 version=int(version or 0),
@@ -412,36 +461,43 @@ class HistoryStore:
                 size=size,
                 rows={mid: row for mid, row in zip(ids, rows) if row is not None},
                 elsewhere={},
-                done={f: _RECORDED.decode(v) for f, v in zip(fields, done) if v is not None},
+                pending={f: _RECORDED.decode(v) for f, v in zip(fields, pending) if v is not None},
+                window=window or b"",
             )
         return states
 
-    async def owners(self, ids: list[str], threads: list[str] = ()) -> tuple[dict[str, str], dict[str, str]]:
-        """The owning thread of each of these message ids that has one, and the owning
-        resource of each of these threads that has one: one round trip."""
-        buckets = self._by_bucket(ids)
-        commands = [("HMGET", bucket, *in_bucket) for bucket, in_bucket in buckets.items()]
+    async def owners(self, ids: list[str], threads: list[str] = ()) -> tuple[dict[str, bytes], dict[str, str]]:
+        """The `thread_tag` of the thread owning each of these message ids that has one, and
+        the owning resource of each of these threads that has one: one round trip."""
+        buckets: dict[str, tuple[list[str], list[bytes]]] = {}
+        for mid in ids:
+            bucket, field_ = self.id_key(mid)
+            in_bucket = buckets.setdefault(bucket, ([], []))
+            in_bucket[0].append(mid)
+            in_bucket[1].append(field_)
+        commands = [("HMGET", bucket, *fields) for bucket, (_, fields) in buckets.items()]
         commands += [("HGET", self.keys(thread)[2], "owner") for thread in threads]
         replies = await self._pipeline(commands)
         by_id = {}
-        for in_bucket, held in zip(buckets.values(), replies):
-            by_id.update((mid, h.decode()) for mid, h in zip(in_bucket, held) if h is not None)
+        for (mids, _), held in zip(buckets.values(), replies):
+            by_id.update((mid, h) for mid, h in zip(mids, held) if h is not None)
         by_thread = {thread: owner.decode() for thread, owner in zip(threads, replies[len(buckets) :]) if owner is not None}
         return by_id, by_thread
 
-    async def claim(self, claims: list[tuple[str, str]]) -> list[str | None]:
-        """Claim message ids for threads; for each, the other thread that holds it, or None."""
+    async def claim(self, claims: list[tuple[str, str]]) -> list[bool]:
+        """Claim message ids (id, thread) for threads; for each, whether another thread holds
+        it. One round trip, and a second for ids held already (this thread's own, claimed
+        before a crash, or another's)."""
         if not claims:
             return []
-        buckets: dict[str, list[int]] = {}
-        for i, (mid, _) in enumerate(claims):
-            buckets.setdefault(self.id_bucket(mid), []).append(i)
-        calls = [(CLAIM, [bucket], [_pack([x for i in positions for x in claims[i]])]) for bucket, positions in buckets.items()]
-        held: list[str | None] = [None] * len(claims)
-        for positions, holders in zip(buckets.values(), await self._run(calls)):
-            for i, h in zip(positions, holders):
-                held[i] = h.decode() if h.decode() != claims[i][1] else None
-        return held
+        keys = [(*self.id_key(mid), thread_tag(thread)) for mid, thread in claims]
+        claimed = await self._pipeline([("HSETNX", bucket, field_, tag) for bucket, field_, tag in keys])
+        held = [i for i, new in enumerate(claimed) if not new]
+        holders = await self._pipeline([("HGET", keys[i][0], keys[i][1]) for i in held]) if held else []
+        taken = [False] * len(claims)
+        for i, holder in zip(held, holders):
+            taken[i] = holder != keys[i][2]
+        return taken
 
     async def take_epoch(self) -> int:
         """A new owner epoch, newer than every one handed out before: taken by a worker each
@@ -450,25 +506,34 @@ class HistoryStore:
             self.epoch = await self.redis.incr(f"{self.prefix}:epoch")
         return self.epoch
 
-    async def commit(self, writes: list[Write]) -> list[tuple[str, Any]]:
-        """Run COMMIT for each write, in order: ('ok', version), ('dup', Recorded), ('stale',
-        version). Raise Fenced if another worker has written one of the threads since this
-        one's partitions were given to it."""
+    async def commit(self, writes: list[Write]) -> list[tuple[str, int]]:
+        """Run COMMIT for each write, in order: ('ok' or 'stale', the thread's version). Raise
+        Fenced if another worker has written one of the threads since this one's partitions
+        were given to it."""
+        ttl, size = self.processed_ttl, self.window_bytes
         calls = [
             (
                 COMMIT,
-                self.keys(w.thread),
-                [self.epoch, w.field, w.version, w.owner, w.newest_ms, w.recorded, w.after, w.rows, self.processed_ttl, w.identity],
+                self.keys(w.thread)[:5],
+                [self.epoch, w.field, w.version, w.owner, w.newest_ms, w.recorded, w.after, w.rows, ttl, w.entry, size],
             )
             for w in writes
         ]
         out = []
         for w, (status, value) in zip(writes, await self._run(calls)):
-            status = status.decode()
-            if status == "fenced":
+            if status == b"fenced":
                 raise Fenced(w.thread, self.epoch, int(value))
-            out.append((status, _RECORDED.decode(value) if status == "dup" else int(value)))
+            out.append((status.decode(), int(value)))
         return out
+
+    async def drop_records(self, records: list[tuple[str, str]]) -> None:
+        """Drop these (thread, record field) from `pending`: their outputs are committed to
+        Kafka, so no re-delivery needs them. One round trip."""
+        by_thread: dict[str, list[str]] = {}
+        for thread, field_ in records:
+            by_thread.setdefault(thread, []).append(field_)
+        if by_thread:
+            await self._pipeline([("HDEL", self.keys(thread)[3], *fields) for thread, fields in by_thread.items()])
 
     async def apply(self, saves: list[Save]) -> list[int | tuple[str, str]]:
         """Save rows from `persist-messages`, in order and in one round trip; for each, the
@@ -506,7 +571,7 @@ class HistoryStore:
         return dropped
 
 
-_KEY_PREFIX = re.compile(rb"^(.*?):(?:t:\{|ids:\{|epoch$)")
+_KEY_PREFIX = re.compile(rb"^(.*?):(?:t:\{|idx:\{|epoch$)")
 
 
 async def prefixes(client: aioredis.Redis) -> dict[str, int]:

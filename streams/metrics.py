@@ -4,7 +4,7 @@ One registry per worker (so tests can run several in one process). What an opera
 
 | metric | type | what |
 |---|---|---|
-| `memfilter_requests_total{outcome}` | counter | requests handled, by the filter's outcome; `rejected` for dead letters, `redelivered` for a request already processed (its recorded events sent again) |
+| `memfilter_requests_total{outcome}` | counter | requests handled, by the filter's outcome; `rejected` for dead letters, `duplicate` for a retry of a request in its thread's retry window (a dead letter too), `redelivered` for a request re-delivered before its outputs were committed (its recorded events sent again) |
 | `memfilter_dead_letters_total{error_type}` | counter | records sent to the dead-letter topic, by `error.type` (persister rejections included) |
 | `memfilter_persisted_total` | counter | `persist-messages` events of other services applied to Redis |
 | `memfilter_decision_seconds` | histogram | the filter's decision for one request (pure CPU) |

@@ -3,8 +3,9 @@
 Services that save messages of a thread (the agent runner saving its replies) publish them
 on `persist-messages`, and so does the processor. This applies each event's rows, byte for byte, to its
 thread: new rows are appended in order, a changed row replaces the stored one, an unchanged
-row does nothing, and an event applied before (the same writer, resource and `requestId`)
-changes nothing: re-delivered, repeated or the processor's own, an event is applied once. A
+row does nothing, and another service's event applied before (the same resource and
+`requestId`) changes nothing: re-delivered or repeated, an event is applied once (the
+processor's own are skipped live, already saved, and applied once by a rebuild). A
 row that would move a stored tool invocation back (a late copy of a pending call, after the
 client's result) is not saved, as the filter's base layer keeps the stored row against an
 echo (`APPLY` in `streams/history.py`).
@@ -30,7 +31,7 @@ import msgspec
 from schemas.wire import Message, PersistMessagesOf
 from streams import origin
 from streams.filter import Rejected, Rejection, check_key, decode_json, parse_ms
-from streams.history import HistoryStore, Save, save_identity
+from streams.history import HistoryStore, Save, save_identity, thread_tag
 from streams.processor import Out, Record, dead_letter, internal_error
 
 # The value is decoded twice, as the filter does a request: typed to validate and read it,
@@ -87,8 +88,8 @@ class Persister:
         3. their rows (a script per event, in order), which check the thread's owner again.
 
         Only a writer racing between 1 and 3 can make 2 or 3 refuse an event that 1 let
-        through: its claims that did succeed then stay with its thread. An event applied before
-        (its `save_identity` is in the thread's saves) changes nothing."""
+        through: its claims that did succeed then stay with its thread. Another service's
+        event applied before (its `save_identity` is in the thread's `saved`) changes nothing."""
         results: list[Rejection | int | None] = [None] * len(records)
         events: list[tuple[int, _Event]] = []
         for i, record in enumerate(records):
@@ -102,16 +103,17 @@ class Persister:
         holders, owners = await self.store.owners(ids, list(dict.fromkeys(e.event.threadId for _, e in events)))
         checked = []
         for i, e in events:
-            results[i] = _refusal(e, owners, holders)
+            tag = thread_tag(e.event.threadId)
+            results[i] = _refusal(e, owners, {mid for mid, _ in e.rows if holders.get(mid, tag) != tag})
             if results[i] is None:
                 checked.append((i, e))
                 if e.rows:  # what this event leaves for the ones after it
                     owners.setdefault(e.event.threadId, e.event.resourceId)
-                    holders.update((mid, e.event.threadId) for mid, _ in e.rows)
+                    holders.update((mid, tag) for mid, _ in e.rows)
         held = iter(await self.store.claim([(mid, e.event.threadId) for _, e in checked for mid, _ in e.rows]))
         saves = []
         for i, e in checked:
-            taken = {mid: other for (mid, _), other in zip(e.rows, [next(held) for _ in e.rows]) if other}
+            taken = {mid for mid, _ in e.rows if next(held)}
             results[i] = _refusal(e, {e.event.threadId: e.event.resourceId}, taken)
             if results[i] is None:
                 saves.append((i, e))
@@ -123,7 +125,7 @@ class Persister:
                     max((parse_ms(m.createdAt) or -1 for m in e.event.messages), default=-1),
                     e.rows,
                     [m.role for m in e.event.messages],
-                    save_identity(e.event.resourceId, e.event.requestId, e.processors),
+                    b"" if e.processors else save_identity(e.event.resourceId, e.event.requestId),
                     e.processors,
                 )
                 for _, e in saves
@@ -143,8 +145,8 @@ class Persister:
         return _Event(event, _rows(event, _RAW.decode(record.value)), processors)
 
 
-def _refusal(e: _Event, owners: dict[str, str], holders: dict[str, str]) -> Rejection | None:
-    """Why the event may not be saved, given the threads' owning resources and the ids' owning threads."""
+def _refusal(e: _Event, owners: dict[str, str], elsewhere: set[str]) -> Rejection | None:
+    """Why the event may not be saved, given the threads' owning resources and which of its ids other threads own."""
     thread = e.event.threadId
     owner = owners.get(thread)
     if owner is not None and owner != e.event.resourceId:
@@ -152,9 +154,8 @@ def _refusal(e: _Event, owners: dict[str, str], holders: dict[str, str]) -> Reje
     if owner is None and not e.processors:
         return _refused(e, "unowned", "")
     for mid, _ in e.rows:
-        other = holders.get(mid, thread)
-        if other != thread:
-            return Rejection("foreign-message-id", f"message id {mid} belongs to thread {other}; not saved in {thread}")
+        if mid in elsewhere:
+            return Rejection("foreign-message-id", f"message id {mid} belongs to another thread; not saved in {thread}")
     return None
 
 

@@ -19,11 +19,16 @@ Steps 1-4 run in concurrent lanes, each with a share of the batch's threads (all
 thread's records in one lane) and round trips of its own, so that Redis works on one lane's
 commands while the worker decodes or decides another's.
 
-A request already recorded as processed (by the same resource: see `record_field`) is not
-decided again: what was recorded is emitted again, byte for byte, so re-delivery after a crash
-changes nothing. A rejection is not recorded and writes nothing. A thread whose stored
-version moved under the batch (another writer) or whose new id was claimed meanwhile by
-another thread is read and decided again from that request on.
+A request processed before (by the same resource: see `record_field`) is not decided again:
+- re-delivered from the same position before its batch's outputs were committed (a crash),
+  it emits again, byte for byte, what was recorded (`pending`), so re-delivery changes
+  nothing. The worker drops those records once the outputs are committed (`take_recorded`);
+- published again (a client's retry) while in its thread's retry window, it is a `duplicate`
+  dead letter naming where it was processed: no second, different filtered input. Later
+  than that it is decided again (`streams/history.py` says how long the window is).
+A rejection is not recorded and writes nothing. A thread whose stored version moved under
+the batch (another writer) or whose new id was claimed meanwhile by another thread is read
+and decided again from that request on.
 
 No record stops the worker: what a record holds is checked once, at decoding (the filter's
 `decode_json`), and any other error while one record is decoded, decided or made into outputs
@@ -38,9 +43,9 @@ import functools
 import logging
 import zlib
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import Protocol
 
 import msgspec
 
@@ -58,7 +63,19 @@ from streams.filter import (
     lookup_ids,
     parse_ms,
 )
-from streams.history import HistoryStore, Recorded, ThreadState, Write, encode_recorded, pack_rows, record_field, save_identity
+from streams.history import (
+    WINDOW_ENTRY,
+    HistoryStore,
+    Recorded,
+    ThreadState,
+    Write,
+    encode_recorded,
+    in_window,
+    pack_rows,
+    record_field,
+    thread_tag,
+    window_key,
+)
 from streams.metrics import Metrics
 
 log = logging.getLogger("memfilter")
@@ -113,6 +130,8 @@ class Topics:
 # stored in other threads, with those threads (JSON object).
 VERSION_HEADER = "memfilter.history-version"
 ELSEWHERE_HEADER = "memfilter.ids-elsewhere"
+# The header of a `duplicate` dead letter naming where the request was processed (topic-partition-offset).
+ORIGINAL_HEADER = "memfilter.duplicate-of"
 
 
 def dead_letter(record: Record, dlq_topic: str, error: Rejection, seen: tuple[tuple[str, bytes], ...] = ()) -> Out:
@@ -134,13 +153,17 @@ class _Pending:
     index: int  # position in the batch
     record: Record
     request: Request
-    outcome: str = ""  # the filter's outcome, "rejected", or "redelivered" (a metric's label)
+    outcome: str = ""  # the filter's outcome, "rejected", "duplicate" or "redelivered" (a metric's label)
     seen: tuple[tuple[str, bytes], ...] = ()  # what a rejection saw (`dead_letter`)
 
     @functools.cached_property
     def field(self) -> str:
         """Where the request's record is kept (`record_field`)."""
         return record_field(self.request.shape.resourceId, self.request.request_id)
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.record.partition, self.record.offset
 
 
 @dataclass
@@ -159,6 +182,31 @@ def internal_error(record: Record, e: Exception) -> Rejection:
     return Rejection("internal", f"unexpected {type(e).__name__} while handling record {where}: {str(e)[:200]}; report it")
 
 
+class Seen(Protocol):
+    """What a decision saw that no topic holds as it was then, as an audit replay finds it in
+    what was recorded (its batches are one record each)."""
+
+    def elsewhere(self, record: Record) -> dict[str, str]:
+        """The request's ids that other threads stored (which thread claimed an id when is on
+        no topic): id -> the other thread."""
+
+    def window(self, record: Record) -> bytes:
+        """The thread's retry window before the request (`streams/history.py`)."""
+
+
+class _Source(msgspec.Struct):
+    source: Source
+
+
+_SOURCE = msgspec.json.Decoder(_Source)
+
+
+def _position(rec: Recorded) -> tuple[str, int, int]:
+    """Where the request whose outputs these are was consumed."""
+    s = _SOURCE.decode(rec.filtered).source
+    return s.topic, s.partition, s.offset
+
+
 class Processor:
     def __init__(
         self,
@@ -167,17 +215,24 @@ class Processor:
         limits: Limits = Limits(),
         metrics: Metrics | None = None,
         secret: bytes = b"",
-        recorded_elsewhere: Callable[[Record], dict[str, str]] | None = None,
+        seen: Seen | None = None,
     ):
         self.store = store
         self.topics = topics
         self.limits = limits
         self.metrics = metrics or store.metrics
         self.secret = secret  # MEMFILTER_SECRET: server-assigned message ids, and the signature of persist events
-        # Which of a request's ids other threads store: the message-id index as it is now
-        # (None, live), or what the decision recorded (an audit replay: the index's history,
-        # which thread claimed an id when, is on no topic).
-        self.recorded_elsewhere = recorded_elsewhere
+        # What a decision sees beside the thread: Redis's message-id index and retry window as
+        # they are now (None, live), or as an audit replay recorded them.
+        self.seen = seen
+        self._recorded: list[tuple[str, str]] = []  # `take_recorded`
+
+    def take_recorded(self) -> list[tuple[str, str]]:
+        """The (thread, record field) of every request committed or emitted again from its
+        record since the last call: drop them (`HistoryStore.drop_records`) once their
+        outputs are committed to Kafka."""
+        taken, self._recorded = self._recorded, []
+        return taken
 
     async def process(self, records: list[Record]) -> list[Out]:
         """The records to emit for a batch, in the batch's order."""
@@ -238,15 +293,17 @@ class Processor:
             wanted[thread] = (ids, [p.field for p in todo])
         states = await self.store.read(wanted)
         unknown = {mid for thread, (ids, _) in wanted.items() for mid in ids if mid not in states[thread].rows}
-        owners: dict[str, str] = {}
-        if self.recorded_elsewhere is not None:
+        owners: dict[str, bytes] = {}
+        if self.seen is not None:
             for thread, t in threads.items():
-                states[thread].elsewhere = {mid: o for p in t.requests[t.next :] for mid, o in self.recorded_elsewhere(p.record).items()}
+                states[thread].elsewhere = {mid: o for p in t.requests[t.next :] for mid, o in self.seen.elsewhere(p.record).items()}
+                states[thread].window = self.seen.window(t.requests[t.next].record)
         elif unknown:
             owners, _ = await self.store.owners(sorted(unknown))
         if owners:
             for thread, (ids, _) in wanted.items():
-                states[thread].elsewhere = {mid: owners[mid] for mid in ids if owners.get(mid, thread) != thread}
+                tag = thread_tag(thread)
+                states[thread].elsewhere = {mid: owners[mid].hex() for mid in ids if owners.get(mid, tag) != tag}
         for thread, t in threads.items():
             t.planned = self._decide_thread(thread, t, states[thread])
 
@@ -256,7 +313,7 @@ class Processor:
         claims = [(mid, thread) for thread, t in threads.items() for _, w, _ in t.planned if w for mid in w.new_ids]
         if claims:
             held = await self.store.claim(claims)
-            taken = {(thread, mid) for (mid, thread), other in zip(claims, held) if other is not None}
+            taken = {(thread, mid) for (mid, thread), elsewhere in zip(claims, held) if elsewhere}
             for thread, t in threads.items():
                 cut = next((k for k, (_, w, _) in enumerate(t.planned) if w and any((thread, m) in taken for m in w.new_ids)), None)
                 if cut is not None:
@@ -269,12 +326,14 @@ class Processor:
         for thread, t in threads.items():
             failed = False
             for p, w, rec in t.planned:
-                status, value = next(results) if w is not None else ("recorded", None)
+                status, _ = next(results) if w is not None else ("decided", 0)
                 if failed or status == "stale":
                     failed = True  # this and what the thread decided after it: again
                     continue
-                outs[p.index] = self._emit(p, value if status == "dup" else rec)
-                outcomes["redelivered" if status == "dup" else p.outcome] += 1
+                outs[p.index] = self._emit(p, rec)
+                outcomes[p.outcome] += 1
+                if w is not None or p.outcome == "redelivered":
+                    self._recorded.append((thread, p.field))
                 t.next += 1
             if failed:
                 redo.add(thread)
@@ -285,16 +344,19 @@ class Processor:
     def _decide_thread(self, thread: str, t: _Thread, state: ThreadState) -> list[tuple[_Pending, Write | None, Recorded]]:
         """Decide a thread's remaining requests in order, each on what the earlier ones saved."""
         planned = []
-        recorded_here: dict[str, Recorded] = {}
-        after = ""
+        window, after = state.window, ""
         for p in t.requests[t.next :]:
-            earlier = state.done.get(p.field) or recorded_here.get(p.field)
-            if earlier is not None:
+            rec = state.pending.get(p.field)
+            if rec is not None and _position(rec) == (p.record.topic, *p.position):
                 p.outcome = "redelivered"
-                planned.append((p, None, earlier))
+                planned.append((p, None, rec))
+                continue
+            key = window_key(p.field)
+            if (duplicate := self._duplicate(p, in_window(window, key))) is not None:
+                planned.append((p, None, duplicate))
                 continue
             try:
-                write, rec = self._decide(p, state, after)
+                write, rec = self._decide(p, state, after, key)
             except Exception as e:
                 write, rec = None, Recorded(error=internal_error(p.record, e))
             if write is None:  # a rejection: nothing written, nothing recorded
@@ -304,11 +366,26 @@ class Processor:
                 planned.append((p, None, rec))
                 continue
             planned.append((p, write, rec))
-            recorded_here[p.field] = rec
+            state.pending[p.field] = rec
+            window = (window + write.entry)[-self.store.window_bytes :]
             after = p.field
         return planned
 
-    def _decide(self, p: _Pending, state: ThreadState, after: str) -> tuple[Write | None, Recorded]:
+    def _duplicate(self, p: _Pending, original: tuple[int, int, int] | None) -> Recorded | None:
+        """The dead letter of a request found in its thread's retry window, if it is inside
+        the window's time too."""
+        if original is None or p.record.timestamp_ms - original[2] > self.store.processed_ttl * 1000:
+            return None
+        where = f"{self.topics.requests}-{original[0]}-{original[1]}"
+        p.outcome = "duplicate"
+        p.seen = ((ORIGINAL_HEADER, where.encode()),)
+        message = (
+            f"request {p.request.request_id} was processed already, at {where}; a retry is not decided again: "
+            f"its filtered input is the one of {where} (a new request needs a new requestId)"
+        )
+        return Recorded(error=Rejection("duplicate", message))
+
+    def _decide(self, p: _Pending, state: ThreadState, after: str, key: bytes) -> tuple[Write | None, Recorded]:
         """One request's decision, its write (None for a rejection) and what it emits; what it
         saves goes into `state`, the overlay the thread's next request of the batch sees."""
         request = p.request
@@ -323,9 +400,9 @@ class Processor:
         newest = max((parse_ms(r.get("createdAt")) or -1 for r in decision.persist), default=-1)
         new_ids = [mid for mid, _ in rows if mid not in state.rows]
         shape = request.shape
-        identity = save_identity(shape.resourceId, request.request_id, processors=True)
+        entry = WINDOW_ENTRY.pack(key, p.record.partition, p.record.offset, p.record.timestamp_ms)
         write = Write(
-            shape.threadId, p.field, state.version, after, shape.resourceId, newest, pack_rows(rows), encode_recorded(rec), new_ids, identity
+            shape.threadId, p.field, state.version, after, shape.resourceId, newest, pack_rows(rows), encode_recorded(rec), new_ids, entry
         )
         if rows:
             state.size += len(new_ids)

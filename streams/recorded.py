@@ -10,9 +10,11 @@ about what the topics do.
 
 What is kept, and how it is found:
 - filtered inputs of `chat-requests` records: by the request's source position, and by
-  `requestId` (the first of each);
+  thread (the retry window a decision saw: `window`);
 - `persist-messages` events: by thread, in log order, as `ThreadLog`s; the processor's own
-  (signed: `streams/origin.py`) also by `requestId`;
+  (signed: `streams/origin.py`) also by (thread, `requestId`, `historyVersion`), which names
+  one decision's save: a copy of one published again is kept once, as the live worker, which
+  skips its own events, ignored it;
 - dead letters of `chat-requests` records: by source position.
 Records that are none of these (a record a tool wrote on a topic by hand) are passed over.
 """
@@ -31,6 +33,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas.wire import FilteredInput
 from streams import origin
+from streams.history import WINDOW_ENTRY, record_field, window_key
 from streams.processor import Record, Topics
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
@@ -113,14 +116,15 @@ class _Saved(msgspec.Struct):
 
 
 _SCHEMA = """
-CREATE TABLE filtered (seq INTEGER PRIMARY KEY, partition INT, offset INT, request_id TEXT, value BLOB);
+-- time: the request's record time (the filtered input's own); request: its `window_key`
+CREATE TABLE filtered (seq INTEGER PRIMARY KEY, partition INT, offset INT, thread TEXT, request BLOB, time INT, value BLOB);
 CREATE INDEX filtered_at ON filtered (partition, offset);
-CREATE INDEX filtered_for ON filtered (request_id);
+CREATE INDEX filtered_window ON filtered (thread, partition, offset);
 -- processors: 1 for the processor's events placed by their version, 0 for the others (log order);
 -- request_id: of the processor's events only
 CREATE TABLE persist (seq INTEGER PRIMARY KEY, thread BLOB, processors INT, version INT, request_id TEXT, record BLOB);
 CREATE INDEX persist_log ON persist (thread, processors, seq);
-CREATE INDEX persist_for ON persist (request_id);
+CREATE UNIQUE INDEX persist_own ON persist (thread, request_id, version);
 CREATE TABLE dead (partition INT, offset INT, headers BLOB);
 CREATE INDEX dead_at ON dead (partition, offset);
 """
@@ -167,8 +171,9 @@ class Recorded:
             except (msgspec.DecodeError, TypeError):
                 continue  # not the processor's
             if event.source.topic == self.topics.requests:
-                rows.append((event.source.partition, event.source.offset, event.requestId, r.value))
-        self.db.executemany("INSERT INTO filtered (partition, offset, request_id, value) VALUES (?, ?, ?, ?)", rows)
+                request = window_key(record_field(event.resourceId, event.requestId))
+                rows.append((event.source.partition, event.source.offset, event.threadId, request, r.timestamp_ms, r.value))
+        self.db.executemany("INSERT INTO filtered (partition, offset, thread, request, time, value) VALUES (?, ?, ?, ?, ?, ?)", rows)
 
     def add_persisted(self, records: list[Record]) -> None:
         rows = []
@@ -179,7 +184,7 @@ class Recorded:
             # an event of the processor's without a version goes with the others, in log order
             placed = saved.historyVersion is not None
             rows.append((r.key, int(placed), saved.historyVersion, saved.requestId or None, _record.encode(r)))
-        self.db.executemany("INSERT INTO persist (thread, processors, version, request_id, record) VALUES (?, ?, ?, ?, ?)", rows)
+        self.db.executemany("INSERT OR IGNORE INTO persist (thread, processors, version, request_id, record) VALUES (?, ?, ?, ?, ?)", rows)
 
     def add_dead(self, records: list[Record]) -> None:
         rows = []
@@ -196,13 +201,21 @@ class Recorded:
         """The first filtered input recorded for the request at this position."""
         return self._one("SELECT value FROM filtered WHERE partition = ? AND offset = ? ORDER BY seq LIMIT 1", partition, offset)
 
-    def filtered_for(self, request_id: str) -> bytes | None:
-        """The first filtered input recorded for this request id."""
-        return self._one("SELECT value FROM filtered WHERE request_id = ? ORDER BY seq LIMIT 1", request_id)
+    def window(self, thread: str, partition: int, offset: int, size: int) -> bytes:
+        """The thread's retry window as the request at this position saw it: the last `size`
+        requests of the thread processed before it (`WINDOW_ENTRY`s, oldest first). A thread's
+        requests are processed in their partition's order."""
+        found = self.db.execute(
+            "SELECT request, offset, MIN(time) FROM filtered WHERE thread = ? AND partition = ? AND offset < ? "
+            "GROUP BY offset ORDER BY offset DESC LIMIT ?",
+            (thread, partition, offset, size),
+        ).fetchall()
+        return b"".join(WINDOW_ENTRY.pack(request, partition, at, time) for request, at, time in reversed(found))
 
-    def processors_save(self, request_id: str) -> bytes | None:
-        """The processor's first `persist-messages` event for this request id."""
-        record = self._one("SELECT record FROM persist WHERE request_id = ? ORDER BY seq LIMIT 1", request_id)
+    def processors_save(self, thread: str, request_id: str, version: int) -> bytes | None:
+        """The processor's `persist-messages` event of the decision of this request on this
+        version of the thread."""
+        record = self._one("SELECT record FROM persist WHERE thread = ? AND request_id = ? AND version = ?", thread.encode(), request_id, version)
         return _as_record.decode(record).value if record is not None else None
 
     def dead_at(self, partition: int, offset: int) -> dict[str, bytes] | None:

@@ -25,7 +25,9 @@ did, so a version says where a write happened:
   `filtered-inputs`, `persist-messages` and the dead-letter topic. Which thread held a message
   id when is on no topic (threads on other partitions decide in their own order), so each
   decision is given the other threads' ids it saw, as recorded: none for an accepted request,
-  the `memfilter.ids-elsewhere` header for a rejection.
+  the `memfilter.ids-elsewhere` header for a rejection. Nor is the retry window a request
+  was checked against: it is made again from the thread's filtered inputs before the
+  request, so a retry is a `duplicate` in the replay exactly when it was live.
 
 Both read each topic once, in batches, into an index on disk (`streams/recorded.py`): their
 memory does not grow with the topics or the range.
@@ -122,12 +124,24 @@ async def replay(
             await store.drop()
 
 
-async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded: Recorded, start, end, limits, progress) -> Report:
-    def recorded_elsewhere(record: Record) -> dict[str, str]:
-        seen = (recorded.dead_at(record.partition, record.offset) or {}).get(ELSEWHERE_HEADER)
+class _Seen:
+    """What each decision saw beside its thread, from what was recorded (`Seen`)."""
+
+    def __init__(self, recorded: Recorded, retry_window: int):
+        self.recorded = recorded
+        self.retry_window = retry_window
+
+    def elsewhere(self, record: Record) -> dict[str, str]:
+        seen = (self.recorded.dead_at(record.partition, record.offset) or {}).get(ELSEWHERE_HEADER)
         return msgspec.json.decode(seen, type=dict[str, str]) if seen else {}
 
-    processor = Processor(store, topics, limits, secret=recorded.secret, recorded_elsewhere=recorded_elsewhere)
+    def window(self, record: Record) -> bytes:
+        thread = record.key.decode(errors="replace") if record.key is not None else ""
+        return self.recorded.window(thread, record.partition, record.offset, self.retry_window)
+
+
+async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded: Recorded, start, end, limits, progress) -> Report:
+    processor = Processor(store, topics, limits, secret=recorded.secret, seen=_Seen(recorded, store.retry_window))
     persister = Persister(store, topics.dlq, recorded.secret)
     logs: dict[bytes | None, ThreadLog] = {}  # of the threads met so far: where each is in its log
     report = Report()
@@ -145,13 +159,9 @@ async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded
                 event = msgspec.json.decode(raw, type=FilteredInput)
                 diff = await _advance(store, persister, log, event.threadId, event.historyVersion)
                 if not diff:
-                    diff = _compare(await processor.process([record]), topics, raw, recorded.processors_save(event.requestId))
+                    saved = recorded.processors_save(event.threadId, event.requestId, event.historyVersion)
+                    diff = _compare(await processor.process([record]), topics, raw, saved)
                 request_id, thread = event.requestId, event.threadId
-            elif request_id is not None and (raw := recorded.filtered_for(request_id)) is not None:
-                # A request id decided before (published again, or re-delivered): the worker
-                # sent what it recorded then, and so does a replay that decided the first copy.
-                diff = _compare(await processor.process([record]), topics, raw, recorded.processors_save(request_id))
-                thread = msgspec.json.decode(raw, type=FilteredInput).threadId
             elif (headers := recorded.dead_at(record.partition, record.offset)) is not None:
                 diff = []
                 if VERSION_HEADER in headers:  # decided against stored history: on the same
@@ -163,6 +173,7 @@ async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded
                     diff = [] if got == [want] else [f"recorded: rejected ({want}); replayed: {got[0] if got else 'accepted'}"]
             else:
                 diff = ["nothing recorded for this request (not processed yet?)"]
+            await store.drop_records(processor.take_recorded())  # no re-delivery here: not kept
             if diff:
                 # named by its request id; by where it was published when it has none (or no JSON)
                 report.differences.append(Difference(request_id or source, thread, source, diff))

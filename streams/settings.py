@@ -23,7 +23,7 @@ import msgspec
 from msgspec import Meta
 
 from streams.filter import Limits
-from streams.history import PROCESSED_TTL_S
+from streams.history import PROCESSED_TTL_S, RETRY_WINDOW
 from streams.processor import Topics
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
@@ -46,6 +46,7 @@ VARIABLES = {
     "batch_within": "MEMFILTER_BATCH_WITHIN",
     "session_timeout": "MEMFILTER_SESSION_TIMEOUT",
     "processed_ttl": "MEMFILTER_PROCESSED_TTL",
+    "retry_window": "MEMFILTER_RETRY_WINDOW",
     "secret_text": "MEMFILTER_SECRET",
     "web_port": "MEMFILTER_WEB_PORT",
     "web_bind": "MEMFILTER_WEB_BIND",
@@ -84,7 +85,8 @@ class Settings(msgspec.Struct, frozen=True, rename=VARIABLES):
     batch_max: Positive = 1500  # records fetched and handled together
     batch_within: Annotated[float, Meta(ge=0)] = 0.05  # seconds a fetch waits to fill a batch
     session_timeout: Seconds = 10.0  # seconds before a silent worker's partitions go to the others
-    processed_ttl: Positive = PROCESSED_TTL_S  # seconds a thread's processed-request records outlive its last request
+    processed_ttl: Positive = PROCESSED_TTL_S  # seconds: a retry later than this after its original is decided again
+    retry_window: Annotated[int, Meta(ge=1, le=1000)] = RETRY_WINDOW  # a thread's last N requests are retry-checked
     secret_text: str = ""  # keys server-assigned message ids and signs the processor's persist events
     web_port: Port = 6066
     web_bind: str = "127.0.0.1"  # 0.0.0.0 in a container

@@ -214,19 +214,20 @@ class Collector:
 
 
 async def dump(pipeline: Pipeline, prefix: str, url: str | None = None) -> dict:
-    """Every thread's rows, order, meta and saves, and the id index, under `prefix` (not the
-    processed-request records, which are on no topic, nor the fencing epochs)."""
+    """Every thread's rows, order, meta and applied saves, and the id index, under `prefix`
+    (not the processed-request records and retry windows, which are on no topic, nor the
+    fencing epochs)."""
     client = aioredis.from_url(url or pipeline.redis_url)
     out = {}
     async for key in client.scan_iter(match=f"{prefix}:*"):
         name = key.decode().removeprefix(prefix)
         kind = await client.type(key)
-        if name.endswith(":done") or name == ":epoch":  # not history: re-delivery and fencing
+        if name.endswith((":pending", ":recent")) or name == ":epoch":  # not history: retries, re-delivery and fencing
             continue
         if kind == b"list":
             out[name] = await client.lrange(key, 0, -1)
-        elif kind == b"set":
-            out[name] = await client.smembers(key)
+        elif kind == b"string":
+            out[name] = await client.get(key)
         else:
             out[name] = {k: v for k, v in (await client.hgetall(key)).items() if k != b"epoch"}
     await client.aclose()

@@ -18,7 +18,7 @@ from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from streams import origin
-from streams.history import HistoryStore, Save
+from streams.history import WINDOW_ENTRY, HistoryStore, Save, save_identity
 from streams.persister import Persister
 from streams.processor import Processor, Record, Topics
 
@@ -95,7 +95,7 @@ class TestBatches:
             async def commit_after_a_concurrent_save(writes):
                 if not getattr(commit_after_a_concurrent_save, "done", False):
                     commit_after_a_concurrent_save.done = True
-                    await store.apply([Save("t", "r1", T0, [("a0", msgspec.json.encode(reply))], ["assistant"], "reply-a0")])
+                    await store.apply([Save("t", "r1", T0, [("a0", msgspec.json.encode(reply))], ["assistant"], save_identity("r1", "reply-a0"))])
                 return await commit(writes)
 
             store.commit = commit_after_a_concurrent_save
@@ -125,42 +125,121 @@ class TestBatches:
         assert dict(dead.headers)["error.type"] == b"foreign-message-id"
 
 
-class TestProcessedRecords:
-    """A processed request's record is what a re-delivery emits again; a thread's records
-    expire together, the store's `processed_ttl` after its last request."""
+def dead_letters(outs) -> list[dict[str, str]]:
+    return [{k: v.decode() for k, v in o.headers} for o in outs if o.topic == Topics().dlq]
 
-    def test_each_request_of_a_thread_renews_the_expiry_of_all_its_records(self, with_store):
+
+class TestRedelivery:
+    """A request committed in Redis whose outputs were not committed to Kafka (a crash) comes
+    again from the same position: it emits what it emitted, byte for byte, until the worker
+    drops its record once the outputs are committed."""
+
+    def test_a_request_redelivered_before_its_outputs_were_committed_emits_the_same_bytes(self, with_store):
         async def go(store):
-            store = HistoryStore(store.redis, store.prefix, processed_ttl=100)
-            done = store.keys("t")[3]
-            await Processor(store).process([record("t", [msg("u0")], 0, "q0")])
-            first = await store.redis.pttl(done)
-            await store.redis.pexpire(done, 5_000)  # as if 95 s had passed
-            await Processor(store).process([record("t", [msg("u0"), msg("a0", role="assistant"), msg("u1")], 1, "q1")])
-            return first, await store.redis.pttl(done), await store.redis.hlen(done)
-
-        first, renewed, records = with_store(go)
-        assert 99_000 < first <= 100_000 and 99_000 < renewed <= 100_000
-        assert records == 2
-
-    def test_a_request_redelivered_after_its_threads_records_expired_is_decided_again(self, with_store):
-        async def go(store):
-            store = HistoryStore(store.redis, store.prefix, processed_ttl=1)
             p = Processor(store)
             request = record("t", [msg("u0"), msg("a0", role="assistant"), msg("u1")], 0, "q0")
-            first = await p.process([request])
-            early = await p.process([request])
-            for _ in range(40):
-                if not await store.redis.exists(store.keys("t")[3]):
-                    break
-                await asyncio.sleep(0.1)
-            late = await p.process([request])
-            return first, early, late, p.metrics.value("memfilter_requests_total", outcome="redelivered")
+            return await p.process([request]), await p.process([request]), p.metrics.value("memfilter_requests_total", outcome="redelivered")
 
-        first, early, late, redelivered = with_store(go)
-        assert early == first and outputs(first, Topics().filtered)[0]["outcome"] == "seeded"
-        assert outputs(late, Topics().filtered)[0]["outcome"] == "user-tail"  # on the history it saved itself
+        first, again, redelivered = with_store(go)
+        assert again == first and outputs(first, Topics().filtered)[0]["outcome"] == "seeded"
         assert redelivered == 1
+
+    def test_once_dropped_a_record_leaves_only_its_entry_in_the_retry_window(self, with_store):
+        async def go(store):
+            p = Processor(store)
+            await p.process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0"), msg("u1")], 1, "q1")])
+            _, _, _, pending, recent, _ = store.keys("t")
+            before = await store.redis.hlen(pending)
+            await store.drop_records(p.take_recorded())
+            return before, await store.redis.exists(pending), len(await store.redis.get(recent)), p.take_recorded()
+
+        before, pending_left, window_bytes, recorded_again = with_store(go)
+        assert before == 2 and pending_left == 0
+        assert window_bytes == 2 * WINDOW_ENTRY.size and recorded_again == []
+
+    def test_the_records_and_the_window_expire_the_ttl_after_the_threads_last_request(self, with_store):
+        async def go(store):
+            store = HistoryStore(store.redis, store.prefix, processed_ttl=100)
+            keys = store.keys("t")[3:5]
+            await Processor(store).process([record("t", [msg("u0")], 0, "q0")])
+            for key in keys:
+                await store.redis.pexpire(key, 5_000)  # as if 95 s had passed
+            await Processor(store).process([record("t", [msg("u0"), msg("a0", role="assistant"), msg("u1")], 1, "q1")])
+            return [await store.redis.pttl(key) for key in keys]
+
+        assert all(99_000 < ttl <= 100_000 for ttl in with_store(go))
+
+
+class TestRetries:
+    """A client publishing a request id again (at another position): inside its thread's
+    retry window, a `duplicate` dead letter naming the original; outside, decided again."""
+
+    def test_a_retry_inside_the_window_is_a_duplicate_naming_the_original_and_no_second_filtered_input(self, with_store):
+        async def go(store):
+            p = Processor(store)
+            first = await p.process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0")], 1, "q0")])  # a retry in the same batch
+            await store.drop_records(p.take_recorded())
+            later = await p.process([record("t", [msg("u0")], 2, "q0")])
+            return first, later, p.metrics.value("memfilter_requests_total", outcome="duplicate")
+
+        first, later, duplicates = with_store(go)
+        assert len(outputs(first, Topics().filtered)) == 1 and outputs(later, Topics().filtered) == []
+        for letters in (dead_letters(first), dead_letters(later)):
+            [letter] = letters
+            assert letter["error.type"] == "duplicate" and letter["memfilter.duplicate-of"] == "chat-requests-0-0"
+            assert letter["error.message"].startswith("request q0 was processed already, at chat-requests-0-0; a retry is not decided again")
+        assert duplicates == 2
+
+    def test_a_retry_of_a_request_older_than_the_window_is_decided_again(self, with_store):
+        async def go(store):
+            store = HistoryStore(store.redis, store.prefix, retry_window=2)
+            p = Processor(store)
+            echo = []
+            for k in range(3):  # q0, q1, q2: q0 leaves the window of two
+                echo.append(msg(f"u{k}"))
+                await p.process([record("t", list(echo), k, f"q{k}")])
+            again = await p.process([record("t", [msg("u0")], 3, "q0")])
+            once_more = await p.process([record("t", [msg("u0")], 4, "q0")])
+            return again, once_more
+
+        again, once_more = with_store(go)
+        [filtered] = outputs(again, Topics().filtered)
+        assert filtered["source"]["offset"] == 3 and filtered["historyVersion"] == 3
+        assert outputs(again, Topics().persist) == []  # its message is stored: nothing saved twice
+        assert [letter["memfilter.duplicate-of"] for letter in dead_letters(once_more)] == ["chat-requests-0-3"]
+
+    @pytest.mark.parametrize("later_s, decided_again", [(59, False), (61, True)])
+    def test_a_retry_published_later_than_the_ttl_after_its_original_is_decided_again(self, with_store, later_s, decided_again):
+        async def go(store):
+            p = Processor(HistoryStore(store.redis, store.prefix, processed_ttl=60))
+            await p.process([record("t", [msg("u0")], 0, "q0")])
+            retry = record("t", [msg("u0")], 1, "q0")
+            return await p.process([msgspec.structs.replace(retry, timestamp_ms=T0 + later_s * 1000)])
+
+        outs = with_store(go)
+        assert bool(outputs(outs, Topics().filtered)) == decided_again
+        assert bool(dead_letters(outs)) != decided_again
+
+    def test_another_resources_request_with_the_same_id_is_not_a_retry_and_learns_nothing(self, with_store):
+        async def go(store):
+            p = Processor(store)
+            await p.process([record("t", [msg("u0")], 0, "q0")])
+            intruder = record("t", [msg("x0")], 1, "q0")
+            value = json.loads(intruder.value) | {"resourceId": "r2"}
+            return await p.process([msgspec.structs.replace(intruder, value=json.dumps(value).encode())])
+
+        [letter] = dead_letters(with_store(go))
+        assert letter["error.type"] == "ownership" and "memfilter.duplicate-of" not in letter
+
+    def test_the_window_holds_the_threads_last_n_requests(self, with_store):
+        async def go(store):
+            store = HistoryStore(store.redis, store.prefix, retry_window=5)
+            p = Processor(store)
+            await p.process([record("t", [msg(f"u{k}")], k, f"q{k}") for k in range(12)])
+            return await store.redis.get(store.keys("t")[4])
+
+        window = with_store(go)
+        assert [WINDOW_ENTRY.unpack_from(window, at)[2] for at in range(0, len(window), WINDOW_ENTRY.size)] == [7, 8, 9, 10, 11]
 
 
 class TestLanes:

@@ -20,7 +20,7 @@ from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from conftest import memfilter
-from pipeline import REPO, Collector, Pipeline, dump, end_offsets, free_port, publish, redis_config
+from pipeline import REPO, Collector, Pipeline, dump, end_offsets, free_port, header, publish, read, redis_config
 from test_worker_streams import stream
 
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
@@ -72,20 +72,20 @@ async def a_tool_turn(pipeline: Pipeline, seen: Collector, thread: str, tamper: 
 def processed(services):
     """The stream, processed by one worker: (pipeline, worker, requests published, end offsets
     of chat-requests after the normal part, before the tampered thread). The sample's last
-    request is published twice: the worker sends what it recorded, and a replay must agree."""
+    request is published twice: the second is a `duplicate`, and a replay must agree."""
     pipeline = Pipeline(services.bootstrap, services.redis_url)
     t = pipeline.topics
 
     async def run():
         await pipeline.create_topics()
         worker = pipeline.start_worker()
-        async with Collector(pipeline.bootstrap, [t.filtered]) as seen:
+        async with Collector(pipeline.bootstrap, [t.filtered, t.dlq]) as seen:
             sample = [(json.loads(line)["threadId"].encode(), line.encode(), now_ms()) for line in SAMPLE.read_text().splitlines()]
             await publish(pipeline.bootstrap, t.requests, sample)
             await publish(pipeline.bootstrap, t.requests, stream(threads=40, turns=3, tag="ops"))
             await a_tool_turn(pipeline, seen, "runner-t")
-            await publish(pipeline.bootstrap, t.requests, sample[-1:])  # the same request again
-            assert await seen.wait_for(lambda recs: len(recs) >= len(sample) + 1 + 120 + 2)
+            await publish(pipeline.bootstrap, t.requests, sample[-1:])  # the same request again: a client's retry
+            assert await seen.wait_for(lambda recs: len(recs) >= len(sample) + 120 + 2 + 1)
             normal_end = await end_offsets(pipeline.bootstrap, t.requests)
             await a_tool_turn(pipeline, seen, "tamper-t", tamper=True)
             return worker, len(sample) + 1 + 120 + 4, normal_end
@@ -118,6 +118,18 @@ class TestReplay:
         assert only_the_tampered_part.returncode == 0  # differences reported, exit 0 without --strict
         assert "replayed 2 requests: 1 identical, 1 different" in only_the_tampered_part.stdout
         assert "DIFFERENT tamper-t-r1" in only_the_tampered_part.stdout
+
+    def test_a_retry_is_a_duplicate_in_the_replay_too_when_the_range_starts_after_its_original(self, processed):
+        pipeline, _, _, normal_end = processed
+        [letter] = asyncio.run(read(pipeline.bootstrap, [pipeline.topics.dlq], until=lambda recs: len(recs) == 1, timeout=10))
+        assert header(letter, "error.type") == "duplicate" and header(letter, "memfilter.duplicate-of")
+        partition, offset = int(header(letter, "source.partition")), int(header(letter, "source.offset"))
+        only_it = {p: (offset if p == partition else 10**9) for p in range(pipeline.partitions)}
+        result = pipeline.memfilter(
+            "replay", "--strict", "--from", ",".join(f"{p}:{o}" for p, o in only_it.items()), "--to", f"{offset + 1}"
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "replayed 1 requests: 1 identical, 0 different" in result.stdout
 
     def test_a_missing_topic_or_a_silent_broker_is_one_line_and_exit_1(self, processed):
         pipeline, *_ = processed
@@ -184,7 +196,8 @@ class TestMetricsAndHealth:
         total = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("memfilter_requests_total{"))
         assert total == published
         assert sample_value(text, "memfilter_requests_total", outcome="tool-outcomes") == 2
-        assert sample_value(text, "memfilter_requests_total", outcome="redelivered") == 1
+        assert sample_value(text, "memfilter_requests_total", outcome="duplicate") == 1  # the retry
+        assert sample_value(text, "memfilter_dead_letters_total", error_type="duplicate") == 1
         assert sample_value(text, "memfilter_persisted_total") == 2  # the runner's two saves
         assert sample_value(text, "memfilter_end_to_end_seconds_count") == published
         assert sample_value(text, "memfilter_assigned_partitions") == 16

@@ -103,8 +103,7 @@ def redis_run(services):
                 return await fn(client, prefix)
             finally:
                 for p in prefixes:
-                    store = HistoryStore(client, p)
-                    await client.delete(*store.keys("t"), *store.keys("other"), *(store.id_bucket(str(i)) for i in range(400)), f"{p}:epoch")
+                    await HistoryStore(client, p).drop()
                 await client.aclose()
 
         return asyncio.run(go())
@@ -113,10 +112,10 @@ def redis_run(services):
 
 
 async def history(store: HistoryStore, thread: str) -> tuple:
-    """A thread's rows, order, meta (but the fencing epoch) and saves."""
-    rows, order, meta, _, saves = store.keys(thread)
+    """A thread's rows, order, meta (but the fencing epoch) and applied saves."""
+    rows, order, meta, _, _, saved = store.keys(thread)
     r = store.redis
-    return await r.hgetall(rows), await r.lrange(order, 0, -1), await r.hmget(meta, "owner", "version", "newest"), await r.smembers(saves)
+    return await r.hgetall(rows), await r.lrange(order, 0, -1), await r.hmget(meta, "owner", "version", "newest"), await r.get(saved)
 
 
 def stored_states(rows: list[bytes]) -> dict[str, str]:
@@ -218,7 +217,7 @@ class TestFencing:
             await new.take_epoch()  # the tasks go to another worker
             await apply(new, second[:1])
             with pytest.raises(Fenced, match="thread t was written by a worker with owner epoch 2, newer than this worker's 1"):
-                await old.apply([Save("t", "r1", -1, [("t-a0", b'{"id":"t-a0","role":"assistant","content":{"format":2,"parts":[]}}')], ["assistant"], "late")])
+                await old.apply([Save("t", "r1", -1, [("t-a0", b'{"id":"t-a0","role":"assistant","content":{"format":2,"parts":[]}}')], ["assistant"], b"")])
             with pytest.raises(Fenced):
                 await apply(old, second[1:])
             await apply(old, conversation("other", ["text"]))  # a thread the new owner has not written: its records are re-delivered to the new owner anyway
