@@ -47,7 +47,9 @@ def requests(threads: int, turns: int):
 def kind_of(key: bytes) -> str:
     if b":idx:{" in key:
         return "ids"
-    for kind in KINDS[:6]:
+    if b":pending:" in key:
+        return "pending"
+    for kind in ("rows", "order", "meta", "recent", "saved"):
         if key.endswith(b":" + kind.encode()):
             return kind
     return "other"

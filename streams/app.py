@@ -349,7 +349,7 @@ class RecordLoop(mode.Service):
         return sends
 
     async def _deliver(
-        self, outs: dict[int, list[Out]], offsets: dict[TopicPartition, int], requests: list[Record], recorded: list[tuple[str, str]]
+        self, outs: dict[int, list[Out]], offsets: dict[TopicPartition, int], requests: list[Record], recorded: list[tuple[str, bytes]]
     ) -> None:
         """The batch's outputs and offsets: one transaction per task, each on the task's
         producer; then the batch's records of processed requests are dropped from Redis, as

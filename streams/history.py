@@ -13,10 +13,10 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:t:{T}:rows` | hash | message id -> the stored row (JSON), as saved |
 | `mf:t:{T}:order` | list | message ids in save order: the thread's order |
 | `mf:t:{T}:meta` | hash | `owner` (resourceId), `version` (writes so far), `newest` (newest createdAt, epoch ms), `epoch` (of the last worker that wrote it) |
-| `mf:t:{T}:pending` | hash | processed request (`record_field`) -> what was emitted for it (`Recorded`, JSON), until the batch's Kafka transaction commits |
-| `mf:t:{T}:recent` | string | the retry window: the thread's last `retry_window` processed requests, `WINDOW_ENTRY` each |
 | `mf:t:{T}:saved` | string | the identity (`save_identity`, 8 bytes) of every other service's save applied |
-| `mf:idx:{B}` | hash | message id digest -> digest of the thread that owns it (`id_key`, `thread_tag`), 4,096 buckets |
+| `mf:t:{T}:recent` | string | the retry window: the thread's last `retry_window` processed requests, a `WINDOW_ENTRY` each |
+| `mf:t:{T}:pending:<K>` | string | what was emitted for processed request K (`window_key`, hex), as `Recorded` JSON, until its batch's Kafka transaction commits |
+| `mf:idx:{G}:<B>` | hash | message id digest -> digest of the thread that owns it (`id_key`, `thread_tag`): 4,096 buckets B in 64 groups G |
 | `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
 
 Only rows and order lists grow with the conversation; everything else is a few bytes per
@@ -29,7 +29,7 @@ owner claim, the version bump and its processed record are written by one Lua sc
 (`stale`: the persister saved a reply meanwhile, or the batch's earlier request of the thread
 did not commit), and the caller decides again. The message-id index lives in other slots;
 ids are claimed before the thread write, so a crash in between leaves claims the re-delivered
-request finds as its own.
+request finds as its own. Its lookups and claims are a script per group of buckets.
 
 Every write is fenced (`FENCE`): a worker that lost its partitions (stalled past its session
 timeout, say) and wakes up cannot write a thread that their new owner has written since.
@@ -39,16 +39,18 @@ of another resource with the same id never finds them). Rejections are not recor
 rejection writes nothing, and a re-delivered one is decided again, with the same result.
 - Re-delivery after a crash: a request committed here whose batch's Kafka transaction did not
   commit comes again from the same position and must emit the same bytes. Its whole output
-  is kept in `pending` until the transaction commits; then the worker drops it
-  (`drop_records`, one round trip per batch while the next one is fetched).
+  is kept (`pending`) until the transaction commits; then the worker drops it
+  (`drop_records`, one round trip per batch while the next one is fetched). A request is
+  looked for there only when its thread's newest window entry is at or past its position:
+  only a request consumed again can be.
 - Client retries: the same request id published again (at another position). The thread's
   last `retry_window` processed requests are kept in `recent` (8 bytes of digest, the
   position and the record time each); a retry of one of them, published within
   `processed_ttl` of it by record time, is a `duplicate` dead letter naming the original's
   position, never a second filtered input. Later than that it is decided again like any
   request (its messages are stored by then). The window is by count and record time, so an
-  audit replay, given the same window from the log, decides the same; `recent` and a left
-  over `pending` also expire `processed_ttl` after the thread's last request.
+  audit replay, given the same window from the log, decides the same; `recent` (and a record
+  left over) also expires `processed_ttl` after the thread's last request.
 
 Saves are applied once: the identity of every other service's save is kept in `saved` (the
 processor's own events are skipped live, being saved already, and told apart in a rebuild
@@ -92,16 +94,17 @@ if mine < stored then return {'fenced', tostring(stored)} end
 """
 STAMP = "if mine > stored then redis.call('HSET', KEYS[3], 'epoch', ARGV[1]) end\n"
 
-# ARGV: epoch, record field (`record_field`), version seen, owner, newest createdAt, record,
-# field of the request committed just before in the batch (or ''), rows as
-# [id, row, id, row, ...], seconds to keep the records, the request's window entry
-# (`WINDOW_ENTRY`), the window's size in bytes.
+# KEYS: rows, order, meta, recent, the request's `pending` key, the `pending` key of the request
+# of the thread committed just before in the same batch (or the request's own, when none).
+# ARGV: epoch, record, version seen, owner, newest createdAt, rows as [id, row, id, row, ...],
+# seconds to keep the records, the request's window entry (`WINDOW_ENTRY`), the window's size
+# in bytes.
 COMMIT = FENCE + """
 local version = tonumber(redis.call('HGET', KEYS[3], 'version') or '0')
 if version ~= tonumber(ARGV[3]) then return {'stale', tostring(version)} end
-if ARGV[7] ~= '' and redis.call('HEXISTS', KEYS[4], ARGV[7]) == 0 then return {'stale', tostring(version)} end
+if KEYS[6] ~= KEYS[5] and redis.call('EXISTS', KEYS[6]) == 0 then return {'stale', tostring(version)} end
 """ + STAMP + """
-local rows = cmsgpack.unpack(ARGV[8])
+local rows = cmsgpack.unpack(ARGV[6])
 if #rows > 0 then
   redis.call('HSETNX', KEYS[3], 'owner', ARGV[4])
   for i = 1, #rows, 2 do
@@ -116,13 +119,34 @@ if #rows > 0 then
   version = version + 1
   redis.call('HSET', KEYS[3], 'version', version)
 end
-redis.call('HSET', KEYS[4], ARGV[2], ARGV[6])
-redis.call('EXPIRE', KEYS[4], ARGV[9])
-local window = (redis.call('GET', KEYS[5]) or '') .. ARGV[10]
-local size = tonumber(ARGV[11])
+redis.call('SET', KEYS[5], ARGV[2], 'EX', ARGV[7])
+local window = (redis.call('GET', KEYS[4]) or '') .. ARGV[8]
+local size = tonumber(ARGV[9])
 if #window > size then window = string.sub(window, #window - size + 1) end
-redis.call('SET', KEYS[5], window, 'EX', ARGV[9])
+redis.call('SET', KEYS[4], window, 'EX', ARGV[7])
 return {'ok', tostring(version)}
+"""
+
+# The message-id index, a group of its buckets at a time (a group's buckets share a slot).
+# KEYS: each id's bucket; ARGV: each id's field. The holder of each (`thread_tag`), or ''.
+HELD = """
+local out = {}
+for i = 1, #KEYS do out[i] = redis.call('HGET', KEYS[i], ARGV[i]) or '' end
+return out
+"""
+# KEYS: each id's bucket; ARGV: each id's field, then the claiming thread's tag, for each id
+# in turn. Claims each id that has no holder; for each, 1 if another thread holds it.
+CLAIM = """
+local out = {}
+for i = 1, #KEYS do
+  local held = redis.call('HGET', KEYS[i], ARGV[2 * i - 1])
+  if not held then
+    redis.call('HSET', KEYS[i], ARGV[2 * i - 1], ARGV[2 * i])
+    held = ARGV[2 * i]
+  end
+  out[i] = held == ARGV[2 * i] and 0 or 1
+end
+return out
 """
 
 # Rows from `persist-messages` (other services' saves; the processor's own in a rebuild or
@@ -144,7 +168,7 @@ local owner = redis.call('HGET', KEYS[3], 'owner')
 if owner and owner ~= ARGV[2] then return {'ownership', owner} end
 if not owner and ARGV[6] ~= '1' then return {'unowned', ''} end
 local version = redis.call('HGET', KEYS[3], 'version') or '0'
-local saved = ARGV[7] ~= '' and (redis.call('GET', KEYS[6]) or '')
+local saved = ARGV[7] ~= '' and (redis.call('GET', KEYS[4]) or '')
 if saved then
   local at = string.find(saved, ARGV[7], 1, true)
   while at do
@@ -188,7 +212,7 @@ for i = 1, #rows, 2 do
   end
 end
 """ + STAMP + """
-if saved then redis.call('SET', KEYS[6], saved .. ARGV[7]) end
+if saved then redis.call('SET', KEYS[4], saved .. ARGV[7]) end
 local changed = false
 for i = 1, #rows, 2 do
   local old = redis.call('HGET', KEYS[1], rows[i])
@@ -211,7 +235,10 @@ return {'ok', tostring(version)}
 """
 
 
-ID_BUCKETS = 4096  # at Redis's default of 128 fields a compact hash, compact up to ~500,000 ids (README, "Capacity")
+# The message-id index: 4,096 buckets, in 64 groups whose buckets share a Cluster slot (a
+# batch's lookups and claims are a script per group). At Redis's default of 128 fields a
+# compact hash, compact up to ~500,000 ids (README, "Capacity").
+ID_GROUPS, ID_BUCKETS = 64, 4096
 PROCESSED_TTL_S = 7 * 24 * 3600
 RETRY_WINDOW = 16
 # A request in its thread's retry window: digest of its `record_field`, its position
@@ -231,8 +258,7 @@ def pack_rows(rows: list[tuple[str, bytes]]) -> bytes:
 
 
 def record_field(resource: str, request_id: str) -> str:
-    """What names a processed request in its thread: its field in `pending`, and (digested:
-    `window_key`) in `recent`."""
+    """What names a processed request in its thread (digested: `window_key`)."""
     return msgspec.json.encode([resource, request_id]).decode()  # '["r1","req-1"]': unambiguous
 
 
@@ -302,7 +328,7 @@ class ThreadState:
     size: int
     rows: dict[str, bytes]  # stored rows of the ids asked for
     elsewhere: dict[str, str]  # asked-for id not stored here -> the `thread_tag` (hex) of the other thread that owns it
-    pending: dict[str, Recorded] = field(default_factory=dict)  # asked-for record fields whose outputs may not be committed yet
+    pending: dict[bytes, Recorded] = field(default_factory=dict)  # `window_key` -> record, of requests whose outputs may not be committed yet
     window: bytes = b""  # the retry window (`recent`)
 
 
@@ -310,15 +336,14 @@ class Write(msgspec.Struct, frozen=True, gc=False):
     """One request's effect on its thread (see COMMIT)."""
 
     thread: str
-    field: str  # the request's `record_field`
     version: int  # the version the decision saw
-    after: str  # the field of the request of this thread committed just before in the same batch, or ""
+    after: bytes  # the `window_key` of the request of this thread committed just before in the same batch, or empty
     owner: str
     newest_ms: int
     rows: bytes  # `pack_rows` of the rows to save
     recorded: bytes
     new_ids: list[str]  # ids of the rows not stored in the thread before: to claim first
-    entry: bytes  # the request's `WINDOW_ENTRY`
+    entry: bytes  # the request's `WINDOW_ENTRY` (its `window_key` first)
 
 
 class Save(msgspec.Struct, frozen=True, gc=False):
@@ -362,7 +387,7 @@ class HistoryStore:
         self.window_bytes = retry_window * WINDOW_ENTRY.size
         self.epoch = 0  # this writer's owner epoch (`take_epoch`); 0 for a store no worker uses (a replay's)
         self.metrics = metrics or Metrics()  # counts the round trips
-        self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (COMMIT, APPLY)}
+        self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (COMMIT, APPLY, HELD, CLAIM)}
 
     async def _pipeline(self, commands: list[tuple]) -> list[Any]:
         """Send the commands in one write and read their replies: one round trip. Replies are
@@ -408,13 +433,17 @@ class HistoryStore:
         self.metrics.round_trips.inc()  # the round trips that did the work: not a refused try
         return replies
 
-    async def _run(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
-        """Run (script, keys, args) calls in one round trip by sha. redis-py's own script objects
-        ask SCRIPT EXISTS before every pipeline, a second round trip; here the scripts are
-        loaded only when Redis says it lacks them (first use, or after a restart)."""
+    def _script(self, script: str, keys: list[str], args: list[Any]) -> tuple:
+        return ("EVALSHA", self._sha[script], len(keys), *keys, *args)
+
+    async def _run(self, commands: list[tuple]) -> list[Any]:
+        """`_pipeline`, with the scripts (`_script` commands among them) run by sha. redis-py's
+        own script objects ask SCRIPT EXISTS before every pipeline, a second round trip; here
+        the scripts are loaded only when Redis says it lacks them (first use, or after a
+        restart)."""
         for attempt in (1, 2):
             try:
-                return await self._pipeline([("EVALSHA", self._sha[script], len(keys), *keys, *args) for script, keys, args in calls])
+                return await self._pipeline(commands)
             except NoScriptError:
                 if attempt == 2:
                     raise
@@ -422,38 +451,43 @@ class HistoryStore:
                     await self.redis.script_load(script)
         raise AssertionError("unreachable")
 
-    def keys(self, thread: str) -> list[str]:
-        """The thread's keys: rows, order, meta, pending, recent, saved."""
+    def _tag(self, thread: str) -> str:
         if "{" in thread or "}" in thread or "%" in thread:  # one whole hash tag (see the layout)
             thread = thread.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-        base = f"{self.prefix}:t:{{{thread}}}"
-        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:pending", f"{base}:recent", f"{base}:saved"]
+        return f"{self.prefix}:t:{{{thread}}}"
+
+    def keys(self, thread: str) -> list[str]:
+        """The thread's keys: rows, order, meta, saved, recent."""
+        base = self._tag(thread)
+        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:saved", f"{base}:recent"]
+
+    def pending_key(self, thread: str, key: bytes) -> str:
+        """Where the record of a processed request (`window_key`) waits for its batch's Kafka commit."""
+        return f"{self._tag(thread)}:pending:{key.hex()}"
 
     def id_key(self, mid: str) -> tuple[str, bytes]:
         """Where the message-id index keeps an id: its bucket, and its field there (8 bytes of
         digest beside the bucket's 12 bits: ids collide with odds of 2**-76 a pair)."""
         digest = _digest(mid, 10)
-        return f"{self.prefix}:idx:{{{int.from_bytes(digest[:2], 'big') % ID_BUCKETS}}}", digest[2:]
+        return f"{self.prefix}:idx:{{{digest[0] % ID_GROUPS}}}:{digest[1] % (ID_BUCKETS // ID_GROUPS)}", digest[2:]
 
-    async def read(self, wanted: dict[str, tuple[list[str], list[str]]]) -> dict[str, ThreadState]:
-        """For each thread, its (message ids, record fields) of interest: one round trip.
-        `elsewhere` is left empty: `owners` fills it for the ids not stored in the thread."""
+    async def read(self, wanted: dict[str, list[str]]) -> dict[str, ThreadState]:
+        """For each thread, the message ids of interest: one round trip. `elsewhere` is left
+        empty: `owners` fills it for the ids not stored in the thread; so is `pending`
+        (`read_pending`)."""
         commands: list[tuple] = []
-        for thread, (ids, fields) in wanted.items():
-            rows, _, meta, pending, recent, _ = self.keys(thread)
+        for thread, ids in wanted.items():
+            rows, _, meta, _, recent = self.keys(thread)
             commands.append(("HMGET", meta, "owner", "version", "newest"))  # first: a write after it is caught as stale
             commands.append(("HLEN", rows))
             if ids:
                 commands.append(("HMGET", rows, *ids))
-            if fields:
-                commands.append(("HMGET", pending, *fields))
-                commands.append(("GET", recent))
+            commands.append(("GET", recent))
         replies = iter(await self._pipeline(commands))
         states = {}
-        for thread, (ids, fields) in wanted.items():
+        for thread, ids in wanted.items():
             (owner, version, newest), size = next(replies), next(replies)
             rows = next(replies) if ids else ()
-            pending, window = (next(replies), next(replies)) if fields else ((), None)
             states[thread] = ThreadState(
                 owner=owner.decode() if owner else None,
                 version=int(version or 0),
@@ -461,43 +495,47 @@ class HistoryStore:
                 size=size,
                 rows={mid: row for mid, row in zip(ids, rows) if row is not None},
                 elsewhere={},
-                pending={f: _RECORDED.decode(v) for f, v in zip(fields, pending) if v is not None},
-                window=window or b"",
+                window=next(replies) or b"",
             )
         return states
+
+    async def read_pending(self, records: list[tuple[str, bytes]]) -> list[Recorded | None]:
+        """The records of these (thread, `window_key`) still waiting for a Kafka commit: one
+        round trip."""
+        found = await self._pipeline([("GET", self.pending_key(thread, key)) for thread, key in records])
+        return [_RECORDED.decode(r) if r is not None else None for r in found]
 
     async def owners(self, ids: list[str], threads: list[str] = ()) -> tuple[dict[str, bytes], dict[str, str]]:
         """The `thread_tag` of the thread owning each of these message ids that has one, and
         the owning resource of each of these threads that has one: one round trip."""
-        buckets: dict[str, tuple[list[str], list[bytes]]] = {}
-        for mid in ids:
-            bucket, field_ = self.id_key(mid)
-            in_bucket = buckets.setdefault(bucket, ([], []))
-            in_bucket[0].append(mid)
-            in_bucket[1].append(field_)
-        commands = [("HMGET", bucket, *fields) for bucket, (_, fields) in buckets.items()]
+        groups = self._by_group([(mid, self.id_key(mid)) for mid in ids])
+        commands = [self._script(HELD, [k for _, (k, _) in group], [f for _, (_, f) in group]) for group in groups]
         commands += [("HGET", self.keys(thread)[2], "owner") for thread in threads]
-        replies = await self._pipeline(commands)
-        by_id = {}
-        for (mids, _), held in zip(buckets.values(), replies):
-            by_id.update((mid, h) for mid, h in zip(mids, held) if h is not None)
-        by_thread = {thread: owner.decode() for thread, owner in zip(threads, replies[len(buckets) :]) if owner is not None}
+        replies = await self._run(commands)
+        by_id = {mid: held for group, reply in zip(groups, replies) for (mid, _), held in zip(group, reply) if held}
+        by_thread = {thread: owner.decode() for thread, owner in zip(threads, replies[len(groups) :]) if owner is not None}
         return by_id, by_thread
 
     async def claim(self, claims: list[tuple[str, str]]) -> list[bool]:
-        """Claim message ids (id, thread) for threads; for each, whether another thread holds
-        it. One round trip, and a second for ids held already (this thread's own, claimed
-        before a crash, or another's)."""
+        """Claim message ids (id, thread) for threads; for each, whether another thread holds it."""
         if not claims:
             return []
-        keys = [(*self.id_key(mid), thread_tag(thread)) for mid, thread in claims]
-        claimed = await self._pipeline([("HSETNX", bucket, field_, tag) for bucket, field_, tag in keys])
-        held = [i for i, new in enumerate(claimed) if not new]
-        holders = await self._pipeline([("HGET", keys[i][0], keys[i][1]) for i in held]) if held else []
+        groups = self._by_group([(i, (*self.id_key(mid), thread_tag(thread))) for i, (mid, thread) in enumerate(claims)])
+        calls = [self._script(CLAIM, [k for _, (k, _, _) in group], [x for _, (_, f, tag) in group for x in (f, tag)]) for group in groups]
         taken = [False] * len(claims)
-        for i, holder in zip(held, holders):
-            taken[i] = holder != keys[i][2]
+        for group, reply in zip(groups, await self._run(calls)):
+            for (i, _), elsewhere in zip(group, reply):
+                taken[i] = bool(elsewhere)
         return taken
+
+    @staticmethod
+    def _by_group(items: list[tuple[Any, tuple]]) -> list[list[tuple[Any, tuple]]]:
+        """(item, (bucket, ...)) by the group (slot) of their bucket."""
+        groups: dict[str, list] = {}
+        for item in items:
+            bucket = item[1][0]
+            groups.setdefault(bucket[: bucket.index("}") + 1], []).append(item)
+        return list(groups.values())
 
     async def take_epoch(self) -> int:
         """A new owner epoch, newer than every one handed out before: taken by a worker each
@@ -511,14 +549,13 @@ class HistoryStore:
         Fenced if another worker has written one of the threads since this one's partitions
         were given to it."""
         ttl, size = self.processed_ttl, self.window_bytes
-        calls = [
-            (
-                COMMIT,
-                self.keys(w.thread)[:5],
-                [self.epoch, w.field, w.version, w.owner, w.newest_ms, w.recorded, w.after, w.rows, ttl, w.entry, size],
-            )
-            for w in writes
-        ]
+        calls = []
+        for w in writes:
+            rows, order, meta, _, recent = self.keys(w.thread)
+            pending = self.pending_key(w.thread, w.entry[:8])
+            after = self.pending_key(w.thread, w.after) if w.after else pending
+            args = [self.epoch, w.recorded, w.version, w.owner, w.newest_ms, w.rows, ttl, w.entry, size]
+            calls.append(self._script(COMMIT, [rows, order, meta, recent, pending, after], args))
         out = []
         for w, (status, value) in zip(writes, await self._run(calls)):
             if status == b"fenced":
@@ -526,14 +563,12 @@ class HistoryStore:
             out.append((status.decode(), int(value)))
         return out
 
-    async def drop_records(self, records: list[tuple[str, str]]) -> None:
-        """Drop these (thread, record field) from `pending`: their outputs are committed to
+    async def drop_records(self, records: list[tuple[str, bytes]]) -> None:
+        """Drop the records of these (thread, `window_key`): their outputs are committed to
         Kafka, so no re-delivery needs them. One round trip."""
-        by_thread: dict[str, list[str]] = {}
-        for thread, field_ in records:
-            by_thread.setdefault(thread, []).append(field_)
-        if by_thread:
-            await self._pipeline([("HDEL", self.keys(thread)[3], *fields) for thread, fields in by_thread.items()])
+        keys = list(dict.fromkeys(self.pending_key(thread, key) for thread, key in records))
+        if keys:
+            await self._pipeline([("UNLINK", *keys[i : i + 1000]) for i in range(0, len(keys), 1000)])
 
     async def apply(self, saves: list[Save]) -> list[int | tuple[str, str]]:
         """Save rows from `persist-messages`, in order and in one round trip; for each, the
@@ -543,9 +578,9 @@ class HistoryStore:
         if not saves:
             return []
         calls = [
-            (
+            self._script(
                 APPLY,
-                self.keys(s.thread),
+                self.keys(s.thread)[:4],
                 [self.epoch, s.owner, s.newest_ms, pack_rows(s.rows), _pack(s.roles), "1" if s.may_own else "0", s.identity, _STATE_RANKS],
             )
             for s in saves

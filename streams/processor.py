@@ -157,13 +157,9 @@ class _Pending:
     seen: tuple[tuple[str, bytes], ...] = ()  # what a rejection saw (`dead_letter`)
 
     @functools.cached_property
-    def field(self) -> str:
-        """Where the request's record is kept (`record_field`)."""
-        return record_field(self.request.shape.resourceId, self.request.request_id)
-
-    @property
-    def position(self) -> tuple[int, int]:
-        return self.record.partition, self.record.offset
+    def key(self) -> bytes:
+        """What names the request in its thread's records (`window_key`)."""
+        return window_key(record_field(self.request.shape.resourceId, self.request.request_id))
 
 
 @dataclass
@@ -207,6 +203,14 @@ def _position(rec: Recorded) -> tuple[str, int, int]:
     return s.topic, s.partition, s.offset
 
 
+def _consumed_before(window: bytes, record: Record) -> bool:
+    """Whether the thread's newest window entry is at or past this record's position."""
+    if not window:
+        return False
+    _, partition, offset, _ = WINDOW_ENTRY.unpack_from(window, len(window) - WINDOW_ENTRY.size)
+    return partition == record.partition and offset >= record.offset
+
+
 class Processor:
     def __init__(
         self,
@@ -225,10 +229,10 @@ class Processor:
         # What a decision sees beside the thread: Redis's message-id index and retry window as
         # they are now (None, live), or as an audit replay recorded them.
         self.seen = seen
-        self._recorded: list[tuple[str, str]] = []  # `take_recorded`
+        self._recorded: list[tuple[str, bytes]] = []  # `take_recorded`
 
-    def take_recorded(self) -> list[tuple[str, str]]:
-        """The (thread, record field) of every request committed or emitted again from its
+    def take_recorded(self) -> list[tuple[str, bytes]]:
+        """The (thread, `window_key`) of every request committed or emitted again from its
         record since the last call: drop them (`HistoryStore.drop_records`) once their
         outputs are committed to Kafka."""
         taken, self._recorded = self._recorded, []
@@ -288,11 +292,9 @@ class Processor:
         """Read, decide, claim and commit what is left of each thread; the threads to redo."""
         wanted = {}
         for thread, t in threads.items():
-            todo = t.requests[t.next :]
-            ids = list(dict.fromkeys(mid for p in todo for mid in lookup_ids(p.request)))
-            wanted[thread] = (ids, [p.field for p in todo])
+            wanted[thread] = list(dict.fromkeys(mid for p in t.requests[t.next :] for mid in lookup_ids(p.request)))
         states = await self.store.read(wanted)
-        unknown = {mid for thread, (ids, _) in wanted.items() for mid in ids if mid not in states[thread].rows}
+        unknown = {mid for thread, ids in wanted.items() for mid in ids if mid not in states[thread].rows}
         owners: dict[str, bytes] = {}
         if self.seen is not None:
             for thread, t in threads.items():
@@ -301,9 +303,16 @@ class Processor:
         elif unknown:
             owners, _ = await self.store.owners(sorted(unknown))
         if owners:
-            for thread, (ids, _) in wanted.items():
+            for thread, ids in wanted.items():
                 tag = thread_tag(thread)
                 states[thread].elsewhere = {mid: owners[mid].hex() for mid in ids if owners.get(mid, tag) != tag}
+        # A request can have a record only if it was consumed before: at or before the
+        # position of its thread's newest window entry (a thread's requests go in offset order).
+        again = [(thread, p) for thread, t in threads.items() for p in t.requests[t.next :] if _consumed_before(states[thread].window, p.record)]
+        if again:
+            for (thread, p), rec in zip(again, await self.store.read_pending([(thread, p.key) for thread, p in again])):
+                if rec is not None:
+                    states[thread].pending[p.key] = rec
         for thread, t in threads.items():
             t.planned = self._decide_thread(thread, t, states[thread])
 
@@ -333,7 +342,7 @@ class Processor:
                 outs[p.index] = self._emit(p, rec)
                 outcomes[p.outcome] += 1
                 if w is not None or p.outcome == "redelivered":
-                    self._recorded.append((thread, p.field))
+                    self._recorded.append((thread, p.key))
                 t.next += 1
             if failed:
                 redo.add(thread)
@@ -344,19 +353,18 @@ class Processor:
     def _decide_thread(self, thread: str, t: _Thread, state: ThreadState) -> list[tuple[_Pending, Write | None, Recorded]]:
         """Decide a thread's remaining requests in order, each on what the earlier ones saved."""
         planned = []
-        window, after = state.window, ""
+        window, after = state.window, b""
         for p in t.requests[t.next :]:
-            rec = state.pending.get(p.field)
-            if rec is not None and _position(rec) == (p.record.topic, *p.position):
+            rec = state.pending.get(p.key)
+            if rec is not None and _position(rec) == (p.record.topic, p.record.partition, p.record.offset):
                 p.outcome = "redelivered"
                 planned.append((p, None, rec))
                 continue
-            key = window_key(p.field)
-            if (duplicate := self._duplicate(p, in_window(window, key))) is not None:
+            if (duplicate := self._duplicate(p, in_window(window, p.key))) is not None:
                 planned.append((p, None, duplicate))
                 continue
             try:
-                write, rec = self._decide(p, state, after, key)
+                write, rec = self._decide(p, state, after)
             except Exception as e:
                 write, rec = None, Recorded(error=internal_error(p.record, e))
             if write is None:  # a rejection: nothing written, nothing recorded
@@ -366,9 +374,9 @@ class Processor:
                 planned.append((p, None, rec))
                 continue
             planned.append((p, write, rec))
-            state.pending[p.field] = rec
+            state.pending[p.key] = rec
             window = (window + write.entry)[-self.store.window_bytes :]
-            after = p.field
+            after = p.key
         return planned
 
     def _duplicate(self, p: _Pending, original: tuple[int, int, int] | None) -> Recorded | None:
@@ -385,7 +393,7 @@ class Processor:
         )
         return Recorded(error=Rejection("duplicate", message))
 
-    def _decide(self, p: _Pending, state: ThreadState, after: str, key: bytes) -> tuple[Write | None, Recorded]:
+    def _decide(self, p: _Pending, state: ThreadState, after: bytes) -> tuple[Write | None, Recorded]:
         """One request's decision, its write (None for a rejection) and what it emits; what it
         saves goes into `state`, the overlay the thread's next request of the batch sees."""
         request = p.request
@@ -400,10 +408,8 @@ class Processor:
         newest = max((parse_ms(r.get("createdAt")) or -1 for r in decision.persist), default=-1)
         new_ids = [mid for mid, _ in rows if mid not in state.rows]
         shape = request.shape
-        entry = WINDOW_ENTRY.pack(key, p.record.partition, p.record.offset, p.record.timestamp_ms)
-        write = Write(
-            shape.threadId, p.field, state.version, after, shape.resourceId, newest, pack_rows(rows), encode_recorded(rec), new_ids, entry
-        )
+        entry = WINDOW_ENTRY.pack(p.key, p.record.partition, p.record.offset, p.record.timestamp_ms)
+        write = Write(shape.threadId, state.version, after, shape.resourceId, newest, pack_rows(rows), encode_recorded(rec), new_ids, entry)
         if rows:
             state.size += len(new_ids)
             state.rows.update(rows)

@@ -193,7 +193,7 @@ def _request_id(record: Record) -> str | None:
 
 async def _advance(store: HistoryStore, persister: Persister, log: ThreadLog, thread: str, version: int) -> list[str]:
     """Apply the thread's events, in their live order, until its version is `version`."""
-    current = (await store.read({thread: ([], [])}))[thread].version
+    current = (await store.read({thread: []}))[thread].version
     while current < version and log:
         result = (await persister.apply([log.next(current)]))[0]
         current = result if isinstance(result, int) else current

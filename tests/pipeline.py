@@ -222,7 +222,7 @@ async def dump(pipeline: Pipeline, prefix: str, url: str | None = None) -> dict:
     async for key in client.scan_iter(match=f"{prefix}:*"):
         name = key.decode().removeprefix(prefix)
         kind = await client.type(key)
-        if name.endswith((":pending", ":recent")) or name == ":epoch":  # not history: retries, re-delivery and fencing
+        if ":pending:" in name or name.endswith(":recent") or name == ":epoch":  # not history: retries, re-delivery and fencing
             continue
         if kind == b"list":
             out[name] = await client.lrange(key, 0, -1)

@@ -23,7 +23,7 @@ def request(thread: str, request_id: str, texts: list[str], ts: int = T0) -> tup
 async def pending_keys(pipeline) -> list[bytes]:
     client, _ = pipeline.store()
     try:
-        return [k async for k in client.scan_iter(match=f"{pipeline.prefix}:t:*:pending")]
+        return [k async for k in client.scan_iter(match=f"{pipeline.prefix}:t:*:pending:*")]
     finally:
         await client.aclose()
 
