@@ -12,7 +12,8 @@ dropped (`pending`), retry windows (`recent`), applied-save identities (`saved`)
 message-id index (`ids`); the rows' own JSON bytes; and the share of everything but rows and
 order lists, of the keys' bytes and of Redis's `used_memory` (grown since the run began). The
 goal (issue 14): that share stays at most 10%, whatever the number of requests. At the end,
-the worker's throughput and the bytes per request.
+the worker's throughput, the bytes per request and the CPU per request of the worker and of
+Redis (not counting this benchmark's own reads).
 
     .venv/bin/python -m benchmarks.redis_memory [--threads 2000] [--turns 100]
 """
@@ -74,6 +75,12 @@ async def usage(client: aioredis.Redis, prefix: str) -> tuple[dict[str, int], in
     return by_kind, row_bytes
 
 
+def process_cpu(pid: int) -> float:
+    """Seconds of CPU a process has used (Linux: /proc/PID/stat, user and system)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def redis_cpu(client: aioredis.Redis) -> float:
     """Seconds of CPU the Redis server has used (INFO cpu: its main thread and the rest)."""
     cpu = await client.info("cpu")
@@ -123,19 +130,22 @@ async def soak(args, bootstrap: str, redis_url: str, topics: dict[str, str], pre
         cpu_before = await redis_cpu(client)
         for _ in range(10):
             done = await reached.get()
+            used = (await client.info("memory"))["used_memory"] - baseline  # before `usage`, whose replies Redis buffers
+            measuring = await redis_cpu(client)
             by_kind, row_bytes = await usage(client, prefix)
-            used = (await client.info("memory"))["used_memory"] - baseline
+            cpu_before += await redis_cpu(client) - measuring  # not the worker's
             whole = sum(by_kind.values())
             history = by_kind["rows"] + by_kind["order"]
             print(f"{done:>9,} {used / 1e6:>12.1f} " + " ".join(f"{by_kind[k] / 1e6:>8.2f}" for k in KINDS)
                   + f" {row_bytes / 1e6:>8.1f} {(whole - history) / max(whole, 1):>14.1%} {(used - history) / max(used, 1):>5.1%}", flush=True)
         first, last = await reading
         redis_cpu_s = await redis_cpu(client) - cpu_before
+        worker_cpu_s = process_cpu(worker.pid)
         print(f"worker: {total / (last - first):,.0f} requests/s over the run ({last - first:.0f} s); "
               f"per request: {whole / total:,.0f} bytes of Redis keys, {row_bytes / total:,.0f} of them row JSON, "
               f"{(whole - history) / total:,.1f} beyond rows and order lists")
-        print(f"Redis CPU: {redis_cpu_s:.1f} s over the run, {redis_cpu_s / total * 1e6:.0f} µs a request "
-              f"(one core: {total / max(redis_cpu_s, 1e-9):,.0f} requests/s)")
+        print(f"CPU a request: worker {worker_cpu_s / total * 1e6:.0f} µs, Redis {redis_cpu_s / total * 1e6:.0f} µs "
+              f"(one Redis core: {total / max(redis_cpu_s, 1e-9):,.0f} requests/s)")
     finally:
         await client.aclose()
         worker.terminate()

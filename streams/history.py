@@ -240,7 +240,7 @@ return {'ok', tostring(version)}
 # compact hash, compact up to ~500,000 ids (README, "Capacity").
 ID_GROUPS, ID_BUCKETS = 64, 4096
 PROCESSED_TTL_S = 7 * 24 * 3600
-RETRY_WINDOW = 16
+RETRY_WINDOW = 8
 # A request in its thread's retry window: digest of its `record_field`, its position
 # (partition, offset) and its record time (epoch ms).
 WINDOW_ENTRY = struct.Struct(">8sIqq")
