@@ -16,7 +16,7 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:t:{T}:saved` | string | the identity (`save_identity`, 8 bytes) of every other service's save applied |
 | `mf:t:{T}:recent` | string | the retry window: the thread's last `retry_window` processed requests, a `WINDOW_ENTRY` each |
 | `mf:t:{T}:pending:<K>` | string | what was emitted for processed request K (`window_key`, hex), as `Recorded` JSON, until its batch's Kafka transaction commits |
-| `mf:idx:{G}:<B>` | hash | message id digest -> digest of the thread that owns it (`id_key`, `thread_tag`): 4,096 buckets B in 64 groups G |
+| `mf:idx:{B}` | hash | message id digest -> digest of the thread that owns it (`id_key`, `thread_tag`), in 4,096 buckets |
 | `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
 
 Only rows and order lists grow with the conversation; everything else is a few bytes per
@@ -29,7 +29,7 @@ owner claim, the version bump and its processed record are written by one Lua sc
 (`stale`: the persister saved a reply meanwhile, or the batch's earlier request of the thread
 did not commit), and the caller decides again. The message-id index lives in other slots;
 ids are claimed before the thread write, so a crash in between leaves claims the re-delivered
-request finds as its own. Its lookups and claims are a script per group of buckets.
+request finds as its own.
 
 Every write is fenced (`FENCE`): a worker that lost its partitions (stalled past its session
 timeout, say) and wakes up cannot write a thread that their new owner has written since.
@@ -127,28 +127,6 @@ redis.call('SET', KEYS[4], window, 'EX', ARGV[7])
 return {'ok', tostring(version)}
 """
 
-# The message-id index, a group of its buckets at a time (a group's buckets share a slot).
-# KEYS: each id's bucket; ARGV: each id's field. The holder of each (`thread_tag`), or ''.
-HELD = """
-local out = {}
-for i = 1, #KEYS do out[i] = redis.call('HGET', KEYS[i], ARGV[i]) or '' end
-return out
-"""
-# KEYS: each id's bucket; ARGV: each id's field, then the claiming thread's tag, for each id
-# in turn. Claims each id that has no holder; for each, 1 if another thread holds it.
-CLAIM = """
-local out = {}
-for i = 1, #KEYS do
-  local held = redis.call('HGET', KEYS[i], ARGV[2 * i - 1])
-  if not held then
-    redis.call('HSET', KEYS[i], ARGV[2 * i - 1], ARGV[2 * i])
-    held = ARGV[2 * i]
-  end
-  out[i] = held == ARGV[2 * i] and 0 or 1
-end
-return out
-"""
-
 # Rows from `persist-messages` (other services' saves; the processor's own in a rebuild or
 # replay), under the same rules as the filter's base layer where they touch a stored row:
 # - another service's save is applied once: its identity (`save_identity`, 8 bytes) is
@@ -235,10 +213,9 @@ return {'ok', tostring(version)}
 """
 
 
-# The message-id index: 4,096 buckets, in 64 groups whose buckets share a Cluster slot (a
-# batch's lookups and claims are a script per group). At Redis's default of 128 fields a
-# compact hash, compact up to ~500,000 ids (README, "Capacity").
-ID_GROUPS, ID_BUCKETS = 64, 4096
+# The message-id index's buckets: at Redis's default of 128 fields a compact hash, compact up
+# to ~500,000 ids (README, "Capacity").
+ID_BUCKETS = 4096
 PROCESSED_TTL_S = 7 * 24 * 3600
 RETRY_WINDOW = 8
 # A request in its thread's retry window: digest of its `record_field`, its position
@@ -387,7 +364,7 @@ class HistoryStore:
         self.window_bytes = retry_window * WINDOW_ENTRY.size
         self.epoch = 0  # this writer's owner epoch (`take_epoch`); 0 for a store no worker uses (a replay's)
         self.metrics = metrics or Metrics()  # counts the round trips
-        self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (COMMIT, APPLY, HELD, CLAIM)}
+        self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (COMMIT, APPLY)}
 
     async def _pipeline(self, commands: list[tuple]) -> list[Any]:
         """Send the commands in one write and read their replies: one round trip. Replies are
@@ -469,7 +446,7 @@ class HistoryStore:
         """Where the message-id index keeps an id: its bucket, and its field there (8 bytes of
         digest beside the bucket's 12 bits: ids collide with odds of 2**-76 a pair)."""
         digest = _digest(mid, 10)
-        return f"{self.prefix}:idx:{{{digest[0] % ID_GROUPS}}}:{digest[1] % (ID_BUCKETS // ID_GROUPS)}", digest[2:]
+        return f"{self.prefix}:idx:{{{int.from_bytes(digest[:2], 'big') % ID_BUCKETS}}}", digest[2:]
 
     async def read(self, wanted: dict[str, list[str]]) -> dict[str, ThreadState]:
         """For each thread, the message ids of interest: one round trip. `elsewhere` is left
@@ -508,34 +485,36 @@ class HistoryStore:
     async def owners(self, ids: list[str], threads: list[str] = ()) -> tuple[dict[str, bytes], dict[str, str]]:
         """The `thread_tag` of the thread owning each of these message ids that has one, and
         the owning resource of each of these threads that has one: one round trip."""
-        groups = self._by_group([(mid, self.id_key(mid)) for mid in ids])
-        commands = [self._script(HELD, [k for _, (k, _) in group], [f for _, (_, f) in group]) for group in groups]
+        buckets: dict[str, tuple[list[str], list[bytes]]] = {}
+        for mid in ids:
+            bucket, field_ = self.id_key(mid)
+            in_bucket = buckets.setdefault(bucket, ([], []))
+            in_bucket[0].append(mid)
+            in_bucket[1].append(field_)
+        commands = [("HMGET", bucket, *fields) for bucket, (_, fields) in buckets.items()]
         commands += [("HGET", self.keys(thread)[2], "owner") for thread in threads]
-        replies = await self._run(commands)
-        by_id = {mid: held for group, reply in zip(groups, replies) for (mid, _), held in zip(group, reply) if held}
-        by_thread = {thread: owner.decode() for thread, owner in zip(threads, replies[len(groups) :]) if owner is not None}
+        replies = await self._pipeline(commands)
+        by_id = {}
+        for (mids, _), held in zip(buckets.values(), replies):
+            by_id.update((mid, h) for mid, h in zip(mids, held) if h is not None)
+        by_thread = {thread: owner.decode() for thread, owner in zip(threads, replies[len(buckets) :]) if owner is not None}
         return by_id, by_thread
 
     async def claim(self, claims: list[tuple[str, str]]) -> list[bool]:
-        """Claim message ids (id, thread) for threads; for each, whether another thread holds it."""
+        """Claim message ids (id, thread) for threads; for each, whether another thread holds
+        it. One round trip, and a second for ids held already (this thread's own, claimed
+        before a crash, or another's). Plain commands: a script per bucket cost the worker and
+        Redis more (measured on `benchmarks.redis_memory`)."""
         if not claims:
             return []
-        groups = self._by_group([(i, (*self.id_key(mid), thread_tag(thread))) for i, (mid, thread) in enumerate(claims)])
-        calls = [self._script(CLAIM, [k for _, (k, _, _) in group], [x for _, (_, f, tag) in group for x in (f, tag)]) for group in groups]
+        keys = [(*self.id_key(mid), thread_tag(thread)) for mid, thread in claims]
+        claimed = await self._pipeline([("HSETNX", bucket, field_, tag) for bucket, field_, tag in keys])
+        held = [i for i, new in enumerate(claimed) if not new]
+        holders = await self._pipeline([("HGET", keys[i][0], keys[i][1]) for i in held]) if held else []
         taken = [False] * len(claims)
-        for group, reply in zip(groups, await self._run(calls)):
-            for (i, _), elsewhere in zip(group, reply):
-                taken[i] = bool(elsewhere)
+        for i, holder in zip(held, holders):
+            taken[i] = holder != keys[i][2]
         return taken
-
-    @staticmethod
-    def _by_group(items: list[tuple[Any, tuple]]) -> list[list[tuple[Any, tuple]]]:
-        """(item, (bucket, ...)) by the group (slot) of their bucket."""
-        groups: dict[str, list] = {}
-        for item in items:
-            bucket = item[1][0]
-            groups.setdefault(bucket[: bucket.index("}") + 1], []).append(item)
-        return list(groups.values())
 
     async def take_epoch(self) -> int:
         """A new owner epoch, newer than every one handed out before: taken by a worker each
