@@ -268,3 +268,12 @@ class TestRebuildOrder:
             order.append(log.next(version).offset)
             version += 1
         assert order == [0, 2, 1, 3]  # decided on version 1: after the first save, before the second
+
+    def test_a_copy_of_the_processors_event_published_again_is_applied_once_as_the_worker_skipped_it(self, tmp_path):
+        recorded = Recorded(tmp_path, TOPICS, SECRET)
+        value = json.dumps({"requestId": "q", "threadId": "t", "resourceId": "r", "messages": [], "historyVersion": 0}).encode()
+        for offset in (0, 1):  # the event, and a copy of it (bytes and signature) published later
+            recorded.add_persisted([Record(TOPICS.persist, 0, offset, 0, b"t", value, origin.headers(value, SECRET))])
+        log = recorded.log(b"t")
+        handed = [log.next(0).offset]
+        assert handed == [0] and not log
