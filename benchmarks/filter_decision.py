@@ -6,7 +6,9 @@ history. The decision is everything the worker does per request on the CPU once 
 answered: decode and validate the request, take the stored rows as Redis returns them (one
 JSON value each; the filter decodes only those a client outcome may change), decide, encode
 the FilteredInput and PersistMessages values. The floor, measured in the same run on the same
-bytes, is bare `msgspec.json.decode` + `encode` of the request and of every row.
+bytes, is bare `msgspec.json.decode` + `encode` of the request and of every row. The same case
+is timed again with the request in AI SDK UI messages (as `useChat` sends it, converted on the
+way in: `streams/ui.py`), side by side: the UI form should cost at most 1.5x the stored form.
 
     .venv/bin/python benchmarks/filter_decision.py [--seconds 3]
 """
@@ -21,14 +23,19 @@ import msgspec
 from benchmarks.sample_threads import echo_of, stored_thread
 from schemas.wire import FilteredInput, PersistMessages, Source
 from streams.filter import StoredView, decide, decode_request, lookup_ids
+from streams.ui import to_ui
 
 THREAD, RESOURCE = "t-bench", "r-bench"
 
 
-def make_case(turns: int) -> tuple[bytes, dict[str, bytes]]:
-    """The request's bytes, and the thread's rows by id as the history store returns them."""
+def make_case(turns: int, ui: bool = False) -> tuple[bytes, dict[str, bytes]]:
+    """The request's bytes (its messages as UI messages with `ui`), and the thread's rows by id
+    as the history store returns them."""
     rows = stored_thread(THREAD, RESOURCE, turns)
-    request = {"requestId": "req-bench", "threadId": THREAD, "resourceId": RESOURCE, "messages": echo_of(rows)}
+    messages = echo_of(rows)
+    if ui:
+        messages = [to_ui(m) for m in messages]
+    request = {"requestId": "req-bench", "threadId": THREAD, "resourceId": RESOURCE, "messages": messages}
     return msgspec.json.encode(request), {r["id"]: msgspec.json.encode(r) for r in rows}
 
 
@@ -62,18 +69,22 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="per measurement (each is taken 3 times, best kept)")
     parser.add_argument("--turns", type=int, default=20)
     args = parser.parse_args()
-    raw_request, raw_rows = make_case(args.turns)
-    case = (raw_request, raw_rows, len(raw_rows))
-    filtered, persisted = decision(*case)
-    print(f"case: {args.turns} turns, request {len(raw_request)} B, {len(raw_rows)} stored rows {sum(map(len, raw_rows.values()))} B")
-    print(f"      outcome {msgspec.json.decode(filtered)['outcome']}, filtered-input {len(filtered)} B, persist {len(persisted)} B")
-    best_decision = best_floor = 0.0
-    for _ in range(3):  # interleaved, so both see the same machine state
-        best_floor = max(best_floor, rate(floor, case, args.seconds))
-        best_decision = max(best_decision, rate(decision, case, args.seconds))
-    print(f"floor (msgspec decode+encode): {best_floor:10,.0f} /s  {1e6 / best_floor:7.1f} us")
-    print(f"decision (whole):              {best_decision:10,.0f} /s  {1e6 / best_decision:7.1f} us")
-    print(f"decision time / floor time:    {best_floor / best_decision:10.2f}x")
+    cases = {form: make_case(args.turns, ui=form == "UI") for form in ("stored", "UI")}
+    cases = {form: (raw_request, raw_rows, len(raw_rows)) for form, (raw_request, raw_rows) in cases.items()}
+    for form, (raw_request, raw_rows, _) in cases.items():
+        filtered, persisted = decision(*cases[form])
+        print(f"case ({form} form): {args.turns} turns, request {len(raw_request)} B, {len(raw_rows)} stored rows {sum(map(len, raw_rows.values()))} B, "
+              f"outcome {msgspec.json.decode(filtered)['outcome']}, filtered-input {len(filtered)} B, persist {len(persisted)} B")
+    best = dict.fromkeys(["floor", "stored", "UI"], 0.0)
+    for _ in range(3):  # interleaved, so all see the same machine state
+        best["floor"] = max(best["floor"], rate(floor, cases["stored"], args.seconds))
+        for form in ("stored", "UI"):
+            best[form] = max(best[form], rate(decision, cases[form], args.seconds))
+    print(f"floor (msgspec decode+encode):  {best['floor']:10,.0f} /s  {1e6 / best['floor']:7.1f} us")
+    print(f"decision, stored form:          {best['stored']:10,.0f} /s  {1e6 / best['stored']:7.1f} us")
+    print(f"decision, UI messages:          {best['UI']:10,.0f} /s  {1e6 / best['UI']:7.1f} us")
+    print(f"decision time / floor time:     {best['floor'] / best['stored']:10.2f}x (stored form)")
+    print(f"UI form / stored form:          {best['stored'] / best['UI']:10.2f}x (goal: at most 1.5x)")
 
 
 if __name__ == "__main__":

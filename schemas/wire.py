@@ -60,6 +60,7 @@ class ToolInvocation(Struct, omit_defaults=True, gc=False):
     result: AnyJSON | UnsetType = UNSET
     errorText: str | UnsetType = UNSET
     approval: AnyJSON | UnsetType = UNSET
+    preliminary: bool | UnsetType = UNSET  # an output still streaming (AI SDK): not a client outcome
 
 
 class Part(Struct, omit_defaults=True, gc=False):
@@ -93,10 +94,31 @@ class Message(Struct, omit_defaults=True, gc=False):
     type: str | UnsetType = UNSET
 
 
+class UIMessage(Struct, omit_defaults=True, gc=False):
+    """An AI SDK UI message (what `useChat` holds), accepted in a request beside `Message`s and
+    converted to one on the way in (`streams/ui.py`, `docs/ui-messages.md`). Its parts are
+    open (`{"type": ...}` and any keys); other keys pass through. Written here for the JSON
+    Schema: the conversion reads the message as it came, to keep every key."""
+
+    role: Role
+    parts: list[dict[str, Any]]
+    id: NonEmpty | UnsetType = UNSET
+    content: str | UnsetType = UNSET  # AI SDK v4's text mirror
+    metadata: dict[str, Any] | UnsetType = UNSET
+    createdAt: str | UnsetType = UNSET
+    threadId: str | UnsetType = UNSET
+    resourceId: str | UnsetType = UNSET
+
+
 # A message as it travels through the processor: the dict msgspec decoded, every key kept.
 MessageDict = Annotated[
     dict[str, Any],
     Meta(extra_json_schema={"$ref": "#/$defs/Message"}),
+]
+# A message of a request: either kind, each on its own.
+RequestMessageDict = Annotated[
+    dict[str, Any],
+    Meta(extra_json_schema={"anyOf": [{"$ref": "#/$defs/Message"}, {"$ref": "#/$defs/UIMessage"}]}),
 ]
 
 M = TypeVar("M")
@@ -115,7 +137,7 @@ class ChatRequestOf(Struct, Generic[M], omit_defaults=True):
     retainFullInput: bool = False
 
 
-ChatRequest = ChatRequestOf[MessageDict]
+ChatRequest = ChatRequestOf[RequestMessageDict]
 
 
 class Dropped(Struct, gc=False):
@@ -150,8 +172,8 @@ class FilteredInput(Struct):
 class PersistMessagesOf(Struct, Generic[M], omit_defaults=True):
     """A value on `persist-messages`: rows to save in one thread.
 
-    `requestId` names the save: a second event of the same writer, resource and `requestId` in
-    a thread is a repeat and changes nothing. The processor's own events carry
+    `requestId` names another service's save: a second event of the same resource and
+    `requestId` in a thread is a repeat and changes nothing. The processor's own events carry
     `historyVersion`, the thread's version its decision saw, so that a rebuild applies them
     where they happened among other writers' saves (which leave it out).
     """
@@ -176,7 +198,8 @@ def json_schemas() -> dict[str, dict[str, Any]]:
     """One self-contained JSON Schema per topic value, keyed by topic name."""
     out = {}
     for topic, struct in TOPIC_VALUES.items():
-        (root, _), components = msgspec.json.schema_components([struct, Message])
+        shapes = [struct, Message, UIMessage] if struct is ChatRequest else [struct, Message]
+        (root, *_), components = msgspec.json.schema_components(shapes)
         name = root["$ref"].rsplit("/", 1)[1]
         schema = components.pop(name)
         out[topic] = {

@@ -34,6 +34,7 @@ import contextlib
 import functools
 import hashlib
 import hmac
+import re
 import sys
 import time
 import uuid
@@ -44,6 +45,7 @@ import msgspec
 from msgspec import UNSET
 
 from schemas.wire import ChatRequestOf, Dropped, Message, Part
+from streams import ui
 
 Msg = dict[str, Any]
 
@@ -61,10 +63,11 @@ _RAW = msgspec.json.Decoder(ChatRequestOf[msgspec.Raw])
 class Rejected(Exception):
     """A request refused as a whole: it goes to the dead-letter topic, nothing is saved."""
 
-    def __init__(self, type: str, message: str):
+    def __init__(self, type: str, message: str, decoded: Any = None):
         super().__init__(message)
         self.type = type
         self.message = message
+        self.decoded = decoded  # of a `schema` rejection by `decode_json`: the value, decoded untyped
 
 
 class Rejection(msgspec.Struct):
@@ -141,12 +144,12 @@ def decode_json(decoder: msgspec.json.Decoder, raw: bytes | None, what: str, sha
                 return decoder.decode(raw)
             except msgspec.DecodeError as e:
                 shape_error = str(e).replace("`$.", "`")
-                msgspec.json.decode(raw)  # a shape error can stop the decoder before malformed JSON
+                decoded = msgspec.json.decode(raw)  # a shape error can stop the decoder before malformed JSON
     except RecursionError:
         raise Rejected("decode", f"{what} nests JSON too deeply; flatten it (about 750 levels at most)") from None
     except msgspec.DecodeError as e:
         raise Rejected("decode", f"{what} is not JSON: {e}") from None
-    raise Rejected("schema", f"{what} does not match {shape}: {shape_error}")
+    raise Rejected("schema", f"{what} does not match {shape}: {shape_error}", decoded)
 
 
 @contextlib.contextmanager
@@ -168,7 +171,13 @@ def decode_request(raw: bytes | None, default_id: str, limits: Limits = Limits()
     made (see `message_ids`)."""
     if raw is not None and len(raw) > limits.max_bytes:
         raise Rejected("too-large", f"request is {len(raw)} bytes; the limit is {limits.max_bytes} (MEMFILTER_MAX_BYTES)")
-    shape = decode_json(_TYPED, raw, "request", "ChatRequest")
+    try:
+        shape = decode_json(_TYPED, raw, "request", "ChatRequest")
+        messages = _RAW.decode(raw).messages
+    except Rejected as e:
+        if e.type != "schema":
+            raise
+        shape, messages = _with_ui_messages(e)
     if len(shape.messages) > limits.max_messages:
         raise Rejected(
             "too-large",
@@ -176,7 +185,32 @@ def decode_request(raw: bytes | None, default_id: str, limits: Limits = Limits()
         )
     _check_messages(shape.messages)
     request_id = shape.requestId or default_id
-    return Request(shape, _RAW.decode(raw).messages, request_id, message_ids(shape, request_id, id_key))
+    return Request(shape, messages, request_id, message_ids(shape, request_id, id_key))
+
+
+def _with_ui_messages(error: Rejected) -> tuple[ChatRequestOf[Message], list[msgspec.Raw]]:
+    """A request whose messages do not all have the stored shape: its UI messages converted
+    (`streams/ui.py`), then the request decoded as one in the stored shape. `error` (the
+    request's schema error) goes up as it is when no message is a UI message."""
+    request = error.decoded
+    messages = request.get("messages") if isinstance(request, dict) else None
+    kinds = [isinstance(m, dict) and ui.is_ui(m) for m in messages] if isinstance(messages, list) else []
+    if not any(kinds):
+        raise error
+    try:
+        request["messages"] = [ui.to_stored(m, f"messages[{i}]") if is_ui else m for i, (m, is_ui) in enumerate(zip(messages, kinds))]
+    except ui.NotConvertible as e:
+        raise Rejected("schema", f"request does not match ChatRequest: {e}") from None
+    converted = msgspec.json.encode(request)
+    try:
+        return _TYPED.decode(converted), _RAW.decode(converted).messages
+    except msgspec.ValidationError as e:
+        detail, _, path = str(e).partition(" - at `$.")
+        path = path.rstrip("`")
+        if match := re.match(r"messages\[(\d+)\]\.content\.parts\[", path):
+            if kinds[int(match.group(1))]:  # where the client sent it
+                path = path.replace(".content.parts[", ".parts[", 1)
+        raise Rejected("schema", f"request does not match ChatRequest: {detail} - at `{path}`") from None
 
 
 def _check_messages(messages: list[Message]) -> None:
@@ -253,8 +287,9 @@ def lookup_ids(request: Request) -> list[str]:
 
 
 def is_client_outcome(part: Part) -> bool:
+    """A client tool outcome; a preliminary output (still streaming) is none."""
     inv = part.toolInvocation
-    return part.type == "tool-invocation" and inv is not UNSET and inv.state in CLIENT_OUTCOME_STATES
+    return part.type == "tool-invocation" and inv is not UNSET and inv.state in CLIENT_OUTCOME_STATES and inv.preliminary is not True
 
 
 def _invocation(part: Msg) -> Msg | None:

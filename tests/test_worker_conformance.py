@@ -1,4 +1,5 @@
-"""End to end: every conformance case through a real worker, Kafka and Redis.
+"""End to end: every conformance case through a real worker, Kafka and Redis (those of the UI
+cases that `tests/test_conformance.py` runs too: requests in AI SDK UI messages).
 
 For each case the thread's history (and the other threads' rows) is saved to Redis first,
 the request is published to the requests topic, and what the worker emits must be exactly
@@ -11,17 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import defaultdict
-from pathlib import Path
 
 import msgspec
 import pytest
 
 from pipeline import Pipeline, header, publish, read
+from test_conformance import CASES
 from streams.explain import explain
 from streams.filter import parse_ms
 from streams.history import Save
-
-CASES = json.loads((Path(__file__).parent / "data" / "conformance-cases.json").read_text())
 
 
 def renamed(value, prefix: str):
