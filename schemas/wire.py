@@ -110,6 +110,46 @@ class UIMessage(Struct, omit_defaults=True, gc=False):
     resourceId: str | UnsetType = UNSET
 
 
+class UIPart(Struct, omit_defaults=True, gc=False):
+    """A part of a UI message, as the processor reads it to decide (its keys typed as the
+    stored part they become would have them); the part itself is converted whole."""
+
+    type: str
+    text: str | UnsetType = UNSET
+    state: str | UnsetType = UNSET  # of a tool part: one of the UI states (`streams/ui.py`)
+    toolCallId: str | UnsetType = UNSET
+    toolName: str | UnsetType = UNSET  # of a `dynamic-tool` part
+    input: AnyJSON | UnsetType = UNSET
+    output: AnyJSON | UnsetType = UNSET
+    errorText: str | UnsetType = UNSET
+    approval: AnyJSON | UnsetType = UNSET
+    preliminary: bool | UnsetType = UNSET
+    toolInvocation: ToolInvocation | UnsetType = UNSET  # an AI SDK v4 part: already stored form
+    providerExecuted: bool | UnsetType = UNSET
+    providerMetadata: JSONObject | UnsetType = UNSET
+    providerOptions: JSONObject | UnsetType = UNSET
+    callProviderMetadata: JSONObject | UnsetType = UNSET
+    mediaType: str | UnsetType = UNSET  # of a `file` part
+    url: str | UnsetType = UNSET  # of a `file` or `source-url` part
+    sourceId: str | UnsetType = UNSET  # of a `source-url` part
+    reasoning: AnyJSON | UnsetType = UNSET  # of a `reasoning` part already in stored form
+
+
+class EitherMessage(Struct, omit_defaults=True, gc=False):
+    """A request's message of either kind, as the processor reads it: a stored-format message
+    (`content` an object) or a UI message (`parts`, `content` absent or a string)."""
+
+    role: Role
+    content: Content | str | UnsetType = UNSET
+    parts: list[UIPart] | UnsetType = UNSET
+    metadata: JSONObject | UnsetType = UNSET
+    id: NonEmpty | UnsetType = UNSET
+    createdAt: str | UnsetType = UNSET
+    threadId: str | UnsetType = UNSET
+    resourceId: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+
+
 # A message as it travels through the processor: the dict msgspec decoded, every key kept.
 MessageDict = Annotated[
     dict[str, Any],

@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET
 
-from schemas.wire import ChatRequestOf, Dropped, Message, Part
+from schemas.wire import ChatRequestOf, Content, Dropped, EitherMessage, Message, Part
 from streams import ui
 
 Msg = dict[str, Any]
@@ -58,6 +58,7 @@ DEPTH_HEADROOM = 200
 
 _TYPED = msgspec.json.Decoder(ChatRequestOf[Message])
 _RAW = msgspec.json.Decoder(ChatRequestOf[msgspec.Raw])
+_EITHER = msgspec.json.Decoder(ChatRequestOf[EitherMessage])
 
 
 class Rejected(Exception):
@@ -87,6 +88,7 @@ class Request(msgspec.Struct):
     raw: list[msgspec.Raw]
     request_id: str  # as sent, else the id the edge derived (from the record's position)
     ids: list[str | None]  # each message's id by position (see `message_ids`)
+    ui: frozenset[int] = frozenset()  # positions of the messages sent as UI messages (`raw` holds them as sent)
 
 
 class StoredView(msgspec.Struct):
@@ -117,9 +119,9 @@ class Decision(msgspec.Struct):
 # ---- decoding and validation (the edge of the core) -------------------------------------
 
 
-def decode_json(decoder: msgspec.json.Decoder, raw: bytes | None, what: str, shape: str) -> Any:
-    """Decode one topic value (`what`, of type `shape`) with `decoder`; raise `Rejected`
-    naming what is wrong.
+def decode_json(decoder: msgspec.json.Decoder, raw: bytes | None, what: str, shape: str, fallback: msgspec.json.Decoder | None = None) -> Any:
+    """Decode one topic value (`what`, of type `shape`) with `decoder`, else with `fallback`
+    if given; raise `Rejected` naming what is wrong.
 
     Everything a record can hold is checked here, once, so that nothing later (deciding,
     encoding, packing rows for Redis, a downstream consumer) meets a value it cannot handle:
@@ -144,7 +146,12 @@ def decode_json(decoder: msgspec.json.Decoder, raw: bytes | None, what: str, sha
                 return decoder.decode(raw)
             except msgspec.DecodeError as e:
                 shape_error = str(e).replace("`$.", "`")
-                decoded = msgspec.json.decode(raw)  # a shape error can stop the decoder before malformed JSON
+            if fallback is not None:
+                try:
+                    return fallback.decode(raw)
+                except msgspec.DecodeError:
+                    pass
+            decoded = msgspec.json.decode(raw)  # a shape error can stop the decoder before malformed JSON
     except RecursionError:
         raise Rejected("decode", f"{what} nests JSON too deeply; flatten it (about 750 levels at most)") from None
     except msgspec.DecodeError as e:
@@ -172,12 +179,17 @@ def decode_request(raw: bytes | None, default_id: str, limits: Limits = Limits()
     if raw is not None and len(raw) > limits.max_bytes:
         raise Rejected("too-large", f"request is {len(raw)} bytes; the limit is {limits.max_bytes} (MEMFILTER_MAX_BYTES)")
     try:
-        shape = decode_json(_TYPED, raw, "request", "ChatRequest")
-        messages = _RAW.decode(raw).messages
+        shape = decode_json(_TYPED, raw, "request", "ChatRequest", fallback=_EITHER)
+        messages, at = _RAW.decode(raw).messages, frozenset()
+        if shape.messages and type(shape.messages[0]) is EitherMessage:  # UI messages among them
+            view = _typed_view(shape)
+            if view is None:  # a shape only the whole conversion names: below, with the request's error
+                decode_json(_TYPED, raw, "request", "ChatRequest")
+            shape, at = view
     except Rejected as e:
         if e.type != "schema":
             raise
-        shape, messages = _with_ui_messages(e)
+        (shape, messages), at = _converted_whole(e), frozenset()
     if len(shape.messages) > limits.max_messages:
         raise Rejected(
             "too-large",
@@ -185,13 +197,31 @@ def decode_request(raw: bytes | None, default_id: str, limits: Limits = Limits()
         )
     _check_messages(shape.messages)
     request_id = shape.requestId or default_id
-    return Request(shape, messages, request_id, message_ids(shape, request_id, id_key))
+    return Request(shape, messages, request_id, message_ids(shape, request_id, id_key), at)
 
 
-def _with_ui_messages(error: Rejected) -> tuple[ChatRequestOf[Message], list[msgspec.Raw]]:
-    """A request whose messages do not all have the stored shape: its UI messages converted
-    (`streams/ui.py`), then the request decoded as one in the stored shape. `error` (the
-    request's schema error) goes up as it is when no message is a UI message."""
+def _typed_view(either: ChatRequestOf[EitherMessage]) -> tuple[ChatRequestOf[Message], frozenset[int]] | None:
+    """The typed view of a request with UI messages among its messages, and their positions
+    (`Request.ui`: each is converted only if it goes on, `_as_dict`); None when a UI message
+    needs the whole conversion (`_converted_whole`) to name what is wrong with it."""
+    typed, at = [], set()
+    for i, m in enumerate(either.messages):
+        if isinstance(m.content, Content):
+            typed.append(Message(m.role, m.content, m.id, m.createdAt, m.threadId, m.resourceId, m.type))
+            continue
+        view = ui.typed(m)
+        if view is None:
+            return None
+        typed.append(view)
+        at.add(i)
+    return msgspec.structs.replace(either, messages=typed), frozenset(at)
+
+
+def _converted_whole(error: Rejected) -> tuple[ChatRequestOf[Message], list[msgspec.Raw]]:
+    """A request whose messages do not all have the stored shape, the slow way: its UI
+    messages converted whole (`streams/ui.py`), then the request decoded as one in the stored
+    shape, so that an error names where the client sent what is wrong. `error` (the request's
+    schema error) goes up as it is when no message is a UI message."""
     request = error.decoded
     messages = request.get("messages") if isinstance(request, dict) else None
     kinds = [isinstance(m, dict) and ui.is_ui(m) for m in messages] if isinstance(messages, list) else []
@@ -413,7 +443,7 @@ def decide(request: Request, view: StoredView, timestamp_ms: int) -> Decision:
     persist: list[Msg] = []
     for pos, message in enumerate(shape.messages):
         if message.role == "system":
-            out.append(request.raw[pos])
+            out.append(_as_dict(request, pos) if pos in request.ui else request.raw[pos])
             continue
         if pos not in kept:
             continue
@@ -426,12 +456,18 @@ def decide(request: Request, view: StoredView, timestamp_ms: int) -> Decision:
             out.append(updated or msgspec.Raw(view.rows[mid]))
             row = updated and _saveable(updated)
         else:
-            new = _new_message(msgspec.json.decode(request.raw[pos]), mid, part_indices, outcome == "seeded", shape, clock)
+            new = _new_message(_as_dict(request, pos), mid, part_indices, outcome == "seeded", shape, clock)
             out.append(new)
             row = _saveable(new)
         if row:
             persist.append(row)
     return Decision(outcome, out, _dropped(shape.messages, kept, view, outcome), persist)
+
+
+def _as_dict(request: Request, pos: int) -> Msg:
+    """A message of the request as a dict in the stored form (a UI message converted)."""
+    m = msgspec.json.decode(request.raw[pos])
+    return ui.to_stored(m) if pos in request.ui else m
 
 
 def _new_message(

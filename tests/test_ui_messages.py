@@ -105,19 +105,33 @@ class TestInFrontOfTheFilter:
 
     @settings(max_examples=400, deadline=None)
     @given(st.dictionaries(st.sampled_from(["id", "role", "content", "metadata", "createdAt", "x"]), json_values, max_size=5),
-           st.lists(json_values | st.dictionaries(st.sampled_from(["type", "state", "toolCallId", "text", "url", "mediaType", "sourceId", "input"]),
+           st.lists(json_values | st.dictionaries(st.sampled_from(["type", "state", "toolCallId", "text", "url", "mediaType", "sourceId", "input",
+                                                                   "toolName", "reasoning", "toolInvocation", "output"]),
                                                  json_values | st.sampled_from(["tool-x", "dynamic-tool", "file", "reasoning", "source-url", "input-available"]),
                                                  max_size=5), max_size=4))
     def test_any_object_with_a_parts_array_converts_or_is_a_schema_rejection(self, fields, message_parts):
         message = {**fields, "parts": message_parts}
         try:
-            decode_request(request([message]), "q")
+            accepted = decode_request(request([message]), "q")
         except Rejected as e:
             assert e.type == "schema" and "messages[0]" in e.message, e.message
+            accepted = None
         try:
-            to_stored(message, "messages[0]")
+            converted = to_stored(message, "messages[0]")
         except NotConvertible as e:
             assert str(e).startswith("messages[0].parts[")
+            converted = None
+        if is_ui(message):  # the fast typed view accepts exactly what converting it whole does, and reads the same
+            try:
+                whole = decode_request(request([converted]), "q") if converted is not None else None
+            except Rejected:
+                whole = None
+            assert (accepted is None) == (whole is None)
+            if accepted is not None:  # what the filter reads of a part: its type, and a tool invocation's
+                def read(r):
+                    return [(p.type, p.toolInvocation if p.type == "tool-invocation" else None) for p in r.shape.messages[0].content.parts]
+
+                assert read(accepted) == read(whole)
 
     @pytest.mark.parametrize("part, path", [
         ({"type": "tool-weather", "toolCallId": "c1", "state": "done"}, "messages[0].parts[0].state"),
