@@ -410,14 +410,11 @@ class HistoryStore:
         self.metrics.round_trips.inc()  # the round trips that did the work: not a refused try
         return replies
 
-    def _script(self, script: str, keys: list[str], args: list[Any]) -> tuple:
-        return ("EVALSHA", self._sha[script], len(keys), *keys, *args)
-
-    async def _run(self, commands: list[tuple]) -> list[Any]:
-        """`_pipeline`, with the scripts (`_script` commands among them) run by sha. redis-py's
-        own script objects ask SCRIPT EXISTS before every pipeline, a second round trip; here
-        the scripts are loaded only when Redis says it lacks them (first use, or after a
-        restart)."""
+    async def _run(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        """Run (script, keys, args) calls in one round trip by sha. redis-py's own script objects
+        ask SCRIPT EXISTS before every pipeline, a second round trip; here the scripts are
+        loaded only when Redis says it lacks them (first use, or after a restart)."""
+        commands = [("EVALSHA", self._sha[script], len(keys), *keys, *args) for script, keys, args in calls]
         for attempt in (1, 2):
             try:
                 return await self._pipeline(commands)
@@ -534,7 +531,7 @@ class HistoryStore:
             pending = self.pending_key(w.thread, w.entry[:8])
             after = self.pending_key(w.thread, w.after) if w.after else pending
             args = [self.epoch, w.recorded, w.version, w.owner, w.newest_ms, w.rows, ttl, w.entry, size]
-            calls.append(self._script(COMMIT, [rows, order, meta, recent, pending, after], args))
+            calls.append((COMMIT, [rows, order, meta, recent, pending, after], args))
         out = []
         for w, (status, value) in zip(writes, await self._run(calls)):
             if status == b"fenced":
@@ -557,7 +554,7 @@ class HistoryStore:
         if not saves:
             return []
         calls = [
-            self._script(
+            (
                 APPLY,
                 self.keys(s.thread)[:4],
                 [self.epoch, s.owner, s.newest_ms, pack_rows(s.rows), _pack(s.roles), "1" if s.may_own else "0", s.identity, _STATE_RANKS],
