@@ -194,8 +194,11 @@ class Source(Struct):
 class FilteredInput(Struct):
     """A value on `filtered-inputs`: what one accepted request contributes downstream.
 
-    `historyVersion` is the number of rows the thread held when the decision was made, so an
-    audit can rebuild exactly the history the decision saw.
+    `messages` is what the request contributed; `context` the model's input, in order: the
+    request's system messages, the last rows of the conversation with the request's updates in
+    place, then what else it contributed (`streams/filter.py`, `_context`). `historyVersion`
+    is the thread's version when the decision was made, so an audit can rebuild exactly the
+    history the decision saw.
     """
 
     requestId: str
@@ -203,6 +206,7 @@ class FilteredInput(Struct):
     resourceId: str
     outcome: Outcome
     messages: list[MessageDict]
+    context: list[MessageDict]
     dropped: list[Dropped]
     source: Source
     historyVersion: int = 0

@@ -75,14 +75,10 @@ from streams.filter import Rejection
 from streams.history import TIMEOUT_S, Fenced, HistoryStore, connect
 from streams.metrics import Metrics
 from streams.persister import Persister
-from streams.processor import Out, Processor, Record, Topics, dead_letter
+from streams.processor import MAX_RECORD_BYTES, Out, Processor, Record, Topics, dead_letter
 from streams.settings import Settings
 
 log = logging.getLogger("memfilter")
-# Largest record fetched or sent: a request is at most MEMFILTER_MAX_BYTES (1 MiB), and its
-# filtered input adds stored rows and server fields. The stack's broker accepts this much.
-MAX_RECORD_BYTES = 8 << 20
-
 
 def _without_password(url: str) -> str:
     parts = urlsplit(url)
@@ -149,7 +145,7 @@ class RecordLoop(mode.Service):
         self.settings = settings
         self.metrics = metrics
         self.store = store
-        self.processor = Processor(store, settings.topics, settings.limits, metrics, settings.secret)
+        self.processor = Processor(store, settings.topics, settings.limits, metrics, settings.secret, history=settings.history_messages)
         self.persister = Persister(store, settings.topics.dlq, settings.secret)
         self._consumer: AIOKafkaConsumer | None = None
         self._turn = asyncio.Lock()  # held while a batch is handled; a rebalance waits for it

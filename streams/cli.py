@@ -390,7 +390,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "replay",
         settings,
         replay(
-            settings.bootstrap, settings.topics, lambda prefix: _store(url, prefix, settings), settings.secret, start, end, settings.limits, _progress("replayed")
+            settings.bootstrap, settings.topics, lambda prefix: _store(url, prefix, settings), settings.secret,
+            start,
+            end,
+            settings.limits,
+            _progress("replayed"),
+            settings.history_messages,
         ),
     )
     for d in report.differences:

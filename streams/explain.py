@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from schemas.wire import Dropped
-from streams.filter import Limits, Rejected, Rejection, StoredView, decide, decode_request, lookup_ids, parse_ms
+from streams.filter import HISTORY_MESSAGES, Limits, Rejected, Rejection, StoredView, decide, decode_request, parse_ms
 
 
 class StoredRow(msgspec.Struct):
@@ -31,6 +31,7 @@ class Case(msgspec.Struct):
     storedElsewhere: list[StoredRow] = []
     owner: str | None = None
     timestamp: int = 0
+    historyMessages: int = HISTORY_MESSAGES  # N of the context's window (MEMFILTER_HISTORY_MESSAGES)
 
 
 class Explanation(msgspec.Struct, omit_defaults=True):
@@ -38,6 +39,7 @@ class Explanation(msgspec.Struct, omit_defaults=True):
     messages: list[Any]
     dropped: list[Dropped]
     persist: list[dict[str, Any]]
+    context: list[Any]
     error: Rejection | None = None
 
 
@@ -48,21 +50,21 @@ class UnusableInput(Exception):
 _ROW = msgspec.json.Decoder(StoredRow)
 
 
-def view_of(thread_id: str, ids: list[str], case: Case) -> StoredView:
+def view_of(thread_id: str, case: Case) -> StoredView:
     """The stored view a worker would fetch from Redis, built from the case's rows."""
     try:
         heads = [_ROW.decode(raw) for raw in case.stored]
     except msgspec.DecodeError as e:
         raise UnusableInput(f"a stored row is not a message with an id: {e}") from None
-    wanted = set(ids)
     owner = case.owner or next((h.resourceId for h in heads if h.resourceId), None)
     stamps = [ms for ms in (parse_ms(h.createdAt) for h in heads) if ms is not None]
     return StoredView(
-        rows={h.id: bytes(raw) for h, raw in zip(heads, case.stored) if h.id in wanted},
-        elsewhere={r.id: r.threadId for r in case.storedElsewhere if r.id in wanted and r.threadId not in (None, thread_id)},
+        rows={h.id: bytes(raw) for h, raw in zip(heads, case.stored)},
+        elsewhere={r.id: r.threadId for r in case.storedElsewhere if r.threadId not in (None, thread_id)},
         owner=owner,
         size=len(heads),
         newest_ms=max(stamps, default=None),
+        tail=[h.id for h in heads],
     )
 
 
@@ -70,10 +72,10 @@ def explain_case(case: Case, position: int = 0, id_key: bytes = b"") -> Explanat
     try:
         request = decode_request(bytes(case.request), f"explain-0-{position}", Limits(), id_key)
     except Rejected as e:
-        return Explanation("rejected", [], [], [], error=Rejection(e.type, e.message))
-    view = view_of(request.shape.threadId, lookup_ids(request), case)
-    d = decide(request, view, case.timestamp)
-    return Explanation(d.outcome, d.messages, d.dropped, d.persist, error=d.error)
+        return Explanation("rejected", [], [], [], [], error=Rejection(e.type, e.message))
+    view = view_of(request.shape.threadId, case)
+    d = decide(request, view, case.timestamp, case.historyMessages)
+    return Explanation(d.outcome, d.messages, d.dropped, d.persist, d.context if d.error is None else [], error=d.error)
 
 
 def explain(raw: bytes, id_key: bytes = b"") -> bytes:

@@ -53,6 +53,8 @@ CLIENT_OUTCOME_STATES = frozenset({"approval-responded", "result", "output-error
 TERMINAL_STATES = frozenset({"result", "output-error", "output-denied"})
 # The tool-invocation states in order (spec section 2): a stored invocation never goes down.
 STATE_RANKS = {"partial-call": 0, "call": 1, "approval-requested": 2, "approval-responded": 3, **dict.fromkeys(TERMINAL_STATES, 4)}
+# The rows of the conversation the model's context holds by default (Mastra's `lastMessages`).
+HISTORY_MESSAGES = 10
 # Stack frames a value accepted at the edge leaves free (see `decode_json`).
 DEPTH_HEADROOM = 200
 
@@ -99,6 +101,9 @@ class StoredView(msgspec.Struct):
     owner: str | None = None  # resourceId owning the thread (recorded, else of its rows)
     size: int = 0  # rows the thread holds; 0 is an empty thread
     newest_ms: int | None = None  # newest createdAt among the thread's rows, epoch ms
+    # The ids of the conversation's last rows, in order (their rows in `rows`): at least the
+    # last `history` of `decide`, and from the first of the request's ids stored here on.
+    tail: list[str] = []
     decoded: dict[str, Msg] = {}  # rows decoded so far (see `row`)
 
     def row(self, mid: str) -> Msg:
@@ -113,6 +118,7 @@ class Decision(msgspec.Struct):
     messages: list[Any]  # dicts, or a stored row's JSON (msgspec.Raw) where it goes on unchanged
     dropped: list[Dropped]
     persist: list[Msg]  # whole rows to save
+    context: list[Any] = []  # the model's input (see `_context`); like `messages`, dicts or stored JSON
     error: Rejection | None = None
 
 
@@ -313,6 +319,15 @@ def lookup_ids(request: Request) -> list[str]:
     return [mid for mid in request.ids if mid is not None]
 
 
+def window_reach(request: Request, view: StoredView) -> list[str]:
+    """The ids of the stored rows (in `view.rows`) the request keeps: the context's window
+    reaches back to the first of them (`_context`), so the shell reads the thread's order from
+    there before deciding."""
+    shape = request.shape
+    _, kept = _select(shape.messages, request.ids, shape.retainFullInput, view)
+    return [request.ids[pos] for pos in kept if request.ids[pos] in view.rows]
+
+
 # ---- tool-invocation states --------------------------------------------------------------
 
 
@@ -427,8 +442,9 @@ def _select(messages: list[Message], ids: list[str | None], retain_full: bool, v
     return "unpersisted-assistant-kept", dict.fromkeys(conversation)
 
 
-def decide(request: Request, view: StoredView, timestamp_ms: int) -> Decision:
-    """The filter's decision for one validated request against its thread's stored view."""
+def decide(request: Request, view: StoredView, timestamp_ms: int, history: int = HISTORY_MESSAGES) -> Decision:
+    """The filter's decision for one validated request against its thread's stored view, with
+    the model's context made of the last `history` rows of the conversation."""
     shape = request.shape
     ids = request.ids
     try:
@@ -441,9 +457,12 @@ def decide(request: Request, view: StoredView, timestamp_ms: int) -> Decision:
     clock = _Clock(timestamp_ms, view.newest_ms)
     out: list[Any] = []
     persist: list[Msg] = []
+    system: list[Any] = []
+    contributed: list[tuple[str, Any]] = []  # (id, as the model sees it) of each kept conversation message
     for pos, message in enumerate(shape.messages):
         if message.role == "system":
             out.append(_as_dict(request, pos) if pos in request.ui else request.raw[pos])
+            system.append(out[-1])
             continue
         if pos not in kept:
             continue
@@ -461,7 +480,26 @@ def decide(request: Request, view: StoredView, timestamp_ms: int) -> Decision:
             row = _saveable(new)
         if row:
             persist.append(row)
-    return Decision(outcome, out, _dropped(shape.messages, kept, view, outcome), persist)
+        contributed.append((mid, row or out[-1]))
+    context = system + _context(contributed, view, history)
+    return Decision(outcome, out, _dropped(shape.messages, kept, view, outcome), persist, context)
+
+
+def _context(contributed: list[tuple[str, Any]], view: StoredView, history: int) -> list[Any]:
+    """The model's input after the system messages: the window (the last `history` rows of
+    the conversation, reaching back to the first stored row the request contributes), with
+    what the request contributes to its rows in place; then the rest of what it contributes.
+    A row the request saves is in it as saved."""
+    if history <= 0:
+        return [m for _, m in contributed]
+    tail = view.tail
+    start = max(0, len(tail) - history)
+    stored = {mid for mid, _ in contributed if mid in view.rows}
+    start = min(start, next((i for i, mid in enumerate(tail) if mid in stored), start))
+    window = tail[start:]
+    placed = dict(contributed)
+    in_window = set(window)
+    return [placed[mid] if mid in placed else msgspec.Raw(view.rows[mid]) for mid in window] + [m for mid, m in contributed if mid not in in_window]
 
 
 def _as_dict(request: Request, pos: int) -> Msg:

@@ -127,6 +127,26 @@ redis.call('SET', KEYS[4], window, 'EX', ARGV[7])
 return {'ok', tostring(version)}
 """
 
+# The context's window reaching back (`streams/filter.py`, `_context`): the thread's order from
+# the first of these message ids (ARGV) stored in it to its end, and those rows.
+# KEYS: rows, order. Returns {ids, rows}.
+TAIL = """
+local first
+for i = 1, #ARGV do
+  local at = redis.call('LPOS', KEYS[2], ARGV[i])
+  if at and (first == nil or at < first) then first = at end
+end
+if first == nil then return {{}, {}} end
+local ids = redis.call('LRANGE', KEYS[2], first, -1)
+local rows = {}
+for i = 1, #ids, 1000 do
+  for _, row in ipairs(redis.call('HMGET', KEYS[1], unpack(ids, i, math.min(i + 999, #ids)))) do
+    rows[#rows + 1] = row
+  end
+end
+return {ids, rows}
+"""
+
 # Rows from `persist-messages` (other services' saves; the processor's own in a rebuild or
 # replay), under the same rules as the filter's base layer where they touch a stored row:
 # - another service's save is applied once: its identity (`save_identity`, 8 bytes) is
@@ -307,6 +327,7 @@ class ThreadState:
     elsewhere: dict[str, str]  # asked-for id not stored here -> the `thread_tag` (hex) of the other thread that owns it
     pending: dict[bytes, Recorded] = field(default_factory=dict)  # `window_key` -> record, of requests whose outputs may not be committed yet
     window: bytes = b""  # the retry window (`recent`)
+    tail: list[str] = field(default_factory=list)  # the ids of the thread's last rows, in order (`read`, `read_tails`)
 
 
 class Write(msgspec.Struct, frozen=True, gc=False):
@@ -364,7 +385,7 @@ class HistoryStore:
         self.window_bytes = retry_window * WINDOW_ENTRY.size
         self.epoch = 0  # this writer's owner epoch (`take_epoch`); 0 for a store no worker uses (a replay's)
         self.metrics = metrics or Metrics()  # counts the round trips
-        self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (COMMIT, APPLY)}
+        self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (COMMIT, APPLY, TAIL)}
 
     async def _pipeline(self, commands: list[tuple]) -> list[Any]:
         """Send the commands in one write and read their replies: one round trip. Replies are
@@ -410,11 +431,13 @@ class HistoryStore:
         self.metrics.round_trips.inc()  # the round trips that did the work: not a refused try
         return replies
 
-    async def _run(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
-        """Run (script, keys, args) calls in one round trip by sha. redis-py's own script objects
-        ask SCRIPT EXISTS before every pipeline, a second round trip; here the scripts are
-        loaded only when Redis says it lacks them (first use, or after a restart)."""
+    async def _run(self, calls: list[tuple[str, list[str], list[Any]]], then: tuple | list = ()) -> list[Any]:
+        """Run (script, keys, args) calls by sha, then the plain commands `then`, in one round
+        trip. redis-py's own script objects ask SCRIPT EXISTS before every pipeline, a second
+        round trip; here the scripts are loaded only when Redis says it lacks them (first use,
+        or after a restart)."""
         commands = [("EVALSHA", self._sha[script], len(keys), *keys, *args) for script, keys, args in calls]
+        commands += then
         for attempt in (1, 2):
             try:
                 return await self._pipeline(commands)
@@ -445,18 +468,21 @@ class HistoryStore:
         digest = _digest(mid, 10)
         return f"{self.prefix}:idx:{{{int.from_bytes(digest[:2], 'big') % ID_BUCKETS}}}", digest[2:]
 
-    async def read(self, wanted: dict[str, list[str]]) -> dict[str, ThreadState]:
-        """For each thread, the message ids of interest: one round trip. `elsewhere` is left
-        empty: `owners` fills it for the ids not stored in the thread; so is `pending`
-        (`read_pending`)."""
+    async def read(self, wanted: dict[str, list[str]], tail: int = 0) -> dict[str, ThreadState]:
+        """For each thread, the message ids of interest, and the ids of its last `tail` rows:
+        one round trip. `elsewhere` is left empty: `owners` fills it for the ids not stored in
+        the thread; so is `pending` (`read_pending`); the tail's rows are those of `wanted`
+        (`read_tails` reads the others)."""
         commands: list[tuple] = []
         for thread, ids in wanted.items():
-            rows, _, meta, _, recent = self.keys(thread)
+            rows, order, meta, _, recent = self.keys(thread)
             commands.append(("HMGET", meta, "owner", "version", "newest"))  # first: a write after it is caught as stale
             commands.append(("HLEN", rows))
             if ids:
                 commands.append(("HMGET", rows, *ids))
             commands.append(("GET", recent))
+            if tail:
+                commands.append(("LRANGE", order, -tail, -1))
         replies = iter(await self._pipeline(commands))
         states = {}
         for thread, ids in wanted.items():
@@ -470,8 +496,34 @@ class HistoryStore:
                 rows={mid: row for mid, row in zip(ids, rows) if row is not None},
                 elsewhere={},
                 window=next(replies) or b"",
+                tail=[mid.decode() for mid in next(replies)] if tail else [],
             )
         return states
+
+    async def read_tails(self, states: dict[str, ThreadState], reach: dict[str, list[str]]) -> None:
+        """Complete the threads' tails (`read`) in one round trip, if any needs it: the rows of
+        the tail not read yet, and for a thread in `reach`, the tail extended back to the first
+        of those ids stored in it (`TAIL`)."""
+        calls: list[tuple[str, list[str], list[Any]]] = []
+        commands: list[tuple] = []
+        reaching, missing = [], []
+        for thread, state in states.items():
+            rows, order, *_ = self.keys(thread)
+            if thread in reach:
+                reaching.append(state)
+                calls.append((TAIL, [rows, order], reach[thread]))
+            elif ids := [mid for mid in state.tail if mid not in state.rows]:
+                missing.append((state, ids))
+                commands.append(("HMGET", rows, *ids))
+        if not calls and not commands:
+            return
+        replies = await self._run(calls, commands)
+        for state, (ids, rows) in zip(reaching, replies):
+            if ids:
+                state.tail = [mid.decode() for mid in ids]
+                state.rows.update((mid, row) for mid, row in zip(state.tail, rows) if row is not None)
+        for (state, ids), rows in zip(missing, replies[len(calls) :]):
+            state.rows.update((mid, row) for mid, row in zip(ids, rows) if row is not None)
 
     async def read_pending(self, records: list[tuple[str, bytes]]) -> list[Recorded | None]:
         """The records of these (thread, `window_key`) still waiting for a Kafka commit: one

@@ -52,6 +52,7 @@ import msgspec
 from schemas.wire import FilteredInput, PersistMessages, Source
 from streams import origin
 from streams.filter import (
+    HISTORY_MESSAGES,
     Limits,
     Rejected,
     Rejection,
@@ -62,6 +63,7 @@ from streams.filter import (
     decode_request,
     lookup_ids,
     parse_ms,
+    window_reach,
 )
 from streams.history import (
     WINDOW_ENTRY,
@@ -88,6 +90,12 @@ log = logging.getLogger("memfilter")
 # one lane: its round trips stay few).
 LANE_RECORDS = 100
 MAX_LANES = 6
+# Largest record fetched or sent: a request is at most MEMFILTER_MAX_BYTES (1 MiB), and its
+# filtered input adds the context's stored rows and server fields. The stack's broker accepts
+# this much. An output that would be larger (a context of very large rows) is refused before
+# anything is written, with room left for the key, headers and the record batch's framing.
+MAX_RECORD_BYTES = 8 << 20
+MAX_OUTPUT_BYTES = MAX_RECORD_BYTES - (64 << 10)
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
@@ -220,6 +228,7 @@ class Processor:
         metrics: Metrics | None = None,
         secret: bytes = b"",
         seen: Seen | None = None,
+        history: int = HISTORY_MESSAGES,
     ):
         self.store = store
         self.topics = topics
@@ -229,6 +238,7 @@ class Processor:
         # What a decision sees beside the thread: Redis's message-id index and retry window as
         # they are now (None, live), or as an audit replay recorded them.
         self.seen = seen
+        self.history = history  # MEMFILTER_HISTORY_MESSAGES: the rows of the conversation in each context
         self._recorded: list[tuple[str, bytes]] = []  # `take_recorded`
 
     def take_recorded(self) -> list[tuple[str, bytes]]:
@@ -293,7 +303,7 @@ class Processor:
         wanted = {}
         for thread, t in threads.items():
             wanted[thread] = list(dict.fromkeys(mid for p in t.requests[t.next :] for mid in lookup_ids(p.request)))
-        states = await self.store.read(wanted)
+        states = await self.store.read(wanted, self.history)
         unknown = {mid for thread, ids in wanted.items() for mid in ids if mid not in states[thread].rows}
         owners: dict[str, bytes] = {}
         if self.seen is not None:
@@ -306,6 +316,8 @@ class Processor:
             for thread, ids in wanted.items():
                 tag = thread_tag(thread)
                 states[thread].elsewhere = {mid: owners[mid].hex() for mid in ids if owners.get(mid, tag) != tag}
+        if self.history:
+            await self._read_tails(threads, states)
         # A request can have a record only if it was consumed before: at or before the
         # position of its thread's newest window entry (a thread's requests go in offset order).
         again = [(thread, p) for thread, t in threads.items() for p in t.requests[t.next :] if _consumed_before(states[thread].window, p.record)]
@@ -349,6 +361,32 @@ class Processor:
         for outcome, n in outcomes.items():  # one increment per outcome: a labelled one costs ~1 µs
             self.metrics.requests.labels(outcome).inc(n)
         return {thread: threads[thread] for thread in redo if threads[thread].next < len(threads[thread].requests)}
+
+    async def _read_tails(self, threads: dict[str, _Thread], states: dict[str, ThreadState]) -> None:
+        """Complete what each thread's contexts need of its last rows: the rows not read yet,
+        and the order from the first stored row a request keeps, where that lies before."""
+        reach = {}
+        for thread, t in threads.items():
+            state = states[thread]
+            tail = set(state.tail)
+            far = [
+                mid
+                for p in t.requests[t.next :]
+                if any(mid in state.rows and mid not in tail for mid in lookup_ids(p.request))
+                for mid in self._reach(p, state)
+                if mid not in tail
+            ]
+            if far:
+                reach[thread] = far
+        await self.store.read_tails(states, reach)
+
+    def _reach(self, p: _Pending, state: ThreadState) -> list[str]:
+        """`window_reach` of the request, or nothing if it fails (its decision will too, and
+        dead-letter it)."""
+        try:
+            return window_reach(p.request, StoredView(state.rows, state.elsewhere, state.owner, state.size))
+        except Exception:
+            return []
 
     def _decide_thread(self, thread: str, t: _Thread, state: ThreadState) -> list[tuple[_Pending, Write | None, Recorded]]:
         """Decide a thread's remaining requests in order, each on what the earlier ones saved."""
@@ -397,20 +435,23 @@ class Processor:
         """One request's decision, its write (None for a rejection) and what it emits; what it
         saves goes into `state`, the overlay the thread's next request of the batch sees."""
         request = p.request
-        view = StoredView(state.rows, state.elsewhere, state.owner, state.size, state.newest_ms)
+        view = StoredView(state.rows, state.elsewhere, state.owner, state.size, state.newest_ms, state.tail)
         started = perf_counter()
-        decision = decide(request, view, p.record.timestamp_ms)
+        decision = decide(request, view, p.record.timestamp_ms, self.history)
         self.metrics.decision.observe(perf_counter() - started)
         p.outcome = decision.outcome
         if decision.error is not None:
             return None, Recorded(error=decision.error)
         rec, rows = self._record(p, decision, state.version)
+        if (too_large := self._too_large(p, rec, len(decision.context))) is not None:
+            return None, Recorded(error=too_large)
         newest = max((parse_ms(r.get("createdAt")) or -1 for r in decision.persist), default=-1)
         new_ids = [mid for mid, _ in rows if mid not in state.rows]
         shape = request.shape
         entry = WINDOW_ENTRY.pack(p.key, p.record.partition, p.record.offset, p.record.timestamp_ms)
         write = Write(shape.threadId, state.version, after, shape.resourceId, newest, pack_rows(rows), encode_recorded(rec), new_ids, entry)
         if rows:
+            state.tail = state.tail + new_ids
             state.size += len(new_ids)
             state.rows.update(rows)
             state.version += 1
@@ -422,7 +463,15 @@ class Processor:
         shape = p.request.shape
         source = Source(p.record.topic, p.record.partition, p.record.offset)
         filtered = FilteredInput(
-            p.request.request_id, shape.threadId, shape.resourceId, decision.outcome, decision.messages, decision.dropped, source, version
+            p.request.request_id,
+            shape.threadId,
+            shape.resourceId,
+            decision.outcome,
+            decision.messages,
+            decision.context,
+            decision.dropped,
+            source,
+            version,
         )
         rows = [(row["id"], msgspec.json.encode(row)) for row in decision.persist]
         persist = None
@@ -434,6 +483,18 @@ class Processor:
         if persist is not None:
             recorded.persist = msgspec.Raw(persist)
         return recorded, rows
+
+    def _too_large(self, p: _Pending, rec: Recorded, context_rows: int) -> Rejection | None:
+        """Why the request's outputs cannot be sent, if one would be larger than a record may be."""
+        key = len(p.record.key or b"")
+        size = max(len(rec.filtered), len(rec.persist) if rec.persist is not msgspec.UNSET else 0) + key
+        if size <= MAX_OUTPUT_BYTES:
+            return None
+        return Rejection(
+            "too-large",
+            f"request {p.request.request_id}'s outputs would be {size} bytes with a context of {context_rows} messages; "
+            f"a record may have {MAX_OUTPUT_BYTES}: lower MEMFILTER_HISTORY_MESSAGES, or send smaller messages",
+        )
 
     def _emit(self, p: _Pending, rec: Recorded) -> list[Out]:
         key, ts = p.record.key, p.record.timestamp_ms

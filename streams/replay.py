@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from schemas.wire import FilteredInput
-from streams.filter import Limits
+from streams.filter import HISTORY_MESSAGES, Limits
 from streams.history import HistoryStore
 from streams.persister import Persister
 from streams.processor import ELSEWHERE_HEADER, VERSION_HEADER, Processor, Record, Topics
@@ -112,14 +112,16 @@ async def replay(
     end=None,
     limits: Limits = Limits(),
     progress: Progress | None = None,
+    history: int = HISTORY_MESSAGES,
 ) -> Report:
     """Decide the range's requests again on rebuilt history; compare with what was recorded.
-    `store_of(prefix)` gives the isolated store; its keys are deleted afterwards."""
+    `store_of(prefix)` gives the isolated store; its keys are deleted afterwards. `limits` and
+    `history` are the deployment's (MEMFILTER_MAX_*, MEMFILTER_HISTORY_MESSAGES)."""
     with Recorded.temporary(topics, secret) as recorded:
         await recorded.load(bootstrap, [topics.filtered, topics.persist, topics.dlq], progress)
         store = store_of(f"replay-{uuid.uuid4().hex[:12]}")
         try:
-            return await _replay_range(bootstrap, topics, store, recorded, start, end, limits, progress)
+            return await _replay_range(bootstrap, topics, store, recorded, start, end, limits, history, progress)
         finally:
             await store.drop()
 
@@ -140,8 +142,8 @@ class _Seen:
         return self.recorded.window(thread, record.partition, record.offset, self.retry_window)
 
 
-async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded: Recorded, start, end, limits, progress) -> Report:
-    processor = Processor(store, topics, limits, secret=recorded.secret, seen=_Seen(recorded, store.retry_window))
+async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded: Recorded, start, end, limits, history, progress) -> Report:
+    processor = Processor(store, topics, limits, secret=recorded.secret, seen=_Seen(recorded, store.retry_window), history=history)
     persister = Persister(store, topics.dlq, recorded.secret)
     logs: dict[bytes | None, ThreadLog] = {}  # of the threads met so far: where each is in its log
     report = Report()

@@ -22,7 +22,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from streams.filter import Limits
+from streams.filter import HISTORY_MESSAGES, Limits
 from streams.history import PROCESSED_TTL_S, RETRY_WINDOW
 from streams.processor import Topics
 
@@ -47,6 +47,7 @@ VARIABLES = {
     "session_timeout": "MEMFILTER_SESSION_TIMEOUT",
     "processed_ttl": "MEMFILTER_PROCESSED_TTL",
     "retry_window": "MEMFILTER_RETRY_WINDOW",
+    "history_messages": "MEMFILTER_HISTORY_MESSAGES",
     "secret_text": "MEMFILTER_SECRET",
     "web_port": "MEMFILTER_WEB_PORT",
     "web_bind": "MEMFILTER_WEB_BIND",
@@ -87,6 +88,7 @@ class Settings(msgspec.Struct, frozen=True, rename=VARIABLES):
     session_timeout: Seconds = 10.0  # seconds before a silent worker's partitions go to the others
     processed_ttl: Positive = PROCESSED_TTL_S  # seconds: a retry later than this after its original is decided again
     retry_window: Annotated[int, Meta(ge=1, le=1000)] = RETRY_WINDOW  # a thread's last N requests are retry-checked
+    history_messages: Annotated[int, Meta(ge=0, le=1000)] = HISTORY_MESSAGES  # rows of the conversation in each context
     secret_text: str = ""  # keys server-assigned message ids and signs the processor's persist events
     web_port: Port = 6066
     web_bind: str = "127.0.0.1"  # 0.0.0.0 in a container

@@ -2,10 +2,9 @@
 
 The cases are copies of `shared/conformance/cases.json` and `ui-cases.json` (the project must
 not need `shared/`). Of the UI cases, those that need regenerate, edit or superseded rows (a
-`trigger`, `superseded`) wait for that issue, and `context` is not checked yet (the model's
-context is the issue after).
-A case passes when the outcome (and the error type of a rejection), the kept messages and the
-saved rows equal the expectation as JSON values, `"<assigned>"` standing for a server-made
+`trigger`, `superseded`) wait for that issue.
+A case passes when the outcome (and the error type of a rejection), the kept messages, the
+saved rows and the model's context (where the case says) equal the expectation as JSON values, `"<assigned>"` standing for a server-made
 value; every id the client sent and the output lacks is in `dropped`; and a second run gives
 the same bytes.
 """
@@ -82,6 +81,8 @@ def test_conformance_case(index, answers):
         assert got["error"]["message"]
     matches(expect["messages"], got["messages"], {}, "$.messages")
     matches(expect["persist"], got["persist"], {}, "$.persist")
+    if "context" in expect:
+        matches(expect["context"], got["context"], {}, "$.context")
     assigned_ids_agree(expect, got)
     if expect["outcome"] != "rejected":
         sent = [m["id"] for m in case["request"]["messages"] if "id" in m]

@@ -329,12 +329,12 @@ class TestRedisTrouble:
         async def go(store):
             read, commit, committed = store.read, store.commit, []
 
-            async def first_read_fails(wanted):
+            async def first_read_fails(wanted, tail=0):
                 if not committed and not getattr(first_read_fails, "failed", False):
                     first_read_fails.failed = True
                     raise RedisConnectionError("Connection closed by server.")
                 await asyncio.sleep(0.3)
-                return await read(wanted)
+                return await read(wanted, tail)
 
             async def recorded_commit(writes):
                 committed.append(writes)
@@ -507,10 +507,10 @@ class TestAnUnexpectedErrorStopsOneRecordOnly:
 
         decide = streams.processor.decide
 
-        def fails_for_q1(request, view, ts):
+        def fails_for_q1(request, view, ts, history):
             if request.request_id == "q1":
                 raise KeyError("a bug")
-            return decide(request, view, ts)
+            return decide(request, view, ts, history)
 
         monkeypatch.setattr(streams.processor, "decide", fails_for_q1)
         batch = [record("t", [msg("u0")], 0, "q0"), record("t", [msg("u1")], 1, "q1"), record("t", [msg("u2")], 2, "q2")]

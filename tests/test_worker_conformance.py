@@ -3,8 +3,9 @@ cases that `tests/test_conformance.py` runs too: requests in AI SDK UI messages)
 
 For each case the thread's history (and the other threads' rows) is saved to Redis first,
 the request is published to the requests topic, and what the worker emits must be exactly
-what `memfilter explain` gives for the same case: the filtered input, the rows to persist, or
-the dead letter with the same error type. Each case gets thread and message ids of its own (`c<i>-<id>`).
+what `memfilter explain` gives for the same case: the filtered input with its context, the rows
+to persist, or the dead letter with the same error type. Cases that set the context's size
+(`historyMessages`) go to a worker with that MEMFILTER_HISTORY_MESSAGES. Each case gets thread and message ids of its own (`c<i>-<id>`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from pipeline import Pipeline, header, publish, read
 from test_conformance import CASES
 from streams.explain import explain
-from streams.filter import parse_ms
+from streams.filter import HISTORY_MESSAGES, parse_ms
 from streams.history import Save
 
 
@@ -56,18 +57,17 @@ async def save_history(pipeline: Pipeline, case: dict) -> None:
         await client.aclose()
 
 
-@pytest.fixture(scope="module")
-def outputs(services):
-    """Publish every case against a worker; the worker's records and explain's answers."""
+def run_cases(services, cases: list[dict], history: int) -> tuple:
+    """Publish cases against a worker deciding with contexts of `history` rows; its topics
+    and records."""
     pipeline = Pipeline(services.bootstrap, services.redis_url)
-    cases = [renamed(c["case"], f"c{i}-") for i, c in enumerate(CASES)]
     expected = json.loads(explain(json.dumps(cases).encode(), pipeline.secret))
 
     async def run():
         await pipeline.create_topics()
         for case in cases:
             await save_history(pipeline, case)
-        pipeline.start_worker()
+        pipeline.start_worker(MEMFILTER_HISTORY_MESSAGES=str(history))
         await publish(
             services.bootstrap,
             pipeline.topics.requests,
@@ -83,19 +83,33 @@ def outputs(services):
         )
 
     try:
-        records = asyncio.run(run())
+        return pipeline.topics, expected, asyncio.run(run())
     finally:
         pipeline.stop_all()
+
+
+@pytest.fixture(scope="module")
+def outputs(services):
+    """Every case against a worker, one worker per context size the cases ask for; the
+    worker's records and explain's answers."""
+    cases = [renamed(c["case"], f"c{i}-") for i, c in enumerate(CASES)]
+    expected: list = [None] * len(cases)
     by_key = defaultdict(dict)
-    for r in records:
-        by_key[r.key.decode()].setdefault(r.topic, []).append(r)
-    return pipeline.topics, cases, expected, by_key
+    topics = {}
+    for history in sorted({c.get("historyMessages", HISTORY_MESSAGES) for c in cases}):
+        group = [i for i, c in enumerate(cases) if c.get("historyMessages", HISTORY_MESSAGES) == history]
+        t, answers, records = run_cases(services, [cases[i] for i in group], history)
+        for i, answer in zip(group, answers):
+            expected[i], topics[i] = answer, t
+        for r in records:
+            by_key[r.key.decode()].setdefault(r.topic, []).append(r)
+    return topics, cases, expected, by_key
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
 def test_the_worker_emits_what_explain_decides(index, outputs):
-    topics, cases, expected, by_key = outputs
-    want = expected[index]
+    all_topics, cases, expected, by_key = outputs
+    topics, want = all_topics[index], expected[index]
     got = by_key[cases[index]["request"]["threadId"]]
     if want["outcome"] == "rejected":
         assert [header(r, "error.type") for r in got.get(topics.dlq, [])] == [want["error"]["type"]]
@@ -105,6 +119,7 @@ def test_the_worker_emits_what_explain_decides(index, outputs):
     [filtered] = got[topics.filtered]
     event = json.loads(filtered.value)
     assert (event["outcome"], event["messages"], event["dropped"]) == (want["outcome"], want["messages"], want["dropped"])
+    assert event["context"] == want["context"]
     assert event["requestId"] == cases[index]["request"]["requestId"]
     persisted = [json.loads(r.value)["messages"] for r in got.get(topics.persist, [])]
     assert persisted == ([want["persist"]] if want["persist"] else [])
