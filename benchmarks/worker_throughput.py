@@ -8,18 +8,21 @@ one) plus the user's new message; a thread's later requests echo what its earlie
 In one run on the same Kafka and Redis (`memfilter stack up`; KAFKA_BOOTSTRAP_SERVERS and
 REDIS_URL as it prints):
   (a) baseline: aiokafka consumes the requests and produces each value to another topic;
-  (b) the processor: one `memfilter worker` consumes the same records from a backlog;
-  (c) latency: with the worker caught up, requests published at a steady rate, the time
-      from publish to the filtered input arriving at a consumer.
+  (b) the processor: one `memfilter worker` consumes the same records from a backlog, once
+      per context size asked for (`--history`, MEMFILTER_HISTORY_MESSAGES; each on its own
+      copy of the stored history and its own output topics);
+  (c) latency: with the last (b) worker caught up, requests published at a steady rate, the
+      time from publish to the filtered input arriving at a consumer.
 Both (b) and (c) read the filtered inputs as downstream does, `read_committed`: a record
 counts once the worker's transaction that holds it is committed.
-It prints requests/s of both and their ratio, p50/p99 latency, Redis round trips per request
+It prints requests/s of both and their ratio (and each (b) against the first), the mean bytes
+of a filtered input, p50/p99 latency, Redis round trips per request
 (from the worker's /metrics), the worker's CPU time per request and how busy it was during
 (b) (throughput varies ±15% from run to run on this VM; CPU per request less), how busy the
 whole machine was (the broker and Redis share its cores with the worker),
 and the worker's RSS after the first batches and after each tenth of the requests.
 
-    .venv/bin/python -m benchmarks.worker_throughput [--threads 10000] [--requests 100000] [--profile FILE]
+    .venv/bin/python -m benchmarks.worker_throughput [--threads 10000] [--requests 100000] [--history 0,10] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -158,7 +161,7 @@ async def clean_up(bootstrap: str, redis_url: str, topics: list[str], prefix: st
     client = aioredis.from_url(redis_url)
     try:
         batch = []
-        async for key in client.scan_iter(f"{prefix}:*", count=1000):
+        async for key in client.scan_iter(f"{prefix}*", count=1000):
             batch.append(key)
             if len(batch) == 1000:
                 await client.unlink(*batch)
@@ -231,12 +234,14 @@ async def count_until(bootstrap: str, topic: str, n: int, on_record=None, timeou
         await consumer.stop()
 
 
-def worker_env(bootstrap: str, redis_url: str, topics: dict[str, str], prefix: str) -> dict[str, str]:
-    """A benchmark worker's settings: the run's topics, and its prefix as group and key prefix."""
+def worker_env(bootstrap: str, redis_url: str, topics: dict[str, str], prefix: str, history: int) -> dict[str, str]:
+    """A benchmark worker's settings: the run's topics for its context size, and its prefix
+    as group and key prefix."""
     return {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "REDIS_URL": redis_url, "MEMFILTER_GROUP": prefix,
             "MEMFILTER_REDIS_PREFIX": prefix, "MEMFILTER_TOPIC_REQUESTS": topics["requests"],
-            "MEMFILTER_TOPIC_FILTERED": topics["filtered"], "MEMFILTER_TOPIC_PERSIST": topics["persist"],
-            "MEMFILTER_TOPIC_DLQ": topics["dlq"], "MEMFILTER_DATA_DIR": f"/tmp/{prefix}",
+            "MEMFILTER_TOPIC_FILTERED": topics[f"filtered{history}"], "MEMFILTER_TOPIC_PERSIST": topics[f"persist{history}"],
+            "MEMFILTER_TOPIC_DLQ": topics[f"dlq{history}"], "MEMFILTER_DATA_DIR": f"/tmp/{prefix}",
+            "MEMFILTER_HISTORY_MESSAGES": str(history),
             "MEMFILTER_SECRET": os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32)}
 
 
@@ -311,91 +316,119 @@ async def main() -> None:
     parser.add_argument("--latency-rate", type=float, default=1000, help="requests/s in the latency phase")
     parser.add_argument("--latency-seconds", type=float, default=10)
     parser.add_argument("--partitions", type=int, default=8)
+    parser.add_argument("--history", default="0,10", help="context sizes to run (b) with, in order (MEMFILTER_HISTORY_MESSAGES)")
     parser.add_argument("--profile", metavar="FILE", help="sample the worker with py-spy during (b), write the samples "
                         "to FILE and print where its time went (py-spy takes CPU too: the run's figures drop)")
     args = parser.parse_args()
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     run = uuid.uuid4().hex[:8]
-    topics = {k: f"bench-{k}-{run}" for k in ("requests", "baseline-out", "filtered", "persist", "dlq")}
+    histories = [int(n) for n in args.history.split(",")]
+    topics = {k: f"bench-{k}-{run}" for k in ("requests", "baseline-out")}
+    for n in histories:
+        topics |= {f"{k}{n}": f"bench-{k}{n}-{run}" for k in ("filtered", "persist", "dlq")}
     prefix = f"bench-{run}"
     await create_topics(bootstrap, list(topics.values()), args.partitions)
     try:
-        await measure(args, bootstrap, redis_url, topics, prefix)
+        await measure(args, bootstrap, redis_url, topics, prefix, histories)
     finally:
         await clean_up(bootstrap, redis_url, list(topics.values()), prefix)
 
 
-async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topics: dict[str, str], prefix: str) -> None:
+async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topics: dict[str, str], prefix: str, histories: list[int]) -> None:
     with kept_from_collector():
         history, requests = make_workload(args.threads, args.requests)
     sizes = sorted(len(v) for _, v in requests)
     print(f"workload: {len(requests):,} requests over {args.threads:,} threads, "
           f"{sum(sizes) / len(sizes) / 1024:.1f} KiB mean, {sizes[len(sizes) // 2] / 1024:.1f} KiB median")
-    await seed(redis_url, prefix, history)
+    for n in histories:
+        await seed(redis_url, f"{prefix}-h{n}", history)
     await publish(bootstrap, topics["requests"], requests)
 
     rate_a, cpu_a = await baseline(bootstrap, topics["requests"], topics["baseline-out"], len(requests))
     print(f"(a) aiokafka consume+produce:  {rate_a:9,.0f} requests/s   CPU {cpu_a * 1e6:.0f} µs per request")
+    rates = []
+    for i, n in enumerate(histories):
+        last_worker = i == len(histories) - 1
+        worker = await run_worker(args, bootstrap, redis_url, topics, f"{prefix}-h{n}", n, len(requests), rate_a, rates)
+        try:
+            if last_worker:
+                await latency(args, bootstrap, topics[f"filtered{n}"], topics["requests"])
+        finally:
+            worker.terminate()
+            worker.wait(30)
 
+
+async def run_worker(args, bootstrap, redis_url, topics, prefix, history, n_requests, rate_a, rates) -> subprocess.Popen:
+    """(b) with contexts of `history` rows: the worker, still running, once it has caught up."""
     web_port = free_port()
-    env = worker_env(bootstrap, redis_url, topics, prefix)
+    env = worker_env(bootstrap, redis_url, topics, prefix, history)
     worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(web_port)], env=env, cwd=REPO,
                               stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
     try:
-        rss, tenths, cpu, machine, profiler = [], [], [], [], []
+        rss, tenths, cpu, machine, profiler, sizes = [], [], [], [], [], [0]
 
-        def note_start(_record, seen=[0]):
+        def note_start(record, seen=[0]):
             seen[0] += 1
+            sizes[0] += len(record.value)
             if seen[0] == 1:
                 cpu.append(cpu_seconds(worker.pid))
                 machine.append(machine_busy_seconds())
                 if args.profile:
                     profiler.append(subprocess.Popen(
                         [Path(sys.executable).parent / "py-spy", "record", "--pid", str(worker.pid), "--rate", "200",
-                         "--format", "raw", "--output", args.profile, "--nonblocking"], stdout=subprocess.DEVNULL))
+                         "--format", "raw", "--output", f"{args.profile}.h{history}", "--nonblocking"], stdout=subprocess.DEVNULL))
             if seen[0] == 2000:
                 rss.append(rss_mb(worker.pid))
-            if seen[0] % max(1, len(requests) // 10) == 0:
+            if seen[0] % max(1, n_requests // 10) == 0:
                 tenths.append(rss_mb(worker.pid))
 
-        first, last = await count_until(bootstrap, topics["filtered"], len(requests), on_record=note_start)
-        rate_b = (len(requests) - 1) / (last - first)
+        first, last = await count_until(bootstrap, topics[f"filtered{history}"], n_requests, on_record=note_start)
+        rate_b = (n_requests - 1) / (last - first)
+        rates.append(rate_b)
         cpu.append(cpu_seconds(worker.pid))
         machine.append(machine_busy_seconds())
         for p in profiler:
             p.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
             p.wait(30)
         m = worker_metrics(web_port)
-        print(f"(b) memfilter worker:           {rate_b:9,.0f} requests/s   (b)/(a) = {rate_b / rate_a:.2f}")
+        print(f"(b) memfilter worker, MEMFILTER_HISTORY_MESSAGES={history}: {rate_b:9,.0f} requests/s   (b)/(a) = {rate_b / rate_a:.2f}"
+              + (f"   against the first (b): {rate_b / rates[0]:.2f}" if len(rates) > 1 else ""))
         print(f"    Redis round trips/request:  {m['memfilter_redis_round_trips_total'] / m['memfilter_requests_total']:.4f}")
-        print(f"    worker CPU: {(cpu[1] - cpu[0]) / (len(requests) - 1) * 1e6:.0f} µs per request, "
+        print(f"    filtered input: {sizes[0] / n_requests:,.0f} bytes mean")
+        print(f"    worker CPU: {(cpu[1] - cpu[0]) / (n_requests - 1) * 1e6:.0f} µs per request, "
               f"busy {(cpu[1] - cpu[0]) / (last - first):.0%} of the time")
         print(f"    machine: {(machine[1] - machine[0]) / (last - first):.2f} of its {os.cpu_count()} cores busy, "
-              f"{((machine[1] - machine[0]) - (cpu[1] - cpu[0])) / (len(requests) - 1) * 1e6:.0f} µs per request "
+              f"{((machine[1] - machine[0]) - (cpu[1] - cpu[0])) / (n_requests - 1) * 1e6:.0f} µs per request "
               f"outside the worker (broker, Redis, this benchmark's reader)")
-        print(f"    worker RSS: {rss[0]:.0f} MiB after 2,000 requests, {tenths[-1]:.0f} MiB after {len(requests):,} "
+        print(f"    worker RSS: {rss[0]:.0f} MiB after 2,000 requests, {tenths[-1]:.0f} MiB after {n_requests:,} "
               f"(after each tenth: {' '.join(f'{r:.0f}' for r in tenths)})")
         if args.profile:
-            print_profile(args.profile)
-
-        latencies = []
-        n_latency = int(args.latency_rate * args.latency_seconds)
-        with kept_from_collector():
-            _, paced = make_workload(args.threads, n_latency, seed=2, tag="lat")
-        positioned = asyncio.Event()
-        reader = asyncio.create_task(count_until(
-            bootstrap, topics["filtered"], n_latency, from_end=positioned,
-            on_record=lambda r: latencies.append(time.time() * 1000 - r.timestamp)))
-        await positioned.wait()
-        await publish(bootstrap, topics["requests"], paced, rate=args.latency_rate)
-        await reader
-        latencies.sort()
-        print(f"(c) publish -> filtered input at {args.latency_rate:,.0f} requests/s: "
-              f"p50 {latencies[len(latencies) // 2]:.0f} ms, p99 {latencies[int(len(latencies) * 0.99)]:.0f} ms")
-    finally:
+            print_profile(f"{args.profile}.h{history}")
+        return worker
+    except BaseException:
         worker.terminate()
         worker.wait(30)
+        raise
+
+
+async def latency(args, bootstrap: str, filtered: str, requests: str) -> None:
+    """(c): requests at a steady rate to a caught-up worker; publish-to-filtered-input times."""
+    latencies = []
+    n_latency = int(args.latency_rate * args.latency_seconds)
+    with kept_from_collector():
+        _, paced = make_workload(args.threads, n_latency, seed=2, tag="lat")
+    positioned = asyncio.Event()
+    reader = asyncio.create_task(count_until(
+        bootstrap, filtered, n_latency, from_end=positioned,
+        on_record=lambda r: latencies.append(time.time() * 1000 - r.timestamp)))
+    await positioned.wait()
+    await publish(bootstrap, requests, paced, rate=args.latency_rate)
+    await reader
+    latencies.sort()
+    print(f"(c) publish -> filtered input at {args.latency_rate:,.0f} requests/s: "
+          f"p50 {latencies[len(latencies) // 2]:.0f} ms, p99 {latencies[int(len(latencies) * 0.99)]:.0f} ms")
+
 
 
 if __name__ == "__main__":

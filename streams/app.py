@@ -59,6 +59,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import faust
@@ -512,22 +513,20 @@ class _WebOnly(faust.App.BootStrategy):
     enable_kafka = False
 
 
-def create_app(settings: Settings) -> faust.App:
+def serve_health(name: str, settings: Settings, datadir: str, port: int, metrics, problems: Callable[[], list[str]], redis=None) -> faust.App:
+    """A Faust app that serves `/metrics`, `/healthz` and `/readyz` (ready when `problems()`
+    names none and `redis`, if given, answers), for the worker and the agent runner alike."""
     app = faust.App(
-        settings.group,
+        name,
         broker=f"kafka://{settings.bootstrap}",
         store="memory://",
-        datadir=settings.data_dir,
+        datadir=datadir,
         web_host=settings.web_bind,
-        web_port=settings.web_port,
+        web_port=port,
         web_bind=settings.web_bind,
-        env={},  # only the worker's documented settings configure it, never Faust's own variables (WEB_PORT, ...)
+        env={},  # only the documented settings configure it, never Faust's own variables (WEB_PORT, ...)
     )
     app.boot_strategy = _WebOnly(app)
-    client = connect(settings.redis_url)
-    metrics = Metrics()
-    loop = RecordLoop(settings, HistoryStore(client, settings.redis_prefix, metrics, settings.processed_ttl, settings.retry_window), metrics)
-    app.add_dependency(loop)
 
     @app.page("/metrics")
     async def metrics_page(web, request):
@@ -539,13 +538,23 @@ def create_app(settings: Settings) -> faust.App:
 
     @app.page("/readyz")
     async def readyz(web, request):
-        problems = [] if loop.assigned else ["no partitions assigned"]
-        try:
-            await asyncio.wait_for(client.ping(), 1.0)
-        except Exception as e:  # any failure to answer is "not ready", named in the reply
-            problems.append(f"Redis not answering ({type(e).__name__})")
-        if problems:
-            return web.text("not ready: " + "; ".join(problems) + "\n", status=503)
+        found = problems()
+        if redis is not None:
+            try:
+                await asyncio.wait_for(redis.ping(), 1.0)
+            except Exception as e:  # any failure to answer is "not ready", named in the reply
+                found.append(f"Redis not answering ({type(e).__name__})")
+        if found:
+            return web.text("not ready: " + "; ".join(found) + "\n", status=503)
         return web.text("ready\n")
 
+    return app
+
+
+def create_app(settings: Settings) -> faust.App:
+    client = connect(settings.redis_url)
+    metrics = Metrics()
+    loop = RecordLoop(settings, HistoryStore(client, settings.redis_prefix, metrics, settings.processed_ttl, settings.retry_window), metrics)
+    app = serve_health(settings.group, settings, settings.data_dir, settings.web_port, metrics, lambda: [] if loop.assigned else ["no partitions assigned"], client)
+    app.add_dependency(loop)
     return app

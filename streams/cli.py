@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from streams.settings import STACK_VARIABLES, VARIABLES, Settings, SettingError
+from streams.settings import AGENT_VARIABLES, STACK_VARIABLES, VARIABLES, Settings, SettingError
 
 
 def _read_input(path: str | None) -> bytes:
@@ -50,8 +50,8 @@ def cmd_stack(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reachable(settings) -> str | None:
-    """None if Kafka and Redis answer, else a one-line reason."""
+def _reachable(settings, redis_too: bool = True) -> str | None:
+    """None if Kafka (and Redis, if `redis_too`) answer, else a one-line reason."""
     import asyncio
 
     import redis
@@ -59,7 +59,8 @@ def _reachable(settings) -> str | None:
     from streams.stack import broker_answers
 
     try:
-        redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3).ping()
+        if redis_too:
+            redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3).ping()
     except redis.RedisError as e:
         return f"Redis at {settings.redis_url} does not answer ({e}); start it (memfilter stack up) or set REDIS_URL"
     if not asyncio.run(broker_answers(settings.bootstrap, timeout=10)):
@@ -79,19 +80,20 @@ def _no_secret(settings) -> str | None:
     return None
 
 
-def _web_port_free(settings) -> str | None:
-    """None if the worker's web server can listen, else a one-line reason."""
+def _web_port_free(settings, port: int | None = None, variable: str = "MEMFILTER_WEB_PORT") -> str | None:
+    """None if the web server can listen on `port` (the worker's by default), else a one-line reason."""
     import socket
 
+    port = settings.web_port if port is None else port
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((settings.web_bind, settings.web_port))
+            sock.bind((settings.web_bind, port))
             return None
         except OSError as e:
             return (
-                f"cannot serve the web server on {settings.web_bind}:{settings.web_port} ({e.strerror}): "
-                "each worker on a host needs its own port: --web-port or MEMFILTER_WEB_PORT"
+                f"cannot serve the web server on {settings.web_bind}:{port} ({e.strerror}): "
+                f"each process on a host needs its own port: --web-port or {variable}"
             )
 
 
@@ -112,6 +114,25 @@ def cmd_worker(args: argparse.Namespace) -> int:
     gc.freeze()  # what start-up made stays: the collector need not scan it on every batch
     worker = Worker(app, loglevel=args.loglevel)
     worker.execute_from_commandline()
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from streams.agent import create_agent_app
+    from streams.logs import Worker
+
+    settings = Settings.from_env()
+    if args.web_port is not None:
+        settings = msgspec.structs.replace(settings, agent_web_port=args.web_port)
+    if args.backend is not None:
+        settings = msgspec.structs.replace(settings, agent_backend=args.backend)
+    reason = _no_secret(settings) or _web_port_free(settings, settings.agent_web_port, "MEMFILTER_AGENT_WEB_PORT") or _reachable(settings, redis_too=False)
+    if reason is not None:
+        print(f"memfilter agent: {reason}", file=sys.stderr)
+        return 1
+    Worker(create_agent_app(settings), loglevel=args.loglevel).execute_from_commandline()
     return 0
 
 
@@ -428,12 +449,24 @@ def build_parser() -> argparse.ArgumentParser:
         "worker",
         help="run a processor worker (a Faust worker); several workers form one consumer group",
         description="Consume chat-requests and persist-messages; settings from the environment ("
-        + ", ".join(v for v in VARIABLES.values() if v not in STACK_VARIABLES)
+        + ", ".join(v for v in VARIABLES.values() if v not in STACK_VARIABLES | AGENT_VARIABLES)
         + "; the README's settings table says what each does).",
     )
     p.add_argument("--web-port", type=int, help="port of the worker's web server (default MEMFILTER_WEB_PORT or 6066)")
     p.add_argument("--loglevel", default="warn", choices=["crit", "error", "warn", "info", "debug"])
     p.set_defaults(parser=p, run=cmd_worker)
+
+    p = sub.add_parser(
+        "agent",
+        help="run the reference agent runner: answer filtered inputs with a model, save replies to persist-messages",
+        description="Consume filtered-inputs, send each context that asks for an answer to the model, publish the reply "
+        "as a PersistMessages event; settings from the environment (" + ", ".join(sorted(AGENT_VARIABLES))
+        + ", and KAFKA_BOOTSTRAP_SERVERS, MEMFILTER_SECRET, the topics, MEMFILTER_SESSION_TIMEOUT, MEMFILTER_BATCH_WITHIN).",
+    )
+    p.add_argument("--backend", choices=["echo", "openai"], help="the model (default MEMFILTER_AGENT_BACKEND or echo)")
+    p.add_argument("--web-port", type=int, help="port of the runner's web server (default MEMFILTER_AGENT_WEB_PORT or 6067)")
+    p.add_argument("--loglevel", default="warn", choices=["crit", "error", "warn", "info", "debug"])
+    p.set_defaults(parser=p, run=cmd_agent)
 
     p = sub.add_parser("publish", help="publish ChatRequests (JSON array or JSON lines) to chat-requests")
     p.add_argument("file", nargs="?", help="requests file (default: stdin)")

@@ -1,10 +1,19 @@
 """A small async client for services around the processor: publish chat requests, follow a
-topic's events (optionally one thread's), typed with the `schemas` Structs.
+topic's events (optionally one thread's), consume filtered inputs as a group and save replies,
+typed with the `schemas` Structs.
 
     async with Client("127.0.0.1:9092") as client:
         ids = await client.publish([{"threadId": "t1", "resourceId": "u1", "messages": [...]}])
         async for event in client.filtered_inputs(thread="t1"):
             ...  # event.requestId is one of `ids`
+
+Downstream, an agent of one's own (the reference one is `memfilter agent`):
+
+    async with Client("127.0.0.1:9092") as client:
+        async for delivery in client.consume("my-agent"):
+            reply = await my_model(delivery.event.context)  # an assistant message (format 2)
+            await client.reply(delivery.event, reply)
+            await delivery.commit()  # the group resumes after it
 
 `publish` checks every request as the processor will (`InvalidRequest` names the first that
 would be a dead letter, and then nothing is sent), and returns each one's `requestId`: its own,
@@ -16,14 +25,17 @@ command line.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from schemas.wire import ChatRequest, FilteredInput
 from streams.filter import Limits, Rejected, decode_request
 from streams.processor import Topics
+from streams.replies import reply_event
 
 
 class InvalidRequest(ValueError):
@@ -32,6 +44,20 @@ class InvalidRequest(ValueError):
     def __init__(self, index: int, error: Rejected):
         super().__init__(f"request {index} would be rejected ({error.type}): {error.message}")
         self.index, self.type = index, error.type
+
+
+@dataclass
+class Delivery:
+    """A filtered input consumed as a member of a group (`Client.consume`)."""
+
+    event: FilteredInput
+    record: ConsumerRecord
+    _consumer: AIOKafkaConsumer
+
+    async def commit(self) -> None:
+        """The group has handled this input and every one before it in its partition."""
+        tp = TopicPartition(self.record.topic, self.record.partition)
+        await self._consumer.commit({tp: self.record.offset + 1})
 
 
 class Client:
@@ -59,10 +85,8 @@ class Client:
                 checked.append(decode_request(value, "", self.limits).shape)
             except Rejected as e:
                 raise InvalidRequest(n, e) from None
-        if self._producer is None:
-            self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5, max_request_size=4 << 20)
-            await self._producer.start()
-        pending = [await self._producer.send(self.topics.requests, v, key=r.threadId.encode()) for v, r in zip(values, checked)]
+        producer = await self._started()
+        pending = [await producer.send(self.topics.requests, v, key=r.threadId.encode()) for v, r in zip(values, checked)]
         ids = []
         for request, future in zip(checked, pending):
             sent = await future
@@ -70,6 +94,43 @@ class Client:
             if on_sent is not None:
                 on_sent(len(ids))
         return ids
+
+    async def _started(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5, max_request_size=4 << 20)
+            await self._producer.start()
+        return self._producer
+
+    async def reply(self, event: FilteredInput, message: dict[str, Any]) -> None:
+        """Save `message` (an assistant message, format 2, with its own id) as the reply to a
+        filtered input: a PersistMessages event on the persist topic, keyed by the thread; the
+        worker applies it, once however often it is sent. Waits until the broker has it."""
+        producer = await self._started()
+        await (await producer.send(self.topics.persist, reply_event(event, message), key=event.threadId.encode()))
+
+    async def consume(self, group: str, from_beginning: bool = True) -> AsyncIterator[Delivery]:
+        """Filtered inputs as a member of consumer group `group` (read_committed: each once),
+        from where the group committed (else the topic's start, or its end); commit each one
+        handled (`Delivery.commit`). A record that is not a FilteredInput is passed over."""
+        consumer = AIOKafkaConsumer(
+            self.topics.filtered,
+            bootstrap_servers=self.bootstrap,
+            group_id=group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest" if from_beginning else "latest",
+            isolation_level="read_committed",
+        )
+        await consumer.start()
+        decoder = msgspec.json.Decoder(FilteredInput)
+        try:
+            async for record in consumer:
+                try:
+                    event = decoder.decode(record.value)
+                except msgspec.DecodeError:  # not the processor's: passed over, committed with the next
+                    continue
+                yield Delivery(event, record, consumer)
+        finally:
+            await consumer.stop()
 
     async def records(
         self, topic: str, thread: str | None = None, from_beginning: bool = False, idle_ms: int | None = None

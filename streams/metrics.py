@@ -14,8 +14,17 @@ One registry per worker (so tests can run several in one process). What an opera
 | `memfilter_consumer_lag{topic,partition}` | gauge | offsets not yet consumed, per assigned partition (0 when idle: transaction markers count as consumed) |
 | `memfilter_assigned_partitions` | gauge | partitions this worker holds |
 
-And the Prometheus client's standard collectors: `process_*` (CPU, resident memory, open
-files), `python_info` and `python_gc_*`.
+The agent runner's (`memfilter agent`, `AgentMetrics`):
+
+| metric | type | what |
+|---|---|---|
+| `memfilter_agent_inputs_total{result}` | counter | filtered inputs handled: `answered`, `no-reply` (the context asks for none), `dead-letter` |
+| `memfilter_agent_outputs_total{kind}` | counter | records committed: `reply` (persist-messages events), `dead-letter` |
+| `memfilter_agent_model_seconds` | histogram | one model call, retries included |
+| `memfilter_assigned_partitions` | gauge | partitions of `filtered-inputs` this runner holds |
+
+Both add the Prometheus client's standard collectors: `process_*` (CPU, resident memory,
+open files), `python_info` and `python_gc_*`.
 """
 
 from __future__ import annotations
@@ -27,9 +36,26 @@ _DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0
 _BATCH_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2000)
 
 
-class Metrics:
+class _Registry:
+    """A registry of one's own (so tests can run several in one process), with the standard collectors."""
+
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(standard)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample's current value (0 when never set), e.g. `value("memfilter_requests_total", outcome="new")`."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+class Metrics(_Registry):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
         self.requests = Counter("memfilter_requests", "Requests handled, by outcome", ["outcome"], registry=r)
         self.dead_letters = Counter("memfilter_dead_letters", "Records sent to the dead-letter topic", ["error_type"], registry=r)
         self.persisted = Counter("memfilter_persisted", "persist-messages events of other services applied", registry=r)
@@ -41,12 +67,13 @@ class Metrics:
         self.round_trips = Counter("memfilter_redis_round_trips", "Pipelined Redis round trips", registry=r)
         self.lag = Gauge("memfilter_consumer_lag", "Records not yet consumed", ["topic", "partition"], registry=r)
         self.assigned = Gauge("memfilter_assigned_partitions", "Partitions this worker holds", registry=r)
-        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-            r.register(standard)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
 
-    def value(self, name: str, **labels: str) -> float:
-        """A sample's current value (0 when never set), e.g. `value("memfilter_requests_total", outcome="new")`."""
-        return self.registry.get_sample_value(name, labels) or 0.0
+class AgentMetrics(_Registry):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.inputs = Counter("memfilter_agent_inputs", "Filtered inputs handled, by result", ["result"], registry=r)
+        self.outputs = Counter("memfilter_agent_outputs", "Records committed, by kind", ["kind"], registry=r)
+        self.model_seconds = Histogram("memfilter_agent_model_seconds", "One model call", buckets=_LATENCY_BUCKETS, registry=r)
+        self.assigned = Gauge("memfilter_assigned_partitions", "Partitions this runner holds", registry=r)

@@ -17,7 +17,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -58,8 +58,16 @@ VARIABLES = {
     "redis_port": "MEMFILTER_REDIS_PORT",
     "partitions": "MEMFILTER_PARTITIONS",
     "maven_settings": "MEMFILTER_MAVEN_SETTINGS",
+    "agent_group": "MEMFILTER_AGENT_GROUP",
+    "agent_backend": "MEMFILTER_AGENT_BACKEND",
+    "agent_model": "MEMFILTER_AGENT_MODEL",
+    "agent_base_url": "MEMFILTER_AGENT_BASE_URL",
+    "agent_web_port": "MEMFILTER_AGENT_WEB_PORT",
+    "openai_api_key": "OPENAI_API_KEY",
 }
 
+# Read by `memfilter agent` only
+AGENT_VARIABLES = {"MEMFILTER_AGENT_GROUP", "MEMFILTER_AGENT_BACKEND", "MEMFILTER_AGENT_MODEL", "MEMFILTER_AGENT_BASE_URL", "MEMFILTER_AGENT_WEB_PORT", "OPENAI_API_KEY"}
 # Read by `memfilter stack` only
 STACK_VARIABLES = {"MEMFILTER_STACK_DIR", "MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT", "MEMFILTER_PARTITIONS", "MEMFILTER_MAVEN_SETTINGS"}
 
@@ -100,6 +108,13 @@ class Settings(msgspec.Struct, frozen=True, rename=VARIABLES):
     redis_port: Port = 6379
     partitions: Positive | None = None  # None: 8 for topics `stack up` makes, existing ones as they are
     maven_settings: str = ""
+    # `memfilter agent`
+    agent_group: str = "memfilter-agent"  # its consumer group on filtered-inputs
+    agent_backend: Literal["echo", "openai"] = "echo"
+    agent_model: str = "gpt-4o-mini"  # for `openai`
+    agent_base_url: str = "https://api.openai.com/v1"  # for `openai`: any OpenAI-compatible endpoint
+    agent_web_port: Port = 6067
+    openai_api_key: str = ""
 
     @classmethod
     def from_env(cls, env=os.environ) -> Settings:

@@ -52,7 +52,7 @@ class Pipeline:
     redis_url: str
     name: str = field(default_factory=lambda: uuid.uuid4().hex[:10])
     partitions: int = 8
-    workers: list[subprocess.Popen] = field(default_factory=list)
+    workers: list[subprocess.Popen] = field(default_factory=list)  # and agent runners
     secret: bytes = field(default_factory=lambda: uuid.uuid4().hex.encode())  # the pipeline's MEMFILTER_SECRET
 
     @property
@@ -111,6 +111,22 @@ class Pipeline:
         worker.web_port = port
         self.workers.append(worker)
         return worker
+
+    def start_agent(self, **extra_env: str) -> subprocess.Popen:
+        """An agent runner process (`memfilter agent`, echo model) on the pipeline's topics;
+        stopped with the workers."""
+        log = open(WORKER_LOGS / f"memfilter-test-{self.name}-agent{len(self.workers)}.log", "ab")
+        port = free_port()
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "streams", "agent", "--web-port", str(port), "--loglevel", os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")],
+            env=self.env(MEMFILTER_AGENT_GROUP=f"agent-{self.name}", **extra_env),
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        agent.web_port = port
+        self.workers.append(agent)
+        return agent
 
     def kill(self, worker: subprocess.Popen) -> None:
         worker.send_signal(signal.SIGKILL)

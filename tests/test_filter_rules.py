@@ -173,3 +173,50 @@ class TestDropped:
             ("u1", "echo of a stored message"),
             ("a1", "echo of a stored message"),
         ]
+
+
+class TestTheModelsContext:
+    """The context: system messages, the window of the conversation's last rows with the
+    request's updates in place, then what else the request contributes."""
+
+    def thread(self, n):
+        rows = [stored_row(user(f"u{i}", f"q{i}")) if i % 2 == 0 else stored_row(assistant(f"a{i}", {"type": "text", "text": f"r{i}"})) for i in range(n)]
+        return rows, view_of(*rows, tail=[r["id"] for r in rows])
+
+    def ids(self, decision):
+        return [m.get("id", m["role"]) for m in as_json(decision)["context"]]
+
+    def test_system_messages_go_first_then_the_window_then_the_new_message(self):
+        rows, view = self.thread(4)
+        d = decide(request(*rows, {"role": "system", "content": {"format": 2, "parts": []}}, user("u4")), view, T0)
+        assert self.ids(d) == ["system", "u0", "a1", "u2", "a3", "u4"]
+
+    def test_the_window_is_the_last_n_rows_and_n_0_is_the_requests_messages_only(self):
+        rows, view = self.thread(6)
+        assert self.ids(decide(request(*rows, user("u6")), view, T0, history=2)) == ["u4", "a5", "u6"]
+        assert self.ids(decide(request(*rows, user("u6")), view, T0, history=0)) == ["u6"]
+
+    def test_a_pure_echo_has_the_conversation_as_its_context_and_no_messages(self):
+        rows, view = self.thread(4)
+        d = decide(request(*rows), view, T0)
+        assert (as_json(d)["messages"], self.ids(d)) == ([], ["u0", "a1", "u2", "a3"])
+
+    def test_rows_the_client_did_not_echo_are_in_the_window_as_stored(self):
+        rows, view = self.thread(4)
+        d = decide(request(user("u4")), view, T0)
+        assert as_json(d)["context"][:4] == rows
+
+    def test_a_kept_message_that_is_not_saved_is_in_the_context_as_it_goes_on(self):
+        rows, view = self.thread(2)
+        streaming = assistant("a2", tool("partial-call"))
+        d = decide(request(*rows, streaming), view, T0)
+        assert (d.outcome, d.persist) == ("unpersisted-assistant-kept", [])
+        assert as_json(d)["context"][-1]["content"] == streaming["content"]
+
+    def test_a_kept_stored_row_the_shell_did_not_read_in_order_follows_the_window(self):
+        """A view whose tail lacks a stored row the request keeps (not what the processor
+        reads, which reaches back to it) still gives every kept message, once."""
+        rows, view = self.thread(4)
+        view.tail = ["u2", "a3"]
+        d = decide(request(*rows[:2], retainFullInput=True), view, T0, history=2)
+        assert self.ids(d) == ["u2", "a3", "u0", "a1"]

@@ -524,3 +524,68 @@ class TestAnUnexpectedErrorStopsOneRecordOnly:
         assert dict(letter.headers)["error.type"] == b"internal" and letter.value == batch[1].value
         assert b"chat-requests-0-1" in dict(letter.headers)["error.message"]
         assert [e["requestId"] for e in outputs(outs, Topics().filtered)] == ["q0", "q2"] and stored == ["u0", "u2"]
+
+
+class TestContext:
+    """The context's window comes from Redis in the batch's round trips."""
+
+    def conversation(self, n):
+        return [msg(f"u{i}", text=f"q{i}") if i % 2 == 0 else msg(f"a{i}", role="assistant", text=f"r{i}") for i in range(n)]
+
+    async def stored(self, store, messages, thread="t"):
+        rows = [(m["id"], msgspec.json.encode({**m, "threadId": thread, "resourceId": "r1", "createdAt": "2026-03-01T10:00:00.000Z"})) for m in messages]
+        await store.apply([Save(thread, "r1", T0, rows, [m["role"] for m in messages], b"", may_own=True)])
+
+    def context_ids(self, outs):
+        return [[m["id"] for m in f["context"]] for f in outputs(outs, Topics().filtered)]
+
+    def test_an_echo_of_the_whole_conversation_costs_no_round_trip_more(self, with_store):
+        async def go(store):
+            await self.stored(store, self.conversation(14))
+            p = Processor(store)
+            before = p.metrics.value("memfilter_redis_round_trips_total")
+            outs = await p.process([record("t", [*self.conversation(14), msg("u14")], 0, "q0")])
+            return outs, p.metrics.value("memfilter_redis_round_trips_total") - before
+
+        outs, trips = with_store(go)
+        assert self.context_ids(outs) == [["u4", "a5", "u6", "a7", "u8", "a9", "u10", "a11", "u12", "a13", "u14"]]
+        assert trips == 4
+
+    def test_rows_the_client_did_not_send_are_read_in_one_round_trip_more(self, with_store):
+        async def go(store):
+            await self.stored(store, self.conversation(4))
+            p = Processor(store, history=3)
+            before = p.metrics.value("memfilter_redis_round_trips_total")
+            outs = await p.process([record("t", [msg("u4")], 0, "q0")])
+            return outs, p.metrics.value("memfilter_redis_round_trips_total") - before
+
+        outs, trips = with_store(go)
+        [filtered] = outputs(outs, Topics().filtered)
+        assert [m["id"] for m in filtered["context"]] == ["a1", "u2", "a3", "u4"]
+        assert filtered["context"][0]["content"]["parts"][0]["text"] == "r1"  # the stored row itself
+        assert trips == 5
+
+    def test_the_second_request_of_a_thread_in_a_batch_has_the_firsts_rows_in_its_context(self, with_store):
+        async def go(store):
+            return await Processor(store, history=2).process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u1")], 1, "q1")])
+
+        assert self.context_ids(with_store(go)) == [["u0"], ["u0", "u1"]]
+
+    def test_a_stored_row_kept_from_before_the_last_n_rows_starts_the_window(self, with_store):
+        async def go(store):
+            await self.stored(store, self.conversation(8))
+            return await Processor(store, history=2).process([record("t", [*self.conversation(8)[2:4], msg("u8")], 0, "q0", retainFullInput=True)])
+
+        assert self.context_ids(with_store(go)) == [["u2", "a3", "u4", "a5", "u6", "a7", "u8"]]
+
+    def test_a_context_larger_than_a_record_may_be_is_refused_and_saves_nothing(self, with_store):
+        async def go(store):
+            await self.stored(store, [msg(f"big{i}", text="x" * (1 << 20)) for i in range(9)])
+            outs = await Processor(store).process([record("t", [msg("u9")], 0, "q0")])
+            return outs, await store.thread_rows("t")
+
+        outs, rows = with_store(go)
+        [dead] = outs
+        assert dict(dead.headers)["error.type"] == b"too-large"
+        assert b"MEMFILTER_HISTORY_MESSAGES" in dict(dead.headers)["error.message"]
+        assert len(rows) == 9

@@ -1,0 +1,132 @@
+"""Scripted `useChat`-like clients: conversations driven through the whole loop.
+
+Each `Conversation` is one thread of one resource and behaves as a `useChat` client does: it
+holds the conversation (its messages, kept here in the stored form), sends the whole of it as
+AI SDK UI messages with every request, waits for the request's filtered input and, when the
+model is asked to answer (`replies.wants_reply`), for the reply saved on `persist-messages`,
+which it appends before the next turn. A turn is a user text; one of the form `/tool NAME
+{json}` makes the echo model answer with a client tool call, which the client answers at once
+(as `addToolResult` with `sendAutomaticallyWhen` does): a second request, whose answer is
+appended too.
+
+Each request's `Turn` keeps what the client held when it sent it and the `context` the model
+was given, for the loop's tests and for `memfilter converse` to print.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiokafka import AIOKafkaConsumer
+
+from schemas.wire import FilteredInput, PersistMessages
+from streams import ui
+from streams.client import Client
+from streams.processor import Topics
+from streams.replies import PENDING_STATES, wants_reply
+
+Msg = dict[str, Any]
+
+
+@dataclass
+class Turn:
+    request_id: str
+    view: list[Msg]  # the client's messages when it sent the request (stored form)
+    context: list[Msg]  # what the model was given
+    reply: Msg | None  # the saved answer, if one was asked for
+
+
+@dataclass
+class Conversation:
+    thread: str
+    resource: str
+    script: list[str]
+    messages: list[Msg] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+
+
+class Driver:
+    """Runs conversations against a running worker and agent runner (`run`)."""
+
+    def __init__(self, bootstrap: str, topics: Topics = Topics(), timeout: float = 60.0):
+        self.bootstrap = bootstrap
+        self.topics = topics
+        self.timeout = timeout  # seconds to wait for a filtered input or a reply
+        self._filtered: dict[str, asyncio.Future] = {}
+        self._replies: dict[str, asyncio.Future] = {}
+
+    async def run(self, conversations: list[Conversation]) -> None:
+        """Drive every conversation to the end of its script, side by side."""
+        consumer = AIOKafkaConsumer(
+            self.topics.filtered, self.topics.persist, bootstrap_servers=self.bootstrap, group_id=None,
+            auto_offset_reset="latest", isolation_level="read_committed", fetch_max_wait_ms=20,
+        )
+        await consumer.start()
+        try:
+            while not consumer.assignment():
+                await asyncio.sleep(0.05)
+            for tp in consumer.assignment():
+                await consumer.position(tp)  # from the end as it is now: what this run causes
+            reader = asyncio.create_task(self._read(consumer))
+            try:
+                async with Client(self.bootstrap, self.topics) as client:
+                    await asyncio.gather(*(self._converse(client, c) for c in conversations))
+            finally:
+                reader.cancel()
+        finally:
+            await consumer.stop()
+
+    async def _read(self, consumer: AIOKafkaConsumer) -> None:
+        filtered, persisted = msgspec.json.Decoder(FilteredInput), msgspec.json.Decoder(PersistMessages)
+        async for record in consumer:
+            if record.topic == self.topics.filtered:
+                event = filtered.decode(record.value)
+                self._settle(self._filtered, event.requestId, event)
+            else:
+                event = persisted.decode(record.value)
+                if event.requestId.endswith("/reply"):
+                    self._settle(self._replies, event.requestId.removesuffix("/reply"), event.messages[0])
+
+    def _settle(self, futures: dict[str, asyncio.Future], request_id: str, value: Any) -> None:
+        future = self._future(futures, request_id)
+        if not future.done():
+            future.set_result(value)
+
+    def _future(self, futures: dict[str, asyncio.Future], request_id: str) -> asyncio.Future:
+        return futures.setdefault(request_id, asyncio.get_running_loop().create_future())
+
+    async def _converse(self, client: Client, c: Conversation) -> None:
+        for k, text in enumerate(c.script):
+            c.messages.append({"id": f"{c.thread}-u{k}", "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": text}]}})
+            reply = await self._send(client, c, f"{c.thread}-q{k}")
+            calls = [p["toolInvocation"] for p in (reply or {}).get("content", {}).get("parts", []) if p.get("type") == "tool-invocation"]
+            if calls and calls[-1]["state"] in PENDING_STATES:  # the client's tool runs and answers
+                answered = copy.deepcopy(reply)
+                invocation = answered["content"]["parts"][-1]["toolInvocation"]
+                invocation.update(state="result", result={"done": invocation["toolName"], "args": invocation["args"]})
+                c.messages[-1] = answered
+                await self._send(client, c, f"{c.thread}-q{k}-tool")
+
+    async def _send(self, client: Client, c: Conversation, request_id: str) -> Msg | None:
+        view = copy.deepcopy(c.messages)
+        request = {"requestId": request_id, "threadId": c.thread, "resourceId": c.resource, "messages": [ui.to_ui(m) for m in view]}
+        await client.publish([request])
+        event = await self._wait(self._filtered, request_id, f"no filtered input for request {request_id} of thread {c.thread}: is a worker running?")
+        reply = None
+        if wants_reply(event.context):
+            reply = await self._wait(self._replies, request_id, f"no reply saved for request {request_id} of thread {c.thread}: is an agent runner running?")
+            c.messages.append(reply)
+        c.turns.append(Turn(request_id, view, event.context, reply))
+        return reply
+
+    async def _wait(self, futures: dict[str, asyncio.Future], request_id: str, problem: str) -> Any:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._future(futures, request_id)), self.timeout)
+        except TimeoutError:
+            raise TimeoutError(f"{problem} (waited {self.timeout:.0f} s)") from None
+        finally:
+            futures.pop(request_id, None)

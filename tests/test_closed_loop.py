@@ -1,0 +1,105 @@
+"""The loop the product sits in, closed: scripted `useChat`-like clients, workers, the agent
+runner (echo model), Kafka and Redis, all real.
+
+Clients send full echoes as UI messages and append each saved reply before their next turn
+(`streams/conversations.py`); one turn per thread asks for a client tool call and answers it.
+Afterwards every thread's stored history must be exactly the client's conversation, in order,
+each message once, and every filtered input's `context` the client's view when it sent the
+request (no system messages here), within the window: the last MEMFILTER_HISTORY_MESSAGES rows
+before the request and what the request adds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from pipeline import Pipeline
+from streams.conversations import Conversation, Driver
+from streams.history import HistoryStore
+
+HISTORY = 10
+THREADS, TURNS = 200, 10
+
+
+def scripts(threads: int, turns: int) -> list[Conversation]:
+    out = []
+    for i in range(threads):
+        script = [f"thread {i} turn {k}" for k in range(turns)]
+        script[3] = f'/tool lookup {{"thread": {i}}}'
+        out.append(Conversation(f"loop-{i}", f"r{i % 7}", script))
+    return out
+
+
+def essentials(message: dict) -> tuple:
+    """What the client and the store must agree on (the store adds createdAt, threadId, ...)."""
+    return message["id"], message["role"], json.dumps(message["content"], sort_keys=True)
+
+
+async def stored(pipeline: Pipeline, threads: list[str]) -> dict[str, list[dict]]:
+    client = aioredis.from_url(pipeline.redis_url)
+    try:
+        store = HistoryStore(client, pipeline.prefix)
+        return {t: [json.loads(r) for r in await store.thread_rows(t)] for t in threads}
+    finally:
+        await client.aclose()
+
+
+def check(pipeline: Pipeline, conversations: list[Conversation]) -> None:
+    rows = asyncio.run(stored(pipeline, [c.thread for c in conversations]))
+    for c in conversations:
+        assert [essentials(m) for m in rows[c.thread]] == [essentials(m) for m in c.messages], c.thread
+        assert len(c.messages) == 2 * len(c.script) + 1  # a reply per turn, and one to the tool's result
+        for turn in c.turns:
+            new = 1 if turn.view[-1]["role"] == "user" else 0  # a new message, or an outcome on a stored one
+            assert len(turn.context) == min(len(turn.view), HISTORY + new), turn.request_id
+            assert [essentials(m) for m in turn.context] == [essentials(m) for m in turn.view[-len(turn.context):]], turn.request_id
+
+
+def converse(pipeline: Pipeline, conversations: list[Conversation], during=None) -> None:
+    async def go():
+        driving = asyncio.create_task(Driver(pipeline.bootstrap, pipeline.topics, timeout=90).run(conversations))
+        if during is not None:
+            await during(conversations)
+        await driving
+
+    asyncio.run(go())
+
+
+@pytest.fixture
+def loop_pipeline(services):
+    p = Pipeline(services.bootstrap, services.redis_url)
+    asyncio.run(p.create_topics())
+    yield p
+    p.stop_all()
+
+
+def test_every_thread_stores_the_clients_conversation_and_each_context_is_its_view(loop_pipeline):
+    loop_pipeline.start_worker()
+    loop_pipeline.start_agent()
+    conversations = scripts(THREADS, TURNS)
+    converse(loop_pipeline, conversations)
+    check(loop_pipeline, conversations)
+
+
+def test_with_a_worker_and_an_agent_killed_mid_run_the_result_is_the_same(loop_pipeline):
+    settings = {"MEMFILTER_SESSION_TIMEOUT": "6"}
+    workers = [loop_pipeline.start_worker(**settings) for _ in range(2)]
+    agents = [loop_pipeline.start_agent(**settings) for _ in range(2)]
+    conversations = scripts(THREADS, TURNS)
+    total = sum(len(c.script) + 1 for c in conversations)
+
+    async def kill_midway(conversations):
+        deadline = time.monotonic() + 300
+        while sum(len(c.turns) for c in conversations) < total * 0.4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        loop_pipeline.kill(workers[0])
+        loop_pipeline.kill(agents[0])
+
+    converse(loop_pipeline, conversations, during=kill_midway)
+    assert workers[0].returncode is not None and agents[0].returncode is not None
+    check(loop_pipeline, conversations)
