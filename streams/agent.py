@@ -38,11 +38,12 @@ from collections.abc import Awaitable, Callable
 import faust
 import mode
 import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import ConsumerStoppedError
 
 from schemas.wire import FilteredInput
 from streams import replies
+from streams.app import Rebalance, seek_to_committed, serve_health
 from streams.filter import Rejection
 from streams.metrics import AgentMetrics
 from streams.processor import MAX_RECORD_BYTES, Record, dead_letter
@@ -128,7 +129,7 @@ class AgentLoop(mode.Service):
             if attempt % 20 == 0:
                 log.warning("waiting for topic %s: create it (`memfilter stack up` does)", s.topics.filtered)
             await asyncio.sleep(0.5)
-        self._consumer.subscribe([s.topics.filtered], listener=_Rebalance(self))
+        self._consumer.subscribe([s.topics.filtered], listener=Rebalance(self))
 
     async def on_stop(self) -> None:
         async with self._turn:
@@ -153,7 +154,10 @@ class AgentLoop(mode.Service):
             pass
         except Exception:
             log.critical("memfilter agent: stopping on an unexpected error", exc_info=True)
-            os._exit(1)  # as the worker: better restarted than up and idle
+            self._crash_process()
+
+    def _crash_process(self) -> None:
+        os._exit(1)  # as the worker: better restarted than up and idle
 
     async def _partition(self, tp: TopicPartition, records: list) -> None:
         """A partition's part of the batch: answers, then one transaction with the offset."""
@@ -218,13 +222,8 @@ class AgentLoop(mode.Service):
                 for tp in assigned
             }
             await asyncio.gather(*(p.start() for p in self._producers.values()))
-            for tp in assigned:
-                committed = await self._consumer.committed(tp)
-                if committed is None:
-                    await self._consumer.seek_to_beginning(tp)
-                else:
-                    self._consumer.seek(tp, committed)
-            self._epoch += 1
+            await seek_to_committed(self._consumer, assigned)
+            self._epoch += 1  # a batch fetched before the seek is dropped (`_run`): fetched again from here
         self.metrics.assigned.set(len(assigned))
         log.info("memfilter agent ready: partitions %s of %s", sorted(tp.partition for tp in assigned), self.settings.topics.filtered)
 
@@ -233,27 +232,7 @@ class AgentLoop(mode.Service):
         await asyncio.gather(*(p.stop() for p in producers.values()))
 
 
-class _Rebalance(ConsumerRebalanceListener):
-    def __init__(self, loop: AgentLoop):
-        self.loop = loop
-
-    async def on_partitions_revoked(self, revoked) -> None:
-        await self._or_stop(self.loop.partitions_revoked())
-
-    async def on_partitions_assigned(self, assigned) -> None:
-        await self._or_stop(self.loop.partitions_assigned(set(assigned)))
-
-    async def _or_stop(self, step) -> None:
-        try:
-            await step
-        except Exception:
-            log.critical("memfilter agent: stopping on an unexpected error in a rebalance", exc_info=True)
-            os._exit(1)
-
-
 def create_agent_app(settings: Settings) -> faust.App:
-    from streams.app import serve_health
-
     model = echo_model(settings.secret) if settings.agent_backend == "echo" else openai_model(settings)
     metrics = AgentMetrics()
     loop = AgentLoop(settings, model, metrics)

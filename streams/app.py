@@ -60,6 +60,7 @@ import os
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import faust
@@ -182,7 +183,7 @@ class RecordLoop(mode.Service):
         await self._consumer.start()
         topics = [self.settings.topics.requests, self.settings.topics.persist]
         await self._wait_for(topics)
-        self._consumer.subscribe(topics, listener=_Rebalance(self))
+        self._consumer.subscribe(topics, listener=Rebalance(self))
 
     async def _wait_for(self, topics: list[str]) -> None:
         """Subscribing to a topic the broker does not yet know would leave it unassigned."""
@@ -403,16 +404,7 @@ class RecordLoop(mode.Service):
         log.info("memfilter worker ready: %d tasks %s (partitions of %s and %s)", len(tasks), tasks, topics.requests, topics.persist)
 
     async def _seek_to_committed(self, assigned: set[TopicPartition]) -> None:
-        """Start every assigned partition again from its committed offset (the beginning if
-        none), and drop what was fetched before: all at once, after the last await, so that no
-        batch fetched from a partition already moved back is taken for one fetched after."""
-        tps = sorted(assigned)
-        committed = dict(zip(tps, await asyncio.gather(*(self._consumer.committed(tp) for tp in tps))))
-        never = [tp for tp, offset in committed.items() if offset is None]
-        beginnings = await self._consumer.beginning_offsets(never) if never else {}
-        for tp, offset in committed.items():
-            self._consumer.seek(tp, beginnings[tp] if offset is None else offset)
-        self._committed = {tp: beginnings[tp] if offset is None else offset for tp, offset in committed.items()}
+        self._committed = await seek_to_committed(self._consumer, assigned)
         self._epoch += 1  # a batch fetched before the seek is dropped (`_run`): it is fetched again from here
 
     def _check_co_partitioned(self, assigned: set[TopicPartition]) -> list[int]:
@@ -455,6 +447,21 @@ class RecordLoop(mode.Service):
             self._delivering = None
 
 
+async def seek_to_committed(consumer: AIOKafkaConsumer, assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
+    """Start every assigned partition again from its committed offset (the beginning if
+    none), all at once after the last await, so that no batch fetched from a partition already
+    moved back is taken for one fetched after (the caller then drops batches fetched before:
+    they are fetched again from here); the offsets started from."""
+    tps = sorted(assigned)
+    committed = dict(zip(tps, await asyncio.gather(*(consumer.committed(tp) for tp in tps))))
+    never = [tp for tp, offset in committed.items() if offset is None]
+    beginnings = await consumer.beginning_offsets(never) if never else {}
+    starts = {tp: beginnings[tp] if offset is None else offset for tp, offset in committed.items()}
+    for tp, offset in starts.items():
+        consumer.seek(tp, offset)
+    return starts
+
+
 def in_order(batch: dict[TopicPartition, list], topics: Topics, secret: bytes) -> list[tuple[list[Record], list[Record]]]:
     """The batch's requests and other writers' persist events, in the order to apply them: in
     each task, the two partitions merged by record timestamp (a save first on a tie), as Kafka
@@ -482,12 +489,13 @@ def in_order(batch: dict[TopicPartition, list], topics: Topics, secret: bytes) -
     return phases
 
 
-class _Rebalance(ConsumerRebalanceListener):
-    """Tells the loop when partitions leave and arrive. aiokafka only logs a listener's error
-    and goes on, so a failure here (the batch in hand's transaction, a producer that cannot
-    start: does the broker allow transactions?) stops the worker instead."""
+class Rebalance(ConsumerRebalanceListener):
+    """Tells a loop (the worker's, the agent runner's) when partitions leave and arrive.
+    aiokafka only logs a listener's error and goes on, so a failure here (the batch in hand's
+    transaction, a producer that cannot start: does the broker allow transactions?) stops the
+    process instead."""
 
-    def __init__(self, loop: RecordLoop):
+    def __init__(self, loop: RecordLoop | Any):
         self.loop = loop
 
     async def on_partitions_revoked(self, revoked) -> None:
@@ -503,7 +511,7 @@ class _Rebalance(ConsumerRebalanceListener):
             log.critical("memfilter worker: %s", e)
             self.loop._crash_process()
         except Exception:
-            log.critical("memfilter worker: stopping on an unexpected error in a rebalance", exc_info=True)
+            log.critical("memfilter: stopping on an unexpected error in a rebalance", exc_info=True)
             self.loop._crash_process()
 
 

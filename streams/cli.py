@@ -80,7 +80,7 @@ def _no_secret(settings) -> str | None:
     return None
 
 
-def _web_port_free(settings, port: int | None = None, variable: str = "MEMFILTER_WEB_PORT") -> str | None:
+def _web_port_free(settings, port: int | None = None, variable: str = "MEMFILTER_WEB_PORT", what: str = "worker") -> str | None:
     """None if the web server can listen on `port` (the worker's by default), else a one-line reason."""
     import socket
 
@@ -93,7 +93,7 @@ def _web_port_free(settings, port: int | None = None, variable: str = "MEMFILTER
         except OSError as e:
             return (
                 f"cannot serve the web server on {settings.web_bind}:{port} ({e.strerror}): "
-                f"each process on a host needs its own port: --web-port or {variable}"
+                f"each {what} on a host needs its own port: --web-port or {variable}"
             )
 
 
@@ -128,11 +128,38 @@ def cmd_agent(args: argparse.Namespace) -> int:
         settings = msgspec.structs.replace(settings, agent_web_port=args.web_port)
     if args.backend is not None:
         settings = msgspec.structs.replace(settings, agent_backend=args.backend)
-    reason = _no_secret(settings) or _web_port_free(settings, settings.agent_web_port, "MEMFILTER_AGENT_WEB_PORT") or _reachable(settings, redis_too=False)
+    reason = _no_secret(settings) or _web_port_free(settings, settings.agent_web_port, "MEMFILTER_AGENT_WEB_PORT", "agent runner") or _reachable(settings, redis_too=False)
     if reason is not None:
         print(f"memfilter agent: {reason}", file=sys.stderr)
         return 1
     Worker(create_agent_app(settings), loglevel=args.loglevel).execute_from_commandline()
+    return 0
+
+
+def cmd_converse(args: argparse.Namespace) -> int:
+    import asyncio
+    import time
+
+    from streams.conversations import DEMO_SCRIPT, Conversation, Driver, describe
+
+    settings = Settings.from_env()
+    reason = _reachable(settings, redis_too=False)
+    if reason is not None:
+        print(f"memfilter converse: {reason}", file=sys.stderr)
+        return 1
+    conversation = Conversation(args.thread or f"demo-thread-{int(time.time())}", args.resource, args.texts or DEMO_SCRIPT)
+    try:
+        asyncio.run(Driver(settings.bootstrap, settings.topics, args.timeout).run([conversation]))
+    except TimeoutError as e:
+        print(f"memfilter converse: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print(f"thread {conversation.thread} of resource {conversation.resource}: each request, what the model saw, its answer")
+        for turn in conversation.turns:
+            print(f"> {describe(turn.view[-1])}")
+            print(f"    the model saw {len(turn.context)} messages: " + " | ".join(describe(m, 40) for m in turn.context))
+            if turn.reply is not None:
+                print(f"< {describe(turn.reply)}")
     return 0
 
 
@@ -467,6 +494,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--web-port", type=int, help="port of the runner's web server (default MEMFILTER_AGENT_WEB_PORT or 6067)")
     p.add_argument("--loglevel", default="warn", choices=["crit", "error", "warn", "info", "debug"])
     p.set_defaults(parser=p, run=cmd_agent)
+
+    p = sub.add_parser(
+        "converse",
+        help="a scripted useChat-like client: send each text as a turn (full echo, UI messages), wait for the saved reply, print what the model saw",
+    )
+    p.add_argument("texts", nargs="*", help="the user's turns; '/tool NAME {json}' asks the echo model for a client tool call (default: a short demo)")
+    p.add_argument("--thread", help="thread id (default demo-thread-<time>)")
+    p.add_argument("--resource", default="demo-user", help="resource id (default demo-user)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each filtered input and reply (default 60)")
+    p.set_defaults(parser=p, run=cmd_converse)
 
     p = sub.add_parser("publish", help="publish ChatRequests (JSON array or JSON lines) to chat-requests")
     p.add_argument("file", nargs="?", help="requests file (default: stdin)")

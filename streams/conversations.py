@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,12 @@ from streams.processor import Topics
 from streams.replies import PENDING_STATES, wants_reply
 
 Msg = dict[str, Any]
+
+DEMO_SCRIPT = [
+    "Find me a flight from Lisbon to Oslo on May 3.",
+    '/tool pickSeat {"flight": "TP1234"}',
+    "Thanks. Print my itinerary.",
+]
 
 
 @dataclass
@@ -130,3 +137,17 @@ class Driver:
             raise TimeoutError(f"{problem} (waited {self.timeout:.0f} s)") from None
         finally:
             futures.pop(request_id, None)
+
+
+def describe(message: Msg, width: int = 200) -> str:
+    """One line for a person: the role, and the text or tool invocations of a message."""
+    said = []
+    for p in message.get("content", {}).get("parts", []):
+        if p.get("type") == "text":
+            said.append(p["text"])
+        elif p.get("type") == "tool-invocation":
+            inv = p["toolInvocation"]
+            outcome = f" -> {json.dumps(inv['result'])}" if "result" in inv else ""
+            said.append(f"[{inv.get('toolName')}({json.dumps(inv.get('args'))}) {inv.get('state')}{outcome}]")
+    line = " ".join(said)
+    return f"{message.get('role')}: {line if len(line) <= width else line[: width - 1] + '…'}"

@@ -16,9 +16,14 @@ Wherever a kept message has the id of a stored message, the stored copy goes on 
 echo, with at most the advancing tool outcomes applied. The rules, and where they deliberately
 differ from Mastra's `MemoryInputFilter`, are in `docs/filter.md`.
 
+With the decision comes the model's `context` (`_context`): the request's system messages,
+the last `history` rows of the conversation with the request's updates in place, then what
+else the request contributes (`docs/agent.md`).
+
 This is the functional core: pure functions from (request bytes, `StoredView`, record
-timestamp) to a `Decision`; no I/O. `lookup_ids` says which stored rows a decision needs, so
-the stream layer fetches them in one round trip.
+timestamp) to a `Decision`; no I/O. `lookup_ids` says which stored rows a decision needs, and
+`window_reach` where the context's window must start, so the stream layer fetches them in its
+batch's round trips.
 
 How messages are held, for speed and losslessness: a request is decoded twice from its bytes,
 once typed (`Message` Structs: validated, read by the rules) and once as raw JSON per message
@@ -320,11 +325,11 @@ def lookup_ids(request: Request) -> list[str]:
 
 
 def window_reach(request: Request, view: StoredView) -> list[str]:
-    """The ids of the stored rows (in `view.rows`) the request keeps: the context's window
+    """The ids of the stored rows (in `view.rows`) the request may keep: the context's window
     reaches back to the first of them (`_context`), so the shell reads the thread's order from
     there before deciding."""
     shape = request.shape
-    _, kept = _select(shape.messages, request.ids, shape.retainFullInput, view)
+    _, kept = _select(shape.messages, request.ids, shape.retainFullInput, view, exact=False)
     return [request.ids[pos] for pos in kept if request.ids[pos] in view.rows]
 
 
@@ -401,8 +406,10 @@ def _trailing_outcomes(message: Message) -> list[int]:
     return run
 
 
-def _select(messages: list[Message], ids: list[str | None], retain_full: bool, view: StoredView) -> tuple[str, Kept]:
-    """The outcome, and what is kept of which messages before the base layer."""
+def _select(messages: list[Message], ids: list[str | None], retain_full: bool, view: StoredView, exact: bool = True) -> tuple[str, Kept]:
+    """The outcome, and what is kept of which messages before the base layer. Not `exact`: a
+    stored assistant message before a user tail is kept without reading whether the tail's
+    echo advances it (a superset, for `window_reach`, that decodes no stored row)."""
     conversation = [i for i, m in enumerate(messages) if m.role != "system"]
     if not conversation:
         return "empty", {}
@@ -427,7 +434,9 @@ def _select(messages: list[Message], ids: list[str | None], retain_full: bool, v
 
     if boundary is not None:
         kept: Kept = {i: None for i in conversation if i > boundary}
-        if ids[boundary] in view.rows:
+        if ids[boundary] in view.rows and not exact:
+            kept[boundary] = None
+        elif ids[boundary] in view.rows:
             stored = view.row(ids[boundary])
             parts = messages[boundary].content.parts
             outcomes = [j for j, p in enumerate(parts) if is_client_outcome(p) and apply_outcomes(stored, [p]) is not None]

@@ -23,7 +23,11 @@ Only rows and order lists grow with the conversation; everything else is a few b
 message or save, or per thread (README, "Capacity").
 
 A thread is read with plain commands, meta first, in one pipeline for its batch (a Lua
-script cost Redis six times as much; consistency comes from the write). A request's rows, its
+script cost Redis six times as much; consistency comes from the write); with it, the ids of
+its last rows (the model's context: `streams/filter.py`). The rows of those the requests did
+not name, and the order from an older row a request keeps (`TAIL`, the one read script, run
+only for such a thread), come in one more round trip, only when some thread needs them
+(`read_tails`). A request's rows, its
 owner claim, the version bump and its processed record are written by one Lua script
 (`COMMIT`), atomically: it refuses a decision made on a version that has since moved
 (`stale`: the persister saved a reply meanwhile, or the batch's earlier request of the thread

@@ -6,8 +6,11 @@ loop in `streams/app.py` (and the audit replay) hands it batches of records and 
 1. decode every record (a record that does not decode, or is keyed by another thread, is
    rejected here and goes to the dead-letter topic);
 2. read, in one pipelined round trip, every thread (of the lane, below): its meta, the rows of
-   every message id its requests name, and which of its request ids were already processed;
-   then, in a second, which threads own the ids not stored in their own thread;
+   every message id its requests name, its retry window and the ids of its last
+   MEMFILTER_HISTORY_MESSAGES rows (the context's window); then, in a second, which threads own
+   the ids not stored in their own thread; in a third, only if some thread needs it, the
+   window's rows the requests did not name (a client that does not echo them) and, for a
+   window that reaches back to an older stored row a request keeps, the order from there;
 3. decide each thread's requests in offset order, each seeing what the earlier ones of the
    batch saved (an overlay on what was read), so per-thread order and read-your-writes hold
    within a batch as across batches;

@@ -99,34 +99,26 @@ class Pipeline:
 
     def start_worker(self, **extra_env: str) -> subprocess.Popen:
         """A worker process; its web server's port is `worker.web_port`."""
-        log = open(self.log_path(len(self.workers)), "ab")
-        port = free_port()
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "streams", "worker", "--web-port", str(port), "--loglevel", os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")],
-            env=self.env(**extra_env),
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        worker.web_port = port
-        self.workers.append(worker)
-        return worker
+        return self._start("worker", self.log_path(len(self.workers)), extra_env)
 
     def start_agent(self, **extra_env: str) -> subprocess.Popen:
-        """An agent runner process (`memfilter agent`, echo model) on the pipeline's topics;
-        stopped with the workers."""
-        log = open(WORKER_LOGS / f"memfilter-test-{self.name}-agent{len(self.workers)}.log", "ab")
+        """An agent runner process (`memfilter agent`, echo model unless told) on the
+        pipeline's topics; stopped with the workers."""
+        log = WORKER_LOGS / f"memfilter-test-{self.name}-agent{len(self.workers)}.log"
+        return self._start("agent", log, {"MEMFILTER_AGENT_GROUP": f"agent-{self.name}", **extra_env})
+
+    def _start(self, command: str, log_path: Path, extra_env: dict[str, str]) -> subprocess.Popen:
         port = free_port()
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "streams", "agent", "--web-port", str(port), "--loglevel", os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")],
-            env=self.env(MEMFILTER_AGENT_GROUP=f"agent-{self.name}", **extra_env),
+        process = subprocess.Popen(
+            [sys.executable, "-m", "streams", command, "--web-port", str(port), "--loglevel", os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")],
+            env=self.env(**extra_env),
             cwd=REPO,
-            stdout=log,
+            stdout=open(log_path, "ab"),
             stderr=subprocess.STDOUT,
         )
-        agent.web_port = port
-        self.workers.append(agent)
-        return agent
+        process.web_port = port
+        self.workers.append(process)
+        return process
 
     def kill(self, worker: subprocess.Popen) -> None:
         worker.send_signal(signal.SIGKILL)

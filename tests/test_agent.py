@@ -7,14 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import msgspec
 import pytest
+import redis.asyncio as aioredis
 
 from pipeline import Pipeline, free_port, header, publish, read
 from schemas.wire import FilteredInput, Source
 from streams import replies
+from streams.client import Client
+from streams.history import HistoryStore
 
 SECRET = b"the-tests-secret-0123456789"
 
@@ -177,17 +181,63 @@ def test_the_openai_backend_answers_with_the_endpoints_reply_retries_an_outage_a
     assert first["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
 
 
-def test_a_record_that_is_not_a_filtered_input_is_dead_lettered_and_the_next_is_answered(services):
+def test_a_record_that_is_not_a_filtered_input_is_dead_lettered_the_next_answered_and_metrics_say_so(services):
     pipeline = Pipeline(services.bootstrap, services.redis_url)
     asyncio.run(pipeline.create_topics())
-    pipeline.start_agent()
+    agent = pipeline.start_agent()
     t = pipeline.topics
     good = msgspec.json.encode(filtered([text("u1", "user", "hi")], thread="ok"))
     try:
         asyncio.run(publish(services.bootstrap, t.filtered, [(b"bad", b"{not json", None), (b"ok", good, None)]))
         records = asyncio.run(read(services.bootstrap, [t.persist, t.dlq], until=lambda rs: len(rs) >= 2))
+        web = f"http://127.0.0.1:{agent.web_port}"
+        ready = urllib.request.urlopen(f"{web}/readyz", timeout=5).read()
+        metrics = urllib.request.urlopen(f"{web}/metrics", timeout=5).read().decode()
     finally:
         pipeline.stop_all()
+    assert ready == b"ready\n"
+    assert 'memfilter_agent_inputs_total{result="answered"} 1.0' in metrics
+    assert 'memfilter_agent_inputs_total{result="dead-letter"} 1.0' in metrics
     by_topic = {r.topic: r for r in records}
     assert header(by_topic[t.dlq], "error.type") == "decode" and by_topic[t.dlq].value == b"{not json"
     assert json.loads(by_topic[t.persist].value)["messages"][0]["content"]["parts"][-1]["text"] == "echo: hi"
+
+
+def test_a_runner_built_on_the_client_consumes_as_a_group_and_its_replies_are_stored(services):
+    pipeline = Pipeline(services.bootstrap, services.redis_url)
+    asyncio.run(pipeline.create_topics())
+    pipeline.start_worker()
+
+    async def go():
+        async with Client(services.bootstrap, pipeline.topics) as client:
+            await client.publish([{"requestId": f"c{i}", "threadId": f"own-{i}", "resourceId": "r1",
+                                   "messages": [text(f"own-{i}-u", "user", f"hi {i}")]} for i in range(2)])
+            handled = []
+            async for delivery in client.consume("my-agent"):
+                answer = text(f"{delivery.event.threadId}-a", "assistant", "hello")
+                await client.reply(delivery.event, answer)
+                await delivery.commit()
+                handled.append(delivery.event.requestId)
+                if len(handled) == 1:
+                    break  # a member leaves after one: the group resumes after its commit
+            async for delivery in client.consume("my-agent"):
+                await client.reply(delivery.event, text(f"{delivery.event.threadId}-a", "assistant", "hello"))
+                await delivery.commit()
+                handled.append(delivery.event.requestId)
+                break
+        redis = aioredis.from_url(services.redis_url)
+        store = HistoryStore(redis, pipeline.prefix)
+        for _ in range(100):  # the worker applies the replies
+            rows = [[json.loads(r)["id"] for r in await store.thread_rows(f"own-{i}")] for i in range(2)]
+            if all(len(r) == 2 for r in rows):
+                break
+            await asyncio.sleep(0.1)
+        await redis.aclose()
+        return handled, rows
+
+    try:
+        handled, rows = asyncio.run(go())
+    finally:
+        pipeline.stop_all()
+    assert sorted(handled) == ["c0", "c1"]
+    assert rows == [["own-0-u", "own-0-a"], ["own-1-u", "own-1-a"]]

@@ -50,7 +50,14 @@ async def stored(pipeline: Pipeline, threads: list[str]) -> dict[str, list[dict]
 
 
 def check(pipeline: Pipeline, conversations: list[Conversation]) -> None:
-    rows = asyncio.run(stored(pipeline, [c.thread for c in conversations]))
+    """The stored threads (once the worker has applied the last replies, which the clients
+    may have read on persist-messages first) and the contexts, against the clients."""
+    deadline = time.monotonic() + 30
+    while True:
+        rows = asyncio.run(stored(pipeline, [c.thread for c in conversations]))
+        if all(len(rows[c.thread]) == len(c.messages) for c in conversations) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     for c in conversations:
         assert [essentials(m) for m in rows[c.thread]] == [essentials(m) for m in c.messages], c.thread
         assert len(c.messages) == 2 * len(c.script) + 1  # a reply per turn, and one to the tool's result
@@ -78,12 +85,14 @@ def loop_pipeline(services):
     p.stop_all()
 
 
-def test_every_thread_stores_the_clients_conversation_and_each_context_is_its_view(loop_pipeline):
+def test_every_thread_stores_the_clients_conversation_each_context_is_its_view_and_a_replay_agrees(loop_pipeline):
     loop_pipeline.start_worker()
     loop_pipeline.start_agent()
     conversations = scripts(THREADS, TURNS)
     converse(loop_pipeline, conversations)
     check(loop_pipeline, conversations)
+    replayed = loop_pipeline.memfilter("replay", timeout=600)  # the contexts, replies among them, decided again
+    assert replayed.returncode == 0 and "identical, 0 different" in replayed.stdout, replayed.stdout + replayed.stderr
 
 
 def test_with_a_worker_and_an_agent_killed_mid_run_the_result_is_the_same(loop_pipeline):

@@ -302,16 +302,37 @@ class TestReplayCommand:
             await client.publish([request("r-1", "hi", "never-processed")])
 
 
-def test_run_local_exits_1_when_its_worker_stops(services, tmp_path):
-    """`deploy/run-local.sh` on the test stack, with the worker's web port taken: it says the
-    worker exited and shows the end of its log, instead of showing earlier runs' events."""
-    env = {
+def run_local_env(services) -> dict[str, str]:
+    """`deploy/run-local.sh`'s environment on the test stack, with web ports of its own."""
+    return {
         **os.environ,
         "MEMFILTER_STACK_DIR": str(services.stack_dir or REPO / ".stack" / "tests"),
         "MEMFILTER_KAFKA_PORT": services.bootstrap.rsplit(":", 1)[1],
         "MEMFILTER_REDIS_PORT": services.redis_url.rsplit(":", 1)[1].split("/")[0],
         "MEMFILTER_CONTROLLER_PORT": os.environ.get("MEMFILTER_CONTROLLER_PORT", "19093"),
+        "MEMFILTER_WEB_PORT": str(free_port()),
+        "MEMFILTER_AGENT_WEB_PORT": str(free_port()),
     }
+
+
+def test_run_local_runs_the_loop_and_shows_what_the_model_saw_and_what_is_stored(services):
+    """The whole loop: the client's turns, each answered by the agent, one tool round trip;
+    the stored thread has every turn and reply."""
+    result = subprocess.run(["bash", "deploy/run-local.sh"], capture_output=True, text=True, env=run_local_env(services), cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "< assistant: echo: Find me a flight from Lisbon to Oslo on May 3." in out
+    assert '< assistant: [pickSeat({"flight": "TP1234"}) call]' in out
+    assert '> assistant: [pickSeat({"flight": "TP1234"}) result -> ' in out  # the client's answer to the call
+    assert "< assistant: pickSeat returned" in out
+    stored = out.split("--- the thread as it is stored")[1]
+    assert stored.count("assistant") == 4 and stored.count("user") >= 3
+
+
+def test_run_local_exits_1_when_its_worker_stops(services, tmp_path):
+    """`deploy/run-local.sh` on the test stack, with the worker's web port taken: it says the
+    worker exited and shows the end of its log, instead of showing earlier runs' events."""
+    env = run_local_env(services)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
