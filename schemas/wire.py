@@ -39,7 +39,11 @@ Outcome = Literal[
     "tool-outcomes",
     "stored-echo-dropped",
     "unpersisted-assistant-kept",
+    "regenerated",
+    "edited",
 ]
+# What a `useChat` request says it is (AI SDK v5): a new or edited message, or a regenerate.
+Trigger = Literal["submit-message", "regenerate-message"]
 
 
 NonEmpty = Annotated[str, Meta(min_length=1)]
@@ -175,6 +179,8 @@ class ChatRequestOf(Struct, Generic[M], omit_defaults=True):
     messages: list[M]
     requestId: NonEmpty | UnsetType = UNSET
     retainFullInput: bool = False
+    trigger: Trigger | UnsetType = UNSET
+    messageId: str | UnsetType = UNSET  # with `submit-message`: the message edited (`docs/regenerate-edit.md`)
 
 
 ChatRequest = ChatRequestOf[RequestMessageDict]
@@ -210,6 +216,7 @@ class FilteredInput(Struct):
     dropped: list[Dropped]
     source: Source
     historyVersion: int = 0
+    superseded: list[str] = []  # ids of the rows this request took out of the conversation (regenerate, edit)
 
 
 # Generic like `ChatRequestOf`: the persister reads the same bytes typed and raw.
@@ -227,6 +234,7 @@ class PersistMessagesOf(Struct, Generic[M], omit_defaults=True):
     resourceId: str
     messages: list[M]
     historyVersion: int | UnsetType = UNSET
+    superseded: list[str] = []  # ids of this thread's rows to take out of the conversation (kept stored)
 
 
 PersistMessages = PersistMessagesOf[MessageDict]

@@ -147,7 +147,7 @@ class RecordLoop(mode.Service):
         self.settings = settings
         self.metrics = metrics
         self.store = store
-        self.processor = Processor(store, settings.topics, settings.limits, metrics, settings.secret, history=settings.history_messages)
+        self.processor = Processor(store, settings.topics, settings.limits, metrics, settings.secret, history=settings.history_messages, edits=settings.edits == "on")
         self.persister = Persister(store, settings.topics.dlq, settings.secret)
         self._consumer: AIOKafkaConsumer | None = None
         self._turn = asyncio.Lock()  # held while a batch is handled; a rebalance waits for it

@@ -374,18 +374,19 @@ def cmd_history(args: argparse.Namespace) -> int:
 
     async def show() -> int:
         store = _store(url, prefix, settings)
-        rows = await store.thread_rows(args.thread)
-        if not rows:
+        rows, superseded = await store.thread_rows(args.thread), await store.superseded_rows(args.thread)
+        if not rows and not superseded:
             print(f"memfilter history show: thread {args.thread} has no stored messages under prefix {prefix}", file=sys.stderr)
             return 1
-        for row in rows:
+        for by, row in [(None, row) for row in rows] + sorted(superseded, key=lambda s: msgspec.json.decode(s[1]).get("createdAt") or ""):
             if args.json:
-                print(row.decode())
+                print(row.decode() if by is None else msgspec.json.encode({"supersededBy": by, "row": msgspec.Raw(row)}).decode())
                 continue
             m = msgspec.json.decode(row)
             parts = (m.get("content") or {}).get("parts") or [] if isinstance(m.get("content"), dict) else []
             text = " ".join(str(p.get("text", f"[{p.get('type')}]")) for p in parts if isinstance(p, dict)) or str(m.get("content"))[:80]
-            print(f"{m.get('createdAt', ''):24}  {m.get('id', ''):20}  {m.get('role', ''):9}  {text[:100]}")
+            mark = "" if by is None else f"  (superseded by request {by})"
+            print(f"{m.get('createdAt', ''):24}  {m.get('id', ''):20}  {m.get('role', ''):9}  {text[:100]}{mark}")
         return 0
 
     async def rebuild_all() -> int:
@@ -444,6 +445,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             settings.limits,
             _progress("replayed"),
             settings.history_messages,
+            settings.edits == "on",
         ),
     )
     for d in report.differences:
@@ -522,9 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("history", help="show a stored thread, rebuild history from persist-messages, list or drop key prefixes")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    show = actions.add_parser("show", help="a stored thread in save order")
+    show = actions.add_parser("show", help="a stored thread: its conversation in save order, then its superseded rows, marked")
     show.add_argument("thread", help="thread id")
-    show.add_argument("--json", action="store_true", help="each stored row as one line of JSON")
+    show.add_argument("--json", action="store_true", help="each stored row as one line of JSON, as stored; a superseded one as {\"supersededBy\": REQUEST, \"row\": ROW}")
     rebuild = actions.add_parser(
         "rebuild", help="replace the history under a prefix with persist-messages applied as it was live (refused while workers run on it)"
     )

@@ -4,10 +4,12 @@ Each `Conversation` is one thread of one resource and behaves as a `useChat` cli
 holds the conversation (its messages, kept here in the stored form), sends the whole of it as
 AI SDK UI messages with every request, waits for the request's filtered input and, when the
 model is asked to answer (`replies.wants_reply`), for the reply saved on `persist-messages`,
-which it appends before the next turn. A turn is a user text; one of the form `/tool NAME
-{json}` makes the echo model answer with a client tool call, which the client answers at once
-(as `addToolResult` with `sendAutomaticallyWhen` does): a second request, whose answer is
-appended too.
+which it appends before the next turn. A turn is a user text (`sendMessage`: trigger
+`submit-message`); one of the form `/tool NAME {json}` makes the echo model answer with a
+client tool call, which the client answers at once (as `addToolResult` with
+`sendAutomaticallyWhen` does): a second request, whose answer is appended too. `/regenerate`
+drops the last answer and asks for another (`regenerate()`); `/edit TEXT` replaces the last
+user message's text and drops what follows it (`sendMessage({text, messageId})`).
 
 Each request's `Turn` keeps what the client held when it sent it and the `context` the model
 was given, for the loop's tests and for `memfilter converse` to print.
@@ -43,7 +45,9 @@ DEMO_SCRIPT = [
 class Turn:
     request_id: str
     view: list[Msg]  # the client's messages when it sent the request (stored form)
+    new: bool  # whether its last message was new (not stored yet)
     context: list[Msg]  # what the model was given
+    superseded: list[str]  # what it took out of the conversation
     reply: Msg | None  # the saved answer, if one was asked for
 
 
@@ -108,6 +112,17 @@ class Driver:
 
     async def _converse(self, client: Client, c: Conversation) -> None:
         for k, text in enumerate(c.script):
+            if text == "/regenerate" or text.startswith("/edit "):
+                last = max(i for i, m in enumerate(c.messages) if m["role"] == "user")
+                del c.messages[last + 1 :]
+                if text == "/regenerate":
+                    reply = await self._send(client, c, f"{c.thread}-q{k}", trigger="regenerate-message", new=False)
+                    continue
+                edited = copy.deepcopy(c.messages[last])
+                edited["content"]["parts"] = [{"type": "text", "text": text.removeprefix("/edit ")}]
+                c.messages[last] = edited
+                reply = await self._send(client, c, f"{c.thread}-q{k}", message_id=edited["id"], new=False)
+                continue
             c.messages.append({"id": f"{c.thread}-u{k}", "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": text}]}})
             reply = await self._send(client, c, f"{c.thread}-q{k}")
             calls = [p["toolInvocation"] for p in (reply or {}).get("content", {}).get("parts", []) if p.get("type") == "tool-invocation"]
@@ -116,18 +131,24 @@ class Driver:
                 invocation = answered["content"]["parts"][-1]["toolInvocation"]
                 invocation.update(state="result", result={"done": invocation["toolName"], "args": invocation["args"]})
                 c.messages[-1] = answered
-                await self._send(client, c, f"{c.thread}-q{k}-tool")
+                await self._send(client, c, f"{c.thread}-q{k}-tool", message_id=answered["id"], new=False)
 
-    async def _send(self, client: Client, c: Conversation, request_id: str) -> Msg | None:
+    async def _send(
+        self, client: Client, c: Conversation, request_id: str, trigger: str = "submit-message", message_id: str | None = None, new: bool = True
+    ) -> Msg | None:
+        """Send the conversation as `useChat` does (`messageId` defaults to the last message's)."""
         view = copy.deepcopy(c.messages)
-        request = {"requestId": request_id, "threadId": c.thread, "resourceId": c.resource, "messages": [ui.to_ui(m) for m in view]}
+        request = {
+            "requestId": request_id, "threadId": c.thread, "resourceId": c.resource, "messages": [ui.to_ui(m) for m in view],
+            "trigger": trigger, "messageId": message_id or view[-1]["id"],
+        }
         await client.publish([request])
         event = await self._wait(self._filtered, request_id, f"no filtered input for request {request_id} of thread {c.thread}: is a worker running?")
         reply = None
         if wants_reply(event.context):
             reply = await self._wait(self._replies, request_id, f"no reply saved for request {request_id} of thread {c.thread}: is an agent runner running?")
             c.messages.append(reply)
-        c.turns.append(Turn(request_id, view, event.context, reply))
+        c.turns.append(Turn(request_id, view, new, event.context, event.superseded, reply))
         return reply
 
     async def _wait(self, futures: dict[str, asyncio.Future], request_id: str, problem: str) -> Any:

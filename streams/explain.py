@@ -8,7 +8,7 @@ the processor do with this?" has one answer. The shapes are `Case` and `Explanat
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -32,6 +32,8 @@ class Case(msgspec.Struct):
     owner: str | None = None
     timestamp: int = 0
     historyMessages: int = HISTORY_MESSAGES  # N of the context's window (MEMFILTER_HISTORY_MESSAGES)
+    superseded: list[str] = []  # ids of `stored` rows superseded already
+    edits: Literal["on", "off"] = "on"  # MEMFILTER_EDITS
 
 
 class Explanation(msgspec.Struct, omit_defaults=True):
@@ -40,6 +42,7 @@ class Explanation(msgspec.Struct, omit_defaults=True):
     dropped: list[Dropped]
     persist: list[dict[str, Any]]
     context: list[Any]
+    superseded: list[str]
     error: Rejection | None = None
 
 
@@ -64,7 +67,8 @@ def view_of(thread_id: str, case: Case) -> StoredView:
         owner=owner,
         size=len(heads),
         newest_ms=max(stamps, default=None),
-        tail=[h.id for h in heads],
+        tail=[h.id for h in heads if h.id not in case.superseded],
+        superseded=frozenset(case.superseded),
     )
 
 
@@ -72,10 +76,10 @@ def explain_case(case: Case, position: int = 0, id_key: bytes = b"") -> Explanat
     try:
         request = decode_request(bytes(case.request), f"explain-0-{position}", Limits(), id_key)
     except Rejected as e:
-        return Explanation("rejected", [], [], [], [], error=Rejection(e.type, e.message))
+        return Explanation("rejected", [], [], [], [], [], error=Rejection(e.type, e.message))
     view = view_of(request.shape.threadId, case)
-    d = decide(request, view, case.timestamp, case.historyMessages)
-    return Explanation(d.outcome, d.messages, d.dropped, d.persist, d.context if d.error is None else [], error=d.error)
+    d = decide(request, view, case.timestamp, case.historyMessages, case.edits == "on")
+    return Explanation(d.outcome, d.messages, d.dropped, d.persist, d.context if d.error is None else [], d.superseded, error=d.error)
 
 
 def explain(raw: bytes, id_key: bytes = b"") -> bytes:

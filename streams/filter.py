@@ -109,6 +109,9 @@ class StoredView(msgspec.Struct):
     # The ids of the conversation's last rows, in order (their rows in `rows`): at least the
     # last `history` of `decide`, and from the first of the request's ids stored here on.
     tail: list[str] = []
+    # Of the ids asked for, those of rows a regenerate or an edit took out of the conversation
+    # (still stored here, never in `tail`).
+    superseded: frozenset[str] = frozenset()
     decoded: dict[str, Msg] = {}  # rows decoded so far (see `row`)
 
     def row(self, mid: str) -> Msg:
@@ -124,6 +127,7 @@ class Decision(msgspec.Struct):
     dropped: list[Dropped]
     persist: list[Msg]  # whole rows to save
     context: list[Any] = []  # the model's input (see `_context`); like `messages`, dicts or stored JSON
+    superseded: list[str] = []  # ids of the rows the request takes out of the conversation (`_action`)
     error: Rejection | None = None
 
 
@@ -325,12 +329,16 @@ def lookup_ids(request: Request) -> list[str]:
 
 
 def window_reach(request: Request, view: StoredView) -> list[str]:
-    """The ids of the stored rows (in `view.rows`) the request may keep: the context's window
-    reaches back to the first of them (`_context`), so the shell reads the thread's order from
-    there before deciding."""
+    """The ids of the conversation's rows (stored here, not superseded) the request may keep,
+    and its last message's if it may regenerate or edit: the context's window reaches back to
+    the first of them (`_context`) and a regenerate or edit supersedes what follows the last,
+    so the shell reads the thread's order from there before deciding."""
     shape = request.shape
     _, kept = _select(shape.messages, request.ids, shape.retainFullInput, view, exact=False)
-    return [request.ids[pos] for pos in kept if request.ids[pos] in view.rows]
+    reach = [request.ids[pos] for pos in kept]
+    if shape.trigger is not UNSET:  # a regenerate or an edit supersedes what follows its last message
+        reach.append(next((mid for mid in reversed(request.ids) if mid is not None), None))
+    return [mid for mid in reach if mid in view.rows and mid not in view.superseded]
 
 
 # ---- tool-invocation states --------------------------------------------------------------
@@ -451,9 +459,10 @@ def _select(messages: list[Message], ids: list[str | None], retain_full: bool, v
     return "unpersisted-assistant-kept", dict.fromkeys(conversation)
 
 
-def decide(request: Request, view: StoredView, timestamp_ms: int, history: int = HISTORY_MESSAGES) -> Decision:
+def decide(request: Request, view: StoredView, timestamp_ms: int, history: int = HISTORY_MESSAGES, edits: bool = True) -> Decision:
     """The filter's decision for one validated request against its thread's stored view, with
-    the model's context made of the last `history` rows of the conversation."""
+    the model's context made of the last `history` rows of the conversation; a regenerate or
+    an edit the request asks for, unless `edits` is off (MEMFILTER_EDITS)."""
     shape = request.shape
     ids = request.ids
     try:
@@ -463,6 +472,17 @@ def decide(request: Request, view: StoredView, timestamp_ms: int, history: int =
         return Decision("rejected", [], [], [], error=Rejection(e.type, e.message))
 
     outcome, kept = _select(shape.messages, ids, shape.retainFullInput, view)
+    superseded_kept: set[int] = set()
+    if view.superseded:  # a superseded row is never a base layer again
+        superseded_kept = {pos for pos in kept if ids[pos] in view.superseded}
+        kept = {pos: parts for pos, parts in kept.items() if pos not in superseded_kept}
+    action = _action(request, view) if edits else None
+    superseding: list[str] = []
+    last = -1
+    if action is not None:
+        outcome, last = action
+        at = ids[last]
+        superseding = view.tail[view.tail.index(at) + 1 :] if at in view.tail else []
     clock = _Clock(timestamp_ms, view.newest_ms)
     out: list[Any] = []
     persist: list[Msg] = []
@@ -477,7 +497,10 @@ def decide(request: Request, view: StoredView, timestamp_ms: int, history: int =
             continue
         part_indices = kept[pos]
         mid = ids[pos]
-        if mid in view.rows:  # the base layer: the stored copy goes on
+        if outcome == "edited" and pos == last:  # the stored row, with the content the user sent
+            out.append({**view.row(mid), "content": _as_dict(request, pos)["content"]})
+            row = out[-1]
+        elif mid in view.rows:  # the base layer: the stored copy goes on
             parts = message.content.parts
             outcomes = [parts[j] for j in (part_indices or range(len(parts))) if is_client_outcome(parts[j])]
             updated = apply_outcomes(view.row(mid), outcomes) if outcomes else None
@@ -490,18 +513,42 @@ def decide(request: Request, view: StoredView, timestamp_ms: int, history: int =
         if row:
             persist.append(row)
         contributed.append((mid, row or out[-1]))
-    context = system + _context(contributed, view, history)
-    return Decision(outcome, out, _dropped(shape.messages, kept, view, outcome), persist, context)
+    context = system + _context(contributed, view, history, superseding)
+    dropped = _dropped(shape, kept, superseded_kept, view, outcome)
+    return Decision(outcome, out, dropped, persist, context, superseding)
 
 
-def _context(contributed: list[tuple[str, Any]], view: StoredView, history: int) -> list[Any]:
+def _action(request: Request, view: StoredView) -> tuple[str, int] | None:
+    """The regenerate or edit the request asks for and may make, as (outcome, position of its
+    last conversation message L): L must be a user message of the conversation (stored here,
+    not superseded); `regenerate-message` regenerates the answer after it, `submit-message`
+    with `messageId` naming L edits it if its parts differ from the stored ones. Everything
+    after L in the conversation is superseded (`docs/regenerate-edit.md`)."""
+    shape = request.shape
+    if shape.trigger is UNSET:
+        return None
+    last = next((i for i in range(len(shape.messages) - 1, -1, -1) if shape.messages[i].role != "system"), None)
+    if last is None or shape.messages[last].role != "user":
+        return None
+    mid = request.ids[last]
+    if mid not in view.rows or mid in view.superseded or view.row(mid).get("role") != "user":
+        return None
+    if shape.trigger == "regenerate-message":
+        return "regenerated", last
+    if shape.messageId is not UNSET and shape.messageId == shape.messages[last].id:
+        if _as_dict(request, last)["content"].get("parts") != view.row(mid).get("content", {}).get("parts"):
+            return "edited", last
+    return None
+
+
+def _context(contributed: list[tuple[str, Any]], view: StoredView, history: int, superseding: list[str] = ()) -> list[Any]:
     """The model's input after the system messages: the window (the last `history` rows of
-    the conversation, reaching back to the first stored row the request contributes), with
-    what the request contributes to its rows in place; then the rest of what it contributes.
-    A row the request saves is in it as saved."""
+    the conversation, reaching back to the first stored row the request contributes), without
+    the rows the request supersedes and with what it contributes to its rows in place; then
+    the rest of what it contributes. A row the request saves is in it as saved."""
     if history <= 0:
         return [m for _, m in contributed]
-    tail = view.tail
+    tail = [mid for mid in view.tail if mid not in superseding] if superseding else view.tail
     start = max(0, len(tail) - history)
     stored = {mid for mid, _ in contributed if mid in view.rows}
     start = min(start, next((i for i, mid in enumerate(tail) if mid in stored), start))
@@ -548,17 +595,25 @@ def _strip_provider_metadata(message: Msg) -> Msg:
     return {**message, "content": content}
 
 
-def _dropped(messages: list[Message], kept: Kept, view: StoredView, outcome: str) -> list[Dropped]:
-    """Every id the client sent that does not go on (ids are unique: see `_check_messages`)."""
+def _dropped(shape: ChatRequestOf[Message], kept: Kept, superseded: set[int], view: StoredView, outcome: str) -> list[Dropped]:
+    """Every id the client sent that does not go on (ids are unique: see `_check_messages`),
+    and why; where `messageId` names one, why it was no edit."""
     if outcome == "stored-echo-dropped":
         unstored = "the request ends in a stored assistant turn"
     else:
         unstored = "before the kept tail and never stored"
-    return [
-        Dropped(m.id, "echo of a stored message" if m.id in view.rows else unstored)
-        for pos, m in enumerate(messages)
-        if pos not in kept and m.id is not UNSET and m.role != "system"
-    ]
+    out = []
+    for pos, m in enumerate(shape.messages):
+        if pos in kept or m.id is UNSET or m.role == "system":
+            continue
+        if pos in superseded:
+            reason = "superseded: a regenerate or an edit took it out of the conversation; it is not saved again"
+        else:
+            reason = "echo of a stored message" if m.id in view.rows else unstored
+        if m.id == shape.messageId:
+            reason += "; messageId names it, but only the request's last message, a user message of the conversation with new parts, is edited"
+        out.append(Dropped(m.id, reason))
+    return out
 
 
 def _saveable(row: Msg) -> Msg | None:

@@ -14,6 +14,7 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:t:{T}:order` | list | message ids in save order: the thread's order |
 | `mf:t:{T}:meta` | hash | `owner` (resourceId), `version` (writes so far), `newest` (newest createdAt, epoch ms), `epoch` (of the last worker that wrote it) |
 | `mf:t:{T}:saved` | string | the identity (`save_identity`, 8 bytes) of every other service's save applied |
+| `mf:t:{T}:superseded` | hash | message id -> the request id that superseded it: rows a regenerate or an edit took out of the conversation (out of `order`, still in `rows`) |
 | `mf:t:{T}:recent` | string | the retry window: the thread's last `retry_window` processed requests, a `WINDOW_ENTRY` each |
 | `mf:t:{T}:pending:<K>` | string | what was emitted for processed request K (`window_key`, hex), as `Recorded` JSON, until its batch's Kafka transaction commits |
 | `mf:idx:{B}` | hash | message id digest -> digest of the thread that owns it (`id_key`, `thread_tag`), in 4,096 buckets |
@@ -99,17 +100,19 @@ if mine < stored then return {'fenced', tostring(stored)} end
 STAMP = "if mine > stored then redis.call('HSET', KEYS[3], 'epoch', ARGV[1]) end\n"
 
 # KEYS: rows, order, meta, recent, the request's `pending` key, the `pending` key of the request
-# of the thread committed just before in the same batch (or the request's own, when none).
+# of the thread committed just before in the same batch (or the request's own, when none),
+# superseded.
 # ARGV: epoch, record, version seen, owner, newest createdAt, rows as [id, row, id, row, ...],
 # seconds to keep the records, the request's window entry (`WINDOW_ENTRY`), the window's size
-# in bytes.
+# in bytes, the ids it supersedes as [id, ...], its request id.
 COMMIT = FENCE + """
 local version = tonumber(redis.call('HGET', KEYS[3], 'version') or '0')
 if version ~= tonumber(ARGV[3]) then return {'stale', tostring(version)} end
 if KEYS[6] ~= KEYS[5] and redis.call('EXISTS', KEYS[6]) == 0 then return {'stale', tostring(version)} end
 """ + STAMP + """
 local rows = cmsgpack.unpack(ARGV[6])
-if #rows > 0 then
+local gone = cmsgpack.unpack(ARGV[10])
+if #rows > 0 or #gone > 0 then
   redis.call('HSETNX', KEYS[3], 'owner', ARGV[4])
   for i = 1, #rows, 2 do
     if redis.call('HSETNX', KEYS[1], rows[i], rows[i + 1]) == 1 then
@@ -117,6 +120,9 @@ if #rows > 0 then
     else
       redis.call('HSET', KEYS[1], rows[i], rows[i + 1])
     end
+  end
+  for _, id in ipairs(gone) do
+    if redis.call('LREM', KEYS[2], 1, id) > 0 then redis.call('HSET', KEYS[7], id, ARGV[11]) end
   end
   local newest = tonumber(redis.call('HGET', KEYS[3], 'newest') or '-1')
   if tonumber(ARGV[5]) > newest then redis.call('HSET', KEYS[3], 'newest', ARGV[5]) end
@@ -161,10 +167,14 @@ return {ids, rows}
 #   a terminal state, or drop it) is not saved: the stored row stays, as it does against an
 #   echo. So a late or repeated copy of a pending call never undoes the client's result;
 # - no row changes the role of a stored row (`role`, refused before any write);
-# - only the processor's own events (`may_own`) save in a thread that has no owner yet.
+# - only the processor's own events (`may_own`) save in a thread that has no owner yet;
+# - a superseded id of the event that is a row of this thread, still in its conversation,
+#   leaves the conversation (its row stays, marked with the event's request id); a later save
+#   of a superseded row updates the row and leaves it out.
+# KEYS: rows, order, meta, saved, superseded.
 # ARGV: epoch, owner, newest createdAt, rows as [id, row, ...], roles as [role, ...], '1' if it
-# may own, the save's identity (or ''), tool states as {state: rank}. Returns ('ok', the version
-# after).
+# may own, the save's identity (or ''), tool states as {state: rank}, ids it supersedes as
+# [id, ...], its request id. Returns ('ok', the version after).
 APPLY = FENCE + """
 local owner = redis.call('HGET', KEYS[3], 'owner')
 if owner and owner ~= ARGV[2] then return {'ownership', owner} end
@@ -224,6 +234,13 @@ for i = 1, #rows, 2 do
     changed = true
   elseif old ~= rows[i + 1] and not keep[i] then
     redis.call('HSET', KEYS[1], rows[i], rows[i + 1])
+    changed = true
+  end
+end
+for _, id in ipairs(cmsgpack.unpack(ARGV[9])) do
+  if redis.call('HEXISTS', KEYS[1], id) == 1 and redis.call('HEXISTS', KEYS[5], id) == 0 then
+    redis.call('LREM', KEYS[2], 1, id)
+    redis.call('HSET', KEYS[5], id, ARGV[10])
     changed = true
   end
 end
@@ -331,6 +348,7 @@ class ThreadState:
     elsewhere: dict[str, str]  # asked-for id not stored here -> the `thread_tag` (hex) of the other thread that owns it
     pending: dict[bytes, Recorded] = field(default_factory=dict)  # `window_key` -> record, of requests whose outputs may not be committed yet
     window: bytes = b""  # the retry window (`recent`)
+    superseded: frozenset[str] = frozenset()  # asked-for ids of rows out of the conversation
     tail: list[str] = field(default_factory=list)  # the ids of the thread's last rows, in order (`read`, `read_tails`)
 
 
@@ -346,6 +364,8 @@ class Write(msgspec.Struct, frozen=True, gc=False):
     recorded: bytes
     new_ids: list[str]  # ids of the rows not stored in the thread before: to claim first
     entry: bytes  # the request's `WINDOW_ENTRY` (its `window_key` first)
+    superseded: list[str]  # ids it takes out of the conversation
+    request_id: str
 
 
 class Save(msgspec.Struct, frozen=True, gc=False):
@@ -358,6 +378,8 @@ class Save(msgspec.Struct, frozen=True, gc=False):
     roles: list[str]  # each row's role
     identity: bytes  # `save_identity`, or b"" for the processor's own event
     may_own: bool = False  # the processor's own event: it may set the owner of a thread that has none
+    superseded: list[str] = []  # ids it takes out of the conversation
+    request_id: str = ""  # the event's, which marks what it supersedes
 
 
 # A whole batch's commands must be answered within this; redis-py's own socket timeout would
@@ -458,9 +480,9 @@ class HistoryStore:
         return f"{self.prefix}:t:{{{thread}}}"
 
     def keys(self, thread: str) -> list[str]:
-        """The thread's keys: rows, order, meta, saved, recent."""
+        """The thread's keys: rows, order, meta, saved, recent, superseded."""
         base = self._tag(thread)
-        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:saved", f"{base}:recent"]
+        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:saved", f"{base}:recent", f"{base}:superseded"]
 
     def pending_key(self, thread: str, key: bytes) -> str:
         """Where the record of a processed request (`window_key`) waits for its batch's Kafka commit."""
@@ -479,11 +501,12 @@ class HistoryStore:
         (`read_tails` reads the others)."""
         commands: list[tuple] = []
         for thread, ids in wanted.items():
-            rows, order, meta, _, recent = self.keys(thread)
+            rows, order, meta, _, recent, superseded = self.keys(thread)
             commands.append(("HMGET", meta, "owner", "version", "newest"))  # first: a write after it is caught as stale
             commands.append(("HLEN", rows))
             if ids:
                 commands.append(("HMGET", rows, *ids))
+                commands.append(("HMGET", superseded, *ids))
             commands.append(("GET", recent))
             if tail:
                 commands.append(("LRANGE", order, -tail, -1))
@@ -491,7 +514,7 @@ class HistoryStore:
         states = {}
         for thread, ids in wanted.items():
             (owner, version, newest), size = next(replies), next(replies)
-            rows = next(replies) if ids else ()
+            rows, gone = (next(replies), next(replies)) if ids else ((), ())
             states[thread] = ThreadState(
                 owner=owner.decode() if owner else None,
                 version=int(version or 0),
@@ -500,6 +523,7 @@ class HistoryStore:
                 rows={mid: row for mid, row in zip(ids, rows) if row is not None},
                 elsewhere={},
                 window=next(replies) or b"",
+                superseded=frozenset(mid for mid, by in zip(ids, gone) if by is not None),
                 tail=[mid.decode() for mid in next(replies)] if tail else [],
             )
         return states
@@ -516,7 +540,7 @@ class HistoryStore:
             if thread in reach:
                 reaching.append(state)
                 calls.append((TAIL, [rows, order], reach[thread]))
-            elif ids := [mid for mid in state.tail if mid not in state.rows]:
+            if ids := [mid for mid in state.tail if mid not in state.rows]:  # a reach that finds none of its ids needs them too
                 missing.append((state, ids))
                 commands.append(("HMGET", rows, *ids))
         if not calls and not commands:
@@ -583,11 +607,11 @@ class HistoryStore:
         ttl, size = self.processed_ttl, self.window_bytes
         calls = []
         for w in writes:
-            rows, order, meta, _, recent = self.keys(w.thread)
+            rows, order, meta, _, recent, superseded = self.keys(w.thread)
             pending = self.pending_key(w.thread, w.entry[:8])
             after = self.pending_key(w.thread, w.after) if w.after else pending
-            args = [self.epoch, w.recorded, w.version, w.owner, w.newest_ms, w.rows, ttl, w.entry, size]
-            calls.append((COMMIT, [rows, order, meta, recent, pending, after], args))
+            args = [self.epoch, w.recorded, w.version, w.owner, w.newest_ms, w.rows, ttl, w.entry, size, _pack(w.superseded), w.request_id]
+            calls.append((COMMIT, [rows, order, meta, recent, pending, after, superseded], args))
         out = []
         for w, (status, value) in zip(writes, await self._run(calls)):
             if status == b"fenced":
@@ -612,8 +636,11 @@ class HistoryStore:
         calls = [
             (
                 APPLY,
-                self.keys(s.thread)[:4],
-                [self.epoch, s.owner, s.newest_ms, pack_rows(s.rows), _pack(s.roles), "1" if s.may_own else "0", s.identity, _STATE_RANKS],
+                [*self.keys(s.thread)[:4], self.keys(s.thread)[5]],
+                [
+                    self.epoch, s.owner, s.newest_ms, pack_rows(s.rows), _pack(s.roles), "1" if s.may_own else "0", s.identity, _STATE_RANKS,
+                    _pack(s.superseded), s.request_id,
+                ],
             )
             for s in saves
         ]
@@ -625,10 +652,17 @@ class HistoryStore:
         return out
 
     async def thread_rows(self, thread: str) -> list[bytes]:
-        """A thread's rows in save order."""
+        """A thread's conversation: its rows in save order, without the superseded ones."""
         rows, order, *_ = self.keys(thread)
         ids = await self.redis.lrange(order, 0, -1)
         return await self.redis.hmget(rows, ids) if ids else []
+
+    async def superseded_rows(self, thread: str) -> list[tuple[str, bytes]]:
+        """A thread's superseded rows, each with the id of the request that superseded it."""
+        rows, *_, superseded = self.keys(thread)
+        by = await self.redis.hgetall(superseded)
+        found = await self.redis.hmget(rows, list(by)) if by else []
+        return [(request.decode(), row) for request, row in zip(by.values(), found) if row is not None]
 
     async def drop(self) -> int:
         """Delete every key under this store's prefix; how many there were."""

@@ -8,7 +8,9 @@ row does nothing, and another service's event applied before (the same resource 
 processor's own are skipped live, already saved, and applied once by a rebuild). A
 row that would move a stored tool invocation back (a late copy of a pending call, after the
 client's result) is not saved, as the filter's base layer keeps the stored row against an
-echo (`APPLY` in `streams/history.py`).
+echo (`APPLY` in `streams/history.py`). The ids an event lists in `superseded` (a regenerate or
+an edit: the processor's own, or another service's) leave the thread's conversation and stay
+stored; a later save of one updates its row and leaves it out.
 
 What a writer of `persist-messages` may do (the README's security model): save rows in a
 thread that already has an owner, naming that owner as the event's resource. So an event goes
@@ -127,6 +129,8 @@ class Persister:
                     [m.role for m in e.event.messages],
                     b"" if e.processors else save_identity(e.event.resourceId, e.event.requestId),
                     e.processors,
+                    e.event.superseded,
+                    e.event.requestId,
                 )
                 for _, e in saves
             ]

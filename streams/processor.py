@@ -51,6 +51,7 @@ from time import perf_counter
 from typing import Protocol
 
 import msgspec
+from msgspec import UNSET
 
 from schemas.wire import FilteredInput, PersistMessages, Source
 from streams import origin
@@ -232,6 +233,7 @@ class Processor:
         secret: bytes = b"",
         seen: Seen | None = None,
         history: int = HISTORY_MESSAGES,
+        edits: bool = True,
     ):
         self.store = store
         self.topics = topics
@@ -242,6 +244,7 @@ class Processor:
         # they are now (None, live), or as an audit replay recorded them.
         self.seen = seen
         self.history = history  # MEMFILTER_HISTORY_MESSAGES: the rows of the conversation in each context
+        self.edits = edits  # MEMFILTER_EDITS: regenerate and edit supersede rows
         self._recorded: list[tuple[str, bytes]] = []  # `take_recorded`
 
     def take_recorded(self) -> list[tuple[str, bytes]]:
@@ -319,8 +322,7 @@ class Processor:
             for thread, ids in wanted.items():
                 tag = thread_tag(thread)
                 states[thread].elsewhere = {mid: owners[mid].hex() for mid in ids if owners.get(mid, tag) != tag}
-        if self.history:
-            await self._read_tails(threads, states)
+        await self._read_tails(threads, states)
         # A request can have a record only if it was consumed before: at or before the
         # position of its thread's newest window entry (a thread's requests go in offset order).
         again = [(thread, p) for thread, t in threads.items() for p in t.requests[t.next :] if _consumed_before(states[thread].window, p.record)]
@@ -367,7 +369,8 @@ class Processor:
 
     async def _read_tails(self, threads: dict[str, _Thread], states: dict[str, ThreadState]) -> None:
         """Complete what each thread's contexts need of its last rows: the rows not read yet,
-        and the order from the first stored row a request keeps, where that lies before."""
+        and the order from the first stored row a request keeps (or regenerates or edits
+        after), where that lies before."""
         reach = {}
         for thread, t in threads.items():
             state = states[thread]
@@ -375,7 +378,8 @@ class Processor:
             far = [
                 mid
                 for p in t.requests[t.next :]
-                if any(mid in state.rows and mid not in tail for mid in lookup_ids(p.request))
+                if (self.history or p.request.shape.trigger is not UNSET)  # the window, or what a regenerate or edit supersedes
+                and any(mid in state.rows and mid not in tail for mid in lookup_ids(p.request))
                 for mid in self._reach(p, state)
                 if mid not in tail
             ]
@@ -387,7 +391,7 @@ class Processor:
         """`window_reach` of the request, or nothing if it fails (its decision will too, and
         dead-letter it)."""
         try:
-            return window_reach(p.request, StoredView(state.rows, state.elsewhere, state.owner, state.size))
+            return window_reach(p.request, StoredView(state.rows, state.elsewhere, state.owner, state.size, superseded=state.superseded))
         except Exception:
             return []
 
@@ -438,9 +442,9 @@ class Processor:
         """One request's decision, its write (None for a rejection) and what it emits; what it
         saves goes into `state`, the overlay the thread's next request of the batch sees."""
         request = p.request
-        view = StoredView(state.rows, state.elsewhere, state.owner, state.size, state.newest_ms, state.tail)
+        view = StoredView(state.rows, state.elsewhere, state.owner, state.size, state.newest_ms, state.tail, state.superseded)
         started = perf_counter()
-        decision = decide(request, view, p.record.timestamp_ms, self.history)
+        decision = decide(request, view, p.record.timestamp_ms, self.history, self.edits)
         self.metrics.decision.observe(perf_counter() - started)
         p.outcome = decision.outcome
         if decision.error is not None:
@@ -452,9 +456,15 @@ class Processor:
         new_ids = [mid for mid, _ in rows if mid not in state.rows]
         shape = request.shape
         entry = WINDOW_ENTRY.pack(p.key, p.record.partition, p.record.offset, p.record.timestamp_ms)
-        write = Write(shape.threadId, state.version, after, shape.resourceId, newest, pack_rows(rows), encode_recorded(rec), new_ids, entry)
-        if rows:
+        gone = decision.superseded
+        write = Write(
+            shape.threadId, state.version, after, shape.resourceId, newest, pack_rows(rows), encode_recorded(rec), new_ids, entry, gone, request.request_id
+        )
+        if rows or gone:
             state.tail = state.tail + new_ids
+            if gone:
+                state.tail = [mid for mid in state.tail if mid not in gone]
+                state.superseded = state.superseded | set(gone)
             state.size += len(new_ids)
             state.rows.update(rows)
             state.version += 1
@@ -475,12 +485,15 @@ class Processor:
             decision.dropped,
             source,
             version,
+            decision.superseded,
         )
         rows = [(row["id"], msgspec.json.encode(row)) for row in decision.persist]
         persist = None
-        if rows:
+        if rows or decision.superseded:
             persist = msgspec.json.encode(
-                PersistMessages(p.request.request_id, shape.threadId, shape.resourceId, [msgspec.Raw(r) for _, r in rows], version)
+                PersistMessages(
+                    p.request.request_id, shape.threadId, shape.resourceId, [msgspec.Raw(r) for _, r in rows], version, decision.superseded
+                )
             )
         recorded = Recorded(filtered=msgspec.Raw(msgspec.json.encode(filtered)))
         if persist is not None:

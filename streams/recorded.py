@@ -15,7 +15,8 @@ What is kept, and how it is found:
   (signed: `streams/origin.py`) also by (thread, `requestId`, `historyVersion`), which names
   one decision's save: a copy of one published again is kept once, as the live worker, which
   skips its own events, ignored it;
-- dead letters of `chat-requests` records: by source position.
+- dead letters of `chat-requests` records: by source position; of `persist-messages` records
+  (events the live persister refused): their source positions, which `ThreadLog` leaves out.
 Records that are none of these (a record a tool wrote on a topic by hand) are passed over.
 """
 
@@ -122,11 +123,13 @@ CREATE INDEX filtered_at ON filtered (partition, offset);
 CREATE INDEX filtered_window ON filtered (thread, partition, offset);
 -- processors: 1 for the processor's events placed by their version, 0 for the others (log order);
 -- request_id: of the processor's events only
-CREATE TABLE persist (seq INTEGER PRIMARY KEY, thread BLOB, processors INT, version INT, request_id TEXT, record BLOB);
+CREATE TABLE persist (seq INTEGER PRIMARY KEY, thread BLOB, processors INT, version INT, request_id TEXT, partition INT, offset INT, record BLOB);
 CREATE INDEX persist_log ON persist (thread, processors, seq);
 CREATE UNIQUE INDEX persist_own ON persist (thread, request_id, version);
 CREATE TABLE dead (partition INT, offset INT, headers BLOB);
 CREATE INDEX dead_at ON dead (partition, offset);
+-- `persist-messages` events the live persister refused (their dead letters' source positions)
+CREATE TABLE refused (partition INT, offset INT, PRIMARY KEY (partition, offset));
 """
 
 _record = msgspec.msgpack.Encoder()
@@ -183,17 +186,23 @@ class Recorded:
                 saved = msgspec.json.decode(r.value, type=_Saved)
             # an event of the processor's without a version goes with the others, in log order
             placed = saved.historyVersion is not None
-            rows.append((r.key, int(placed), saved.historyVersion, saved.requestId or None, _record.encode(r)))
-        self.db.executemany("INSERT OR IGNORE INTO persist (thread, processors, version, request_id, record) VALUES (?, ?, ?, ?, ?)", rows)
+            rows.append((r.key, int(placed), saved.historyVersion, saved.requestId or None, r.partition, r.offset, _record.encode(r)))
+        self.db.executemany(
+            "INSERT OR IGNORE INTO persist (thread, processors, version, request_id, partition, offset, record) VALUES (?, ?, ?, ?, ?, ?, ?)", rows
+        )
 
     def add_dead(self, records: list[Record]) -> None:
-        rows = []
+        rows, refused = [], []
         for r in records:
             h = dict(r.headers)
-            if h.get("source.topic", b"").decode(errors="replace") == self.topics.requests:
-                with contextlib.suppress(KeyError, ValueError):
+            source = h.get("source.topic", b"").decode(errors="replace")
+            with contextlib.suppress(KeyError, ValueError):
+                if source == self.topics.requests:
                     rows.append((int(h["source.partition"]), int(h["source.offset"]), _record.encode(list(r.headers))))
+                elif source == self.topics.persist:
+                    refused.append((int(h["source.partition"]), int(h["source.offset"])))
         self.db.executemany("INSERT INTO dead (partition, offset, headers) VALUES (?, ?, ?)", rows)
+        self.db.executemany("INSERT OR IGNORE INTO refused (partition, offset) VALUES (?, ?)", refused)
 
     # ---- looking up ----------------------------------------------------------------------
 
@@ -226,6 +235,10 @@ class Recorded:
     def persisted(self) -> int:
         return self._one("SELECT count(*) FROM persist")
 
+    def refused_live(self) -> int:
+        """The `persist-messages` events the live persister refused."""
+        return self._one("SELECT count(*) FROM persist WHERE EXISTS (SELECT 1 FROM refused WHERE refused.partition = persist.partition AND refused.offset = persist.offset)")
+
     def threads(self) -> list[bytes | None]:
         return [thread for (thread,) in self.db.execute("SELECT DISTINCT thread FROM persist")]
 
@@ -239,7 +252,11 @@ class Recorded:
 
 class ThreadLog:
     """One thread's `persist-messages` events, handed out in the order they were applied live:
-    other services' in log order, each of the processor's where its `historyVersion` says."""
+    other services' in log order, each of the processor's where its `historyVersion` says.
+    An event the live persister refused (its dead letter is on the dead-letter topic) is left
+    out: it changed nothing live, but placed by log order among the processor's events it
+    could be applied where it was not (a reply refused as `unowned` before the thread's first
+    request was decided would be accepted after it)."""
 
     def __init__(self, db: sqlite3.Connection, thread: bytes | None):
         self.db = db
@@ -250,7 +267,8 @@ class ThreadLog:
     def _next_of(self, processors: bool) -> tuple[int, int | None, bytes] | None:
         if processors not in self._head:
             self._head[processors] = self.db.execute(
-                "SELECT seq, version, record FROM persist WHERE thread IS ? AND processors = ? AND seq > ? ORDER BY seq LIMIT 1",
+                "SELECT seq, version, record FROM persist WHERE thread IS ? AND processors = ? AND seq > ? AND NOT EXISTS "
+                "(SELECT 1 FROM refused WHERE refused.partition = persist.partition AND refused.offset = persist.offset) ORDER BY seq LIMIT 1",
                 (self.thread, int(processors), self._after[processors]),
             ).fetchone()
         return self._head[processors]

@@ -10,7 +10,8 @@ did, so a version says where a write happened:
 - A thread's events are applied in the order they were applied live (`ThreadLog`): other
   services' in log order, and each of the processor's where its `historyVersion` (the version
   its decision saw) says. The processor publishes a batch's events after the batch, so in the
-  log they can follow saves that were applied after them live.
+  log they can follow saves that were applied after them live. Events the live persister
+  refused (dead letters on the dead-letter topic) are left out, refused wherever they were.
 - A decision is replayed on the version it saw: `historyVersion` on its filtered input, or
   the `memfilter.history-version` header of a rejection's dead letter.
 
@@ -57,12 +58,13 @@ async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: b
     Threads are independent, so each round applies the next event of every thread in one
     persister batch (three round trips): as many rounds as the longest thread has events."""
     with Recorded.temporary(topics, secret) as recorded:
-        await recorded.load(bootstrap, [topics.persist], progress)
+        await recorded.load(bootstrap, [topics.persist, topics.dlq], progress)
         await store.drop()
         persister = Persister(store, topics.dlq, secret)
         logs = {thread: recorded.log(thread) for thread in recorded.threads()}
         versions = dict.fromkeys(logs, 0)
-        total, refused, done = recorded.persisted(), 0, 0
+        skipped = recorded.refused_live()  # refused live: left out (`ThreadLog`)
+        total, refused, done = recorded.persisted() - skipped, 0, 0
         while logs:
             round_ = [(key, log.next(versions[key])) for key, log in logs.items()]
             for (key, _), result in zip(round_, await persister.apply([event for _, event in round_])):
@@ -74,7 +76,7 @@ async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: b
             done += len(round_)
             if progress:
                 progress(done, total, "applied")
-        return total - refused, refused
+        return total - refused, refused + skipped
 
 
 @dataclass
@@ -113,15 +115,17 @@ async def replay(
     limits: Limits = Limits(),
     progress: Progress | None = None,
     history: int = HISTORY_MESSAGES,
+    edits: bool = True,
 ) -> Report:
     """Decide the range's requests again on rebuilt history; compare with what was recorded.
     `store_of(prefix)` gives the isolated store; its keys are deleted afterwards. `limits` and
-    `history` are the deployment's (MEMFILTER_MAX_*, MEMFILTER_HISTORY_MESSAGES)."""
+    `history` and `edits` are the deployment's (MEMFILTER_MAX_*, MEMFILTER_HISTORY_MESSAGES,
+    MEMFILTER_EDITS)."""
     with Recorded.temporary(topics, secret) as recorded:
         await recorded.load(bootstrap, [topics.filtered, topics.persist, topics.dlq], progress)
         store = store_of(f"replay-{uuid.uuid4().hex[:12]}")
         try:
-            return await _replay_range(bootstrap, topics, store, recorded, start, end, limits, history, progress)
+            return await _replay_range(bootstrap, topics, store, recorded, start, end, limits, history, edits, progress)
         finally:
             await store.drop()
 
@@ -142,8 +146,8 @@ class _Seen:
         return self.recorded.window(thread, record.partition, record.offset, self.retry_window)
 
 
-async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded: Recorded, start, end, limits, history, progress) -> Report:
-    processor = Processor(store, topics, limits, secret=recorded.secret, seen=_Seen(recorded, store.retry_window), history=history)
+async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded: Recorded, start, end, limits, history, edits, progress) -> Report:
+    processor = Processor(store, topics, limits, secret=recorded.secret, seen=_Seen(recorded, store.retry_window), history=history, edits=edits)
     persister = Persister(store, topics.dlq, recorded.secret)
     logs: dict[bytes | None, ThreadLog] = {}  # of the threads met so far: where each is in its log
     report = Report()

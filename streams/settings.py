@@ -48,6 +48,7 @@ VARIABLES = {
     "processed_ttl": "MEMFILTER_PROCESSED_TTL",
     "retry_window": "MEMFILTER_RETRY_WINDOW",
     "history_messages": "MEMFILTER_HISTORY_MESSAGES",
+    "edits": "MEMFILTER_EDITS",
     "secret_text": "MEMFILTER_SECRET",
     "web_port": "MEMFILTER_WEB_PORT",
     "web_bind": "MEMFILTER_WEB_BIND",
@@ -97,6 +98,7 @@ class Settings(msgspec.Struct, frozen=True, rename=VARIABLES):
     processed_ttl: Positive = PROCESSED_TTL_S  # seconds: a retry later than this after its original is decided again
     retry_window: Annotated[int, Meta(ge=1, le=1000)] = RETRY_WINDOW  # a thread's last N requests are retry-checked
     history_messages: Annotated[int, Meta(ge=0, le=1000)] = HISTORY_MESSAGES  # rows of the conversation in each context
+    edits: Literal["on", "off"] = "on"  # regenerate and edit supersede rows; off: the stored copy wins (Mastra)
     secret_text: str = ""  # keys server-assigned message ids and signs the processor's persist events
     web_port: Port = 6066
     web_bind: str = "127.0.0.1"  # 0.0.0.0 in a container

@@ -6,7 +6,7 @@ Clients send full echoes as UI messages and append each saved reply before their
 Afterwards every thread's stored history must be exactly the client's conversation, in order,
 each message once, and every filtered input's `context` the client's view when it sent the
 request (no system messages here), within the window: the last MEMFILTER_HISTORY_MESSAGES rows
-before the request and what the request adds.
+before the request, less those it supersedes, and what the request adds.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def essentials(message: dict) -> tuple:
     return message["id"], message["role"], json.dumps(message["content"], sort_keys=True)
 
 
-async def stored(pipeline: Pipeline, threads: list[str]) -> dict[str, list[dict]]:
+async def stored(pipeline: Pipeline, threads: list[str], prefix: str | None = None) -> dict[str, list[dict]]:
     client = aioredis.from_url(pipeline.redis_url)
     try:
-        store = HistoryStore(client, pipeline.prefix)
+        store = HistoryStore(client, prefix or pipeline.prefix)
         return {t: [json.loads(r) for r in await store.thread_rows(t)] for t in threads}
     finally:
         await client.aclose()
@@ -60,10 +60,12 @@ def check(pipeline: Pipeline, conversations: list[Conversation]) -> None:
         time.sleep(0.2)
     for c in conversations:
         assert [essentials(m) for m in rows[c.thread]] == [essentials(m) for m in c.messages], c.thread
-        assert len(c.messages) == 2 * len(c.script) + 1  # a reply per turn, and one to the tool's result
+        turns = sum(1 for text in c.script if not text.startswith(("/regenerate", "/edit ")))
+        assert len(c.messages) == 2 * turns + 1  # a reply per turn, and one to the tool's result
         for turn in c.turns:
-            new = 1 if turn.view[-1]["role"] == "user" else 0  # a new message, or an outcome on a stored one
-            assert len(turn.context) == min(len(turn.view), HISTORY + new), turn.request_id
+            # the window is the last rows before the request, less what it supersedes (after its last message)
+            gone = len(turn.superseded)
+            assert len(turn.context) == min(len(turn.view) + gone, HISTORY + turn.new) - gone, turn.request_id
             assert [essentials(m) for m in turn.context] == [essentials(m) for m in turn.view[-len(turn.context):]], turn.request_id
 
 
@@ -112,3 +114,47 @@ def test_with_a_worker_and_an_agent_killed_mid_run_the_result_is_the_same(loop_p
     converse(loop_pipeline, conversations, during=kill_midway)
     assert workers[0].returncode is not None and agents[0].returncode is not None
     check(loop_pipeline, conversations)
+
+
+def test_regenerates_and_edits_leave_the_clients_conversation_stored_and_a_rebuild_and_replay_agree(loop_pipeline):
+    """Each thread regenerates an answer and edits a message on the way; what they replaced is
+    superseded: out of the stored conversation and of every later context, kept stored, and the
+    same after a rebuild from persist-messages into a new prefix."""
+    loop_pipeline.start_worker()
+    loop_pipeline.start_agent()
+    conversations = scripts(50, 8)
+    for c in conversations:
+        c.script[5], c.script[7] = "/regenerate", f"/edit thread {c.thread} edited"
+    converse(loop_pipeline, conversations)
+    check(loop_pipeline, conversations)
+    live = asyncio.run(superseded(loop_pipeline, loop_pipeline.prefix, conversations))
+    for c in conversations:
+        regenerate, edit = c.turns[-3], c.turns[-1]  # the tool turn adds one
+        assert len(regenerate.superseded) == 1 and len(edit.superseded) == 1
+        assert set(live[c.thread]) == set(regenerate.superseded + edit.superseded)
+        assert not set(live[c.thread]) & {m["id"] for m in c.messages}  # the new answers have ids of their own
+    rebuilt = loop_pipeline.memfilter("history", "rebuild", "--prefix", f"{loop_pipeline.prefix}-rebuilt", timeout=600)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert asyncio.run(superseded(loop_pipeline, f"{loop_pipeline.prefix}-rebuilt", conversations)) == live
+    assert asyncio.run(stored(loop_pipeline, [c.thread for c in conversations], f"{loop_pipeline.prefix}-rebuilt")) == asyncio.run(
+        stored(loop_pipeline, [c.thread for c in conversations])
+    )
+    replayed = loop_pipeline.memfilter("replay", timeout=600)
+    assert replayed.returncode == 0 and "identical, 0 different" in replayed.stdout, replayed.stdout + replayed.stderr
+    shown = loop_pipeline.memfilter("history", "show", "loop-0")
+    assert shown.stdout.count("(superseded by request loop-0-q5)") == 1 and shown.stdout.count("(superseded by request loop-0-q7)") == 1
+    as_json = [json.loads(line) for line in loop_pipeline.memfilter("history", "show", "loop-0", "--json").stdout.splitlines()]
+    assert sorted(line["supersededBy"] for line in as_json if "supersededBy" in line) == ["loop-0-q5", "loop-0-q7"]
+
+
+async def superseded(pipeline: Pipeline, prefix: str, conversations: list[Conversation]) -> dict[str, dict[str, tuple[str, dict]]]:
+    """Each thread's superseded rows: id -> (the request that superseded it, the row)."""
+    client = aioredis.from_url(pipeline.redis_url)
+    try:
+        store = HistoryStore(client, prefix)
+        out = {}
+        for c in conversations:
+            out[c.thread] = {json.loads(row)["id"]: (by, json.loads(row)) for by, row in await store.superseded_rows(c.thread)}
+        return out
+    finally:
+        await client.aclose()

@@ -1,10 +1,9 @@
 """Every case of the shared conformance suite, through `memfilter explain` as a user runs it.
 
 The cases are copies of `shared/conformance/cases.json` and `ui-cases.json` (the project must
-not need `shared/`). Of the UI cases, those that need regenerate, edit or superseded rows (a
-`trigger`, `superseded`) wait for that issue.
+not need `shared/`).
 A case passes when the outcome (and the error type of a rejection), the kept messages, the
-saved rows and the model's context (where the case says) equal the expectation as JSON values, `"<assigned>"` standing for a server-made
+saved rows, the model's context and the superseded rows (where the case says) equal the expectation as JSON values, `"<assigned>"` standing for a server-made
 value; every id the client sent and the output lacks is in `dropped`; and a second run gives
 the same bytes.
 """
@@ -18,10 +17,7 @@ from pathlib import Path
 import pytest
 
 DATA = Path(__file__).parent / "data"
-UI_CASES = [
-    c for c in json.loads((DATA / "ui-conformance-cases.json").read_text())
-    if "trigger" not in c["case"]["request"] and "superseded" not in c["case"]
-]
+UI_CASES = json.loads((DATA / "ui-conformance-cases.json").read_text())
 CASES = json.loads((DATA / "conformance-cases.json").read_text()) + UI_CASES
 ASSIGNED = "<assigned>"
 
@@ -81,8 +77,9 @@ def test_conformance_case(index, answers):
         assert got["error"]["message"]
     matches(expect["messages"], got["messages"], {}, "$.messages")
     matches(expect["persist"], got["persist"], {}, "$.persist")
-    if "context" in expect:
-        matches(expect["context"], got["context"], {}, "$.context")
+    for key in ("context", "superseded"):
+        if key in expect:
+            matches(expect[key], got[key], {}, f"$.{key}")
     assigned_ids_agree(expect, got)
     if expect["outcome"] != "rejected":
         sent = [m["id"] for m in case["request"]["messages"] if "id" in m]

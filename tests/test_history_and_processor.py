@@ -507,10 +507,10 @@ class TestAnUnexpectedErrorStopsOneRecordOnly:
 
         decide = streams.processor.decide
 
-        def fails_for_q1(request, view, ts, history):
+        def fails_for_q1(request, view, ts, *settings):
             if request.request_id == "q1":
                 raise KeyError("a bug")
-            return decide(request, view, ts, history)
+            return decide(request, view, ts, *settings)
 
         monkeypatch.setattr(streams.processor, "decide", fails_for_q1)
         batch = [record("t", [msg("u0")], 0, "q0"), record("t", [msg("u1")], 1, "q1"), record("t", [msg("u2")], 2, "q2")]
@@ -589,3 +589,90 @@ class TestContext:
         assert dict(dead.headers)["error.type"] == b"too-large"
         assert b"MEMFILTER_HISTORY_MESSAGES" in dict(dead.headers)["error.message"]
         assert len(rows) == 9
+
+
+class TestSuperseding:
+    """Regenerate and edit take rows out of the conversation, atomically with the request's
+    other writes; the rows stay stored, and nothing brings them back."""
+
+    def conversation(self):
+        return [msg("u1", text="q1"), msg("a1", role="assistant", text="r1"), msg("u2", text="q2"), msg("a2", role="assistant", text="r2")]
+
+    async def seeded(self, store):
+        await TestContext().stored(store, self.conversation())
+
+    def test_a_regenerate_supersedes_the_answer_and_a_stale_tabs_echo_of_it_does_not_bring_it_back(self, with_store):
+        async def go(store):
+            await self.seeded(store)
+            p = Processor(store)
+            first = await p.process([record("t", self.conversation()[:3], 0, "regen", trigger="regenerate-message")])
+            stale = await p.process([record("t", self.conversation(), 1, "stale")])
+            return first, stale, await store.thread_rows("t"), await store.superseded_rows("t")
+
+        first, stale, rows, superseded = with_store(go)
+        [filtered] = outputs(first, Topics().filtered)
+        [persisted] = outputs(first, Topics().persist)
+        assert (filtered["outcome"], filtered["superseded"], persisted["messages"], persisted["superseded"]) == ("regenerated", ["a2"], [], ["a2"])
+        assert [m["id"] for m in filtered["context"]] == ["u1", "a1", "u2"]
+        [again] = outputs(stale, Topics().filtered)
+        assert (again["outcome"], again["messages"], outputs(stale, Topics().persist)) == ("stored-echo-dropped", [], [])
+        assert [m["id"] for m in again["context"]] == ["u1", "a1", "u2"]
+        assert [json.loads(r)["id"] for r in rows] == ["u1", "a1", "u2"]
+        assert [(by, json.loads(row)["id"]) for by, row in superseded] == [("regen", "a2")]
+
+    def test_a_request_of_another_resource_cannot_supersede_anything(self, with_store):
+        async def go(store):
+            await self.seeded(store)
+            value = json.dumps({"threadId": "t", "resourceId": "r2", "messages": self.conversation()[:1], "trigger": "regenerate-message"})
+            outs = await Processor(store).process([Record("chat-requests", 0, 0, T0, b"t", value.encode())])
+            return outs, await store.thread_rows("t"), await store.superseded_rows("t")
+
+        outs, rows, superseded = with_store(go)
+        assert [dict(o.headers)["error.type"] for o in outs] == [b"ownership"]
+        assert (len(rows), superseded) == (4, [])
+
+    def test_another_services_event_supersedes_once_and_a_later_save_of_the_row_leaves_it_out(self, with_store):
+        async def go(store):
+            await self.seeded(store)
+            event = Save("t", "r1", T0, [], [], save_identity("r1", "agent-1"), superseded=["a2", "not-here"], request_id="agent-1")
+            versions = await store.apply([event, event])
+            late = msgspec.json.encode({**msg("a2", role="assistant", text="r2, finished"), "threadId": "t", "resourceId": "r1"})
+            await store.apply([Save("t", "r1", T0, [("a2", late)], ["assistant"], save_identity("r1", "agent-2"))])
+            return versions, await store.thread_rows("t"), await store.superseded_rows("t")
+
+        versions, rows, superseded = with_store(go)
+        assert versions[0] == versions[1]  # the same event again changes nothing
+        assert [json.loads(r)["id"] for r in rows] == ["u1", "a1", "u2"]
+        [(by, row)] = superseded
+        assert (by, json.loads(row)["content"]["parts"][0]["text"]) == ("agent-1", "r2, finished")
+
+    def test_an_edit_saves_the_new_text_and_supersedes_what_followed_in_one_commit(self, with_store):
+        async def go(store):
+            await self.seeded(store)
+            edited = [*self.conversation()[:2], msg("u2", text="q2, changed")]
+            p = Processor(store)
+            before = p.metrics.value("memfilter_redis_round_trips_total")
+            outs = await p.process([record("t", edited, 0, "edit", trigger="submit-message", messageId="u2")])
+            trips = p.metrics.value("memfilter_redis_round_trips_total") - before
+            return outs, trips, await store.thread_rows("t"), await store.redis.hget(store.keys("t")[2], "version")
+
+        outs, trips, rows, version = with_store(go)
+        [filtered] = outputs(outs, Topics().filtered)
+        assert (filtered["outcome"], filtered["superseded"]) == ("edited", ["a2"])
+        assert [json.loads(r)["content"]["parts"][0]["text"] for r in rows] == ["q1", "r1", "q2, changed"]
+        assert json.loads(rows[2])["createdAt"] == "2026-03-01T10:00:00.000Z"  # the stored row's, kept
+        assert int(version) == 2 and trips == 3  # one version step; the read, the row of a2 (the client dropped it), the commit
+
+    def test_a_redelivered_regenerate_emits_the_same_bytes_and_supersedes_nothing_more(self, with_store):
+        async def go(store):
+            await self.seeded(store)
+            p = Processor(store)
+            regenerate = record("t", self.conversation()[:3], 0, "regen", trigger="regenerate-message")
+            first = await p.process([regenerate])
+            version = await store.redis.hget(store.keys("t")[2], "version")
+            again = await Processor(store).process([regenerate])  # its batch's Kafka commit never came: consumed again
+            return first, again, version, await store.redis.hget(store.keys("t")[2], "version"), await store.superseded_rows("t")
+
+        first, again, version, after, superseded = with_store(go)
+        assert [o.value for o in first] == [o.value for o in again]
+        assert version == after and [by for by, _ in superseded] == ["regen"]

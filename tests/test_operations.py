@@ -68,6 +68,19 @@ async def a_tool_turn(pipeline: Pipeline, seen: Collector, thread: str, tamper: 
     assert await seen.wait_for(lambda recs: sum(r.key == thread.encode() for r in recs if r.topic == t.filtered) == 2)
 
 
+async def a_reply_before_its_thread(pipeline: Pipeline, seen: Collector, thread: str) -> None:
+    """A reply saved before the thread's first request: refused (`ownership`, no owner yet);
+    then two requests. A rebuild or replay must not apply the refused reply after the first
+    request (it would then be in the second's context)."""
+    t = pipeline.topics
+    early = {"requestId": f"{thread}-early", "threadId": thread, "resourceId": "user-ops", "messages": [dict(assistant(thread, CALL), id=f"{thread}-early")]}
+    await publish(pipeline.bootstrap, t.persist, [(thread.encode(), json.dumps(early).encode(), now_ms())])
+    assert await seen.wait_for(lambda recs: any(r.key == thread.encode() for r in recs if r.topic == t.dlq))
+    await publish(pipeline.bootstrap, t.requests, [request(thread, 0, [user(thread, 0)])])
+    assert await seen.wait_for(lambda recs: any(r.key == thread.encode() for r in recs if r.topic == t.filtered))
+    await publish(pipeline.bootstrap, t.requests, [request(thread, 1, [user(thread, 0), user(thread, 1)])])
+
+
 @pytest.fixture(scope="module")
 def processed(services):
     """The stream, processed by one worker: (pipeline, worker, requests published, end offsets
@@ -84,11 +97,12 @@ def processed(services):
             await publish(pipeline.bootstrap, t.requests, sample)
             await publish(pipeline.bootstrap, t.requests, stream(threads=40, turns=3, tag="ops"))
             await a_tool_turn(pipeline, seen, "runner-t")
+            await a_reply_before_its_thread(pipeline, seen, "early-reply-t")
             await publish(pipeline.bootstrap, t.requests, sample[-1:])  # the same request again: a client's retry
-            assert await seen.wait_for(lambda recs: len(recs) >= len(sample) + 120 + 2 + 1)
+            assert await seen.wait_for(lambda recs: len(recs) >= len(sample) + 120 + 2 + 3 + 1)
             normal_end = await end_offsets(pipeline.bootstrap, t.requests)
             await a_tool_turn(pipeline, seen, "tamper-t", tamper=True)
-            return worker, len(sample) + 1 + 120 + 4, normal_end
+            return worker, len(sample) + 1 + 120 + 2 + 4, normal_end
 
     worker, published, normal_end = asyncio.run(run())
     yield pipeline, worker, published, normal_end
@@ -121,8 +135,9 @@ class TestReplay:
 
     def test_a_retry_is_a_duplicate_in_the_replay_too_when_the_range_starts_after_its_original(self, processed):
         pipeline, _, _, normal_end = processed
-        [letter] = asyncio.run(read(pipeline.bootstrap, [pipeline.topics.dlq], until=lambda recs: len(recs) == 1, timeout=10))
-        assert header(letter, "error.type") == "duplicate" and header(letter, "memfilter.duplicate-of")
+        letters = asyncio.run(read(pipeline.bootstrap, [pipeline.topics.dlq], until=lambda recs: len(recs) == 2, timeout=10))
+        [letter] = [r for r in letters if header(r, "error.type") == "duplicate"]  # the other: the reply refused before its thread
+        assert header(letter, "memfilter.duplicate-of")
         partition, offset = int(header(letter, "source.partition")), int(header(letter, "source.offset"))
         only_it = {p: (offset if p == partition else 10**9) for p in range(pipeline.partitions)}
         result = pipeline.memfilter(

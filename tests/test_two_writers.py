@@ -113,7 +113,7 @@ def redis_run(services):
 
 async def history(store: HistoryStore, thread: str) -> tuple:
     """A thread's rows, order, meta (but the fencing epoch) and applied saves."""
-    rows, order, meta, saved, _ = store.keys(thread)
+    rows, order, meta, saved, *_ = store.keys(thread)
     r = store.redis
     return await r.hgetall(rows), await r.lrange(order, 0, -1), await r.hmget(meta, "owner", "version", "newest"), await r.get(saved)
 

@@ -5,7 +5,9 @@ For each case the thread's history (and the other threads' rows) is saved to Red
 the request is published to the requests topic, and what the worker emits must be exactly
 what `memfilter explain` gives for the same case: the filtered input with its context, the rows
 to persist, or the dead letter with the same error type. Cases that set the context's size
-(`historyMessages`) go to a worker with that MEMFILTER_HISTORY_MESSAGES. Each case gets thread and message ids of its own (`c<i>-<id>`).
+(`historyMessages`) go to a worker with that MEMFILTER_HISTORY_MESSAGES, and so for `edits`
+(MEMFILTER_EDITS); a case's `superseded` rows are superseded in Redis first, as a regenerate
+would have left them. Each case gets thread and message ids of its own (`c<i>-<id>`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ def renamed(value, prefix: str):
     """The case with every thread and message id prefixed, so each case has its own."""
     if isinstance(value, dict):
         return {
-            k: (f"{prefix}{v}" if k in ("threadId", "id") and isinstance(v, str) else renamed(v, prefix))
+            k: (
+                f"{prefix}{v}" if k in ("threadId", "id", "messageId") and isinstance(v, str)
+                else [f"{prefix}{i}" for i in v] if k == "superseded"
+                else renamed(v, prefix)
+            )
             for k, v in value.items()
         }
     if isinstance(value, list):
@@ -51,15 +57,17 @@ async def save_history(pipeline: Pipeline, case: dict) -> None:
             await store.claim([(r["id"], t) for r in rows])
             rows_json = [(r["id"], msgspec.json.encode(r)) for r in rows]
             assert await store.apply([Save(t, owner, newest, rows_json, [r["role"] for r in rows], b"", may_own=True)]) == [1]
+            if t == thread and case.get("superseded"):  # as an earlier regenerate left them
+                await store.apply([Save(t, owner, newest, [], [], b"", superseded=case["superseded"], request_id="earlier")])
         if case.get("owner") and not case["stored"]:
             await client.hset(store.keys(thread)[2], "owner", case["owner"])
     finally:
         await client.aclose()
 
 
-def run_cases(services, cases: list[dict], history: int) -> tuple:
-    """Publish cases against a worker deciding with contexts of `history` rows; its topics
-    and records."""
+def run_cases(services, cases: list[dict], history: int, edits: str) -> tuple:
+    """Publish cases against a worker deciding with contexts of `history` rows and edits on
+    or off; its topics and records."""
     pipeline = Pipeline(services.bootstrap, services.redis_url)
     expected = json.loads(explain(json.dumps(cases).encode(), pipeline.secret))
 
@@ -67,14 +75,14 @@ def run_cases(services, cases: list[dict], history: int) -> tuple:
         await pipeline.create_topics()
         for case in cases:
             await save_history(pipeline, case)
-        pipeline.start_worker(MEMFILTER_HISTORY_MESSAGES=str(history))
+        pipeline.start_worker(MEMFILTER_HISTORY_MESSAGES=str(history), MEMFILTER_EDITS=edits)
         await publish(
             services.bootstrap,
             pipeline.topics.requests,
             [(c["request"]["threadId"].encode(), json.dumps(c["request"]).encode(), c["timestamp"]) for c in cases],
         )
         t = pipeline.topics
-        saving = sum(1 for e in expected if e.get("persist"))  # outputs on three topics: wait for all of them
+        saving = sum(1 for e in expected if e.get("persist") or e.get("superseded"))  # outputs on three topics: wait for all of them
         return await read(
             services.bootstrap,
             [t.filtered, t.persist, t.dlq],
@@ -90,15 +98,16 @@ def run_cases(services, cases: list[dict], history: int) -> tuple:
 
 @pytest.fixture(scope="module")
 def outputs(services):
-    """Every case against a worker, one worker per context size the cases ask for; the
-    worker's records and explain's answers."""
+    """Every case against a worker, one worker per context size and edits setting the cases
+    ask for; the worker's records and explain's answers."""
     cases = [renamed(c["case"], f"c{i}-") for i, c in enumerate(CASES)]
     expected: list = [None] * len(cases)
     by_key = defaultdict(dict)
     topics = {}
-    for history in sorted({c.get("historyMessages", HISTORY_MESSAGES) for c in cases}):
-        group = [i for i, c in enumerate(cases) if c.get("historyMessages", HISTORY_MESSAGES) == history]
-        t, answers, records = run_cases(services, [cases[i] for i in group], history)
+    settings = lambda c: (c.get("historyMessages", HISTORY_MESSAGES), c.get("edits", "on"))  # noqa: E731
+    for history, edits in sorted({settings(c) for c in cases}):
+        group = [i for i, c in enumerate(cases) if settings(c) == (history, edits)]
+        t, answers, records = run_cases(services, [cases[i] for i in group], history, edits)
         for i, answer in zip(group, answers):
             expected[i], topics[i] = answer, t
         for r in records:
@@ -119,7 +128,8 @@ def test_the_worker_emits_what_explain_decides(index, outputs):
     [filtered] = got[topics.filtered]
     event = json.loads(filtered.value)
     assert (event["outcome"], event["messages"], event["dropped"]) == (want["outcome"], want["messages"], want["dropped"])
-    assert event["context"] == want["context"]
+    assert (event["context"], event["superseded"]) == (want["context"], want["superseded"])
     assert event["requestId"] == cases[index]["request"]["requestId"]
-    persisted = [json.loads(r.value)["messages"] for r in got.get(topics.persist, [])]
-    assert persisted == ([want["persist"]] if want["persist"] else [])
+    persisted = [json.loads(r.value) for r in got.get(topics.persist, [])]
+    saves = want["persist"] or want["superseded"]  # an event that saves nothing but supersedes is emitted too
+    assert [(e["messages"], e.get("superseded", [])) for e in persisted] == ([(want["persist"], want["superseded"])] if saves else [])
