@@ -109,8 +109,8 @@ class StoredView(msgspec.Struct):
     # The ids of the conversation's last rows, in order (their rows in `rows`): at least the
     # last `history` of `decide`, and from the first of the request's ids stored here on.
     tail: list[str] = []
-    # Of the ids asked for, those of rows a regenerate or an edit took out of the conversation
-    # (still stored here, never in `tail`).
+    # Ids of rows a regenerate or an edit took out of the conversation (still stored here, never
+    # in `tail`): at least those of the request's ids.
     superseded: frozenset[str] = frozenset()
     decoded: dict[str, Msg] = {}  # rows decoded so far (see `row`)
 

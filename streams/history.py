@@ -20,8 +20,8 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:idx:{B}` | hash | message id digest -> digest of the thread that owns it (`id_key`, `thread_tag`), in 4,096 buckets |
 | `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
 
-Only rows and order lists grow with the conversation; everything else is a few bytes per
-message or save, or per thread (README, "Capacity").
+Only rows and order lists grow with the conversation (and `superseded`, with regenerates and
+edits); everything else is a few bytes per message or save, or per thread (README, "Capacity").
 
 A thread is read with plain commands, meta first, in one pipeline for its batch (a Lua
 script cost Redis six times as much; consistency comes from the write); with it, the ids of
@@ -348,7 +348,7 @@ class ThreadState:
     elsewhere: dict[str, str]  # asked-for id not stored here -> the `thread_tag` (hex) of the other thread that owns it
     pending: dict[bytes, Recorded] = field(default_factory=dict)  # `window_key` -> record, of requests whose outputs may not be committed yet
     window: bytes = b""  # the retry window (`recent`)
-    superseded: frozenset[str] = frozenset()  # asked-for ids of rows out of the conversation
+    superseded: frozenset[str] = frozenset()  # ids of its rows out of the conversation (`superseded`)
     tail: list[str] = field(default_factory=list)  # the ids of the thread's last rows, in order (`read`, `read_tails`)
 
 
@@ -506,7 +506,7 @@ class HistoryStore:
             commands.append(("HLEN", rows))
             if ids:
                 commands.append(("HMGET", rows, *ids))
-                commands.append(("HMGET", superseded, *ids))
+            commands.append(("HKEYS", superseded))  # empty but after a regenerate or an edit
             commands.append(("GET", recent))
             if tail:
                 commands.append(("LRANGE", order, -tail, -1))
@@ -514,7 +514,8 @@ class HistoryStore:
         states = {}
         for thread, ids in wanted.items():
             (owner, version, newest), size = next(replies), next(replies)
-            rows, gone = (next(replies), next(replies)) if ids else ((), ())
+            rows = next(replies) if ids else ()
+            gone = next(replies)
             states[thread] = ThreadState(
                 owner=owner.decode() if owner else None,
                 version=int(version or 0),
@@ -523,7 +524,7 @@ class HistoryStore:
                 rows={mid: row for mid, row in zip(ids, rows) if row is not None},
                 elsewhere={},
                 window=next(replies) or b"",
-                superseded=frozenset(mid for mid, by in zip(ids, gone) if by is not None),
+                superseded=frozenset(mid.decode() for mid in gone) if gone else frozenset(),
                 tail=[mid.decode() for mid in next(replies)] if tail else [],
             )
         return states
