@@ -3,7 +3,8 @@
 # what it needs, starts Kafka and Redis (`memfilter stack up`), a worker and the reference
 # agent runner (echo model), then a scripted useChat-like client (`memfilter converse`) that
 # sends each turn as a full echo of its conversation, waits for the saved reply and appends
-# it, answering one client tool call on the way; it prints what the model saw at each turn,
+# it, answering one client tool call, then regenerating an answer and editing a message on the
+# way; it prints what the model saw at each turn,
 # then the thread as it is stored (`memfilter history show`). Exits 1 if the worker or the
 # agent stops on the way. The stack keeps running afterwards: `.venv/bin/memfilter stack down`.
 set -euo pipefail

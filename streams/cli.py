@@ -157,6 +157,8 @@ def cmd_converse(args: argparse.Namespace) -> int:
         print(f"thread {conversation.thread} of resource {conversation.resource}: each request, what the model saw, its answer")
         for turn in conversation.turns:
             print(f"> {describe(turn.view[-1])}")
+            if turn.superseded:
+                print(f"    superseded (out of the conversation, still stored): {', '.join(turn.superseded)}")
             print(f"    the model saw {len(turn.context)} messages: " + " | ".join(describe(m, 40) for m in turn.context))
             if turn.reply is not None:
                 print(f"< {describe(turn.reply)}")
@@ -501,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
         "converse",
         help="a scripted useChat-like client: send each text as a turn (full echo, UI messages), wait for the saved reply, print what the model saw",
     )
-    p.add_argument("texts", nargs="*", help="the user's turns; '/tool NAME {json}' asks the echo model for a client tool call (default: a short demo)")
+    p.add_argument("texts", nargs="*", help="the user's turns; '/tool NAME {json}' asks the echo model for a client tool call, '/regenerate' regenerates the last answer, '/edit TEXT' edits the last user message (default: a short demo of each)")
     p.add_argument("--thread", help="thread id (default demo-thread-<time>)")
     p.add_argument("--resource", default="demo-user", help="resource id (default demo-user)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each filtered input and reply (default 60)")

@@ -38,6 +38,8 @@ DEMO_SCRIPT = [
     "Find me a flight from Lisbon to Oslo on May 3.",
     '/tool pickSeat {"flight": "TP1234"}',
     "Thanks. Print my itinerary.",
+    "/regenerate",
+    "/edit Thanks. Print my itinerary and the seat map.",
 ]
 
 

@@ -316,8 +316,9 @@ def run_local_env(services) -> dict[str, str]:
 
 
 def test_run_local_runs_the_loop_and_shows_what_the_model_saw_and_what_is_stored(services):
-    """The whole loop: the client's turns, each answered by the agent, one tool round trip;
-    the stored thread has every turn and reply."""
+    """The whole loop: the client's turns, each answered by the agent, one tool round trip, a
+    regenerate and an edit; the stored thread has the client's conversation, then the two
+    answers they superseded, marked."""
     result = subprocess.run(["bash", "deploy/run-local.sh"], capture_output=True, text=True, env=run_local_env(services), cwd=REPO, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -325,8 +326,11 @@ def test_run_local_runs_the_loop_and_shows_what_the_model_saw_and_what_is_stored
     assert '< assistant: [pickSeat({"flight": "TP1234"}) call]' in out
     assert '> assistant: [pickSeat({"flight": "TP1234"}) result -> ' in out  # the client's answer to the call
     assert "< assistant: pickSeat returned" in out
+    assert out.count("    superseded (out of the conversation, still stored): ") == 2
+    assert "> user: Thanks. Print my itinerary and the seat map." in out
     stored = out.split("--- the thread as it is stored")[1]
-    assert stored.count("assistant") == 4 and stored.count("user") >= 3
+    assert stored.count("(superseded by request ") == 2
+    assert stored.count("assistant") == 4 + 2 and "Print my itinerary and the seat map." in stored
 
 
 def test_run_local_exits_1_when_its_worker_stops(services, tmp_path):
