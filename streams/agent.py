@@ -19,8 +19,9 @@ Models (`MEMFILTER_AGENT_BACKEND`):
 - `openai`: any OpenAI-compatible chat-completions endpoint through the official `openai`
   package (`MEMFILTER_AGENT_BASE_URL`, `MEMFILTER_AGENT_MODEL`, `OPENAI_API_KEY`).
 
-No input stops the runner: one that is not a filtered input, or that the model refuses (an
-HTTP 4xx: too long, say), goes to the dead-letter topic with the reason. A model that does not
+No input stops the runner: one that is not a filtered input, that the model refuses (an HTTP
+4xx: too long, say), or that fails in any other way goes to the dead-letter topic with the
+reason (`decode`, `model`, `internal`). A model that does not
 answer (connection, timeout, 429, 5xx) is retried until it does, as the worker waits for
 Redis: nothing is skipped for an outage.
 
@@ -30,7 +31,6 @@ Web server (as the worker's): `/metrics`, `/healthz`, `/readyz` on MEMFILTER_AGE
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -43,10 +43,10 @@ from aiokafka.errors import ConsumerStoppedError
 
 from schemas.wire import FilteredInput
 from streams import replies
-from streams.app import Rebalance, seek_to_committed, serve_health
+from streams.app import Rebalance, seek_to_committed, serve_health, wait_for_topics
 from streams.filter import Rejection
 from streams.metrics import AgentMetrics
-from streams.processor import MAX_RECORD_BYTES, Record, dead_letter
+from streams.processor import MAX_RECORD_BYTES, Record, dead_letter, internal_error
 from streams.settings import Settings
 
 log = logging.getLogger("memfilter")
@@ -123,12 +123,7 @@ class AgentLoop(mode.Service):
             fetch_max_wait_ms=100,
         )
         await self._consumer.start()
-        for attempt in itertools.count():
-            if s.topics.filtered in await self._consumer.topics():
-                break
-            if attempt % 20 == 0:
-                log.warning("waiting for topic %s: create it (`memfilter stack up` does)", s.topics.filtered)
-            await asyncio.sleep(0.5)
+        await wait_for_topics(self._consumer, [s.topics.filtered])
         self._consumer.subscribe([s.topics.filtered], listener=Rebalance(self))
 
     async def on_stop(self) -> None:
@@ -184,18 +179,21 @@ class AgentLoop(mode.Service):
             except (msgspec.DecodeError, TypeError) as e:
                 out.append(self._dead(r, Rejection("decode", f"record is not a FilteredInput ({e}); it was skipped")))
                 continue
-            if not replies.wants_reply(event.context):
-                self.metrics.inputs.labels("no-reply").inc()
-                continue
             try:
+                if not replies.wants_reply(event.context):
+                    self.metrics.inputs.labels("no-reply").inc()
+                    continue
                 async with self._calls:
                     with self.metrics.model_seconds.time():
                         parts = await self.model(event)
+                value = replies.reply_event(event, replies.reply_message(event, parts, r.timestamp, self.settings.secret))
             except ModelRefused as e:
                 out.append(self._dead(r, Rejection("model", str(e))))
                 continue
+            except Exception as e:  # one input's problem (a bug, a context no code foresaw): not the runner's
+                out.append(self._dead(r, internal_error(Record.of(r), e)))
+                continue
             self.metrics.inputs.labels("answered").inc()
-            value = replies.reply_event(event, replies.reply_message(event, parts, r.timestamp, self.settings.secret))
             out.append((self.settings.topics.persist, r.key, value, ()))
         return out
 

@@ -182,18 +182,8 @@ class RecordLoop(mode.Service):
         )
         await self._consumer.start()
         topics = [self.settings.topics.requests, self.settings.topics.persist]
-        await self._wait_for(topics)
+        await wait_for_topics(self._consumer, topics)
         self._consumer.subscribe(topics, listener=Rebalance(self))
-
-    async def _wait_for(self, topics: list[str]) -> None:
-        """Subscribing to a topic the broker does not yet know would leave it unassigned."""
-        for attempt in itertools.count():
-            missing = set(topics) - await self._consumer.topics()
-            if not missing:
-                return
-            if attempt % 20 == 0:
-                log.warning("waiting for topics %s: create them (`memfilter stack up` does)", ", ".join(sorted(missing)))
-            await asyncio.sleep(0.5)
 
     async def on_stop(self) -> None:
         async with self._turn:
@@ -445,6 +435,17 @@ class RecordLoop(mode.Service):
         if self._delivering is not None:
             await self._delivering  # several may wait for it (the loop, a rebalance)
             self._delivering = None
+
+
+async def wait_for_topics(consumer: AIOKafkaConsumer, topics: list[str]) -> None:
+    """Subscribing to a topic the broker does not yet know would leave it unassigned."""
+    for attempt in itertools.count():
+        missing = set(topics) - await consumer.topics()
+        if not missing:
+            return
+        if attempt % 20 == 0:
+            log.warning("waiting for topics %s: create them (`memfilter stack up` does)", ", ".join(sorted(missing)))
+        await asyncio.sleep(0.5)
 
 
 async def seek_to_committed(consumer: AIOKafkaConsumer, assigned: set[TopicPartition]) -> dict[TopicPartition, int]:

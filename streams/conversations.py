@@ -96,13 +96,20 @@ class Driver:
     async def _read(self, consumer: AIOKafkaConsumer) -> None:
         filtered, persisted = msgspec.json.Decoder(FilteredInput), msgspec.json.Decoder(PersistMessages)
         async for record in consumer:
-            if record.topic == self.topics.filtered:
-                event = filtered.decode(record.value)
-                self._settle(self._filtered, event.requestId, event)
-            else:
-                event = persisted.decode(record.value)
-                if event.requestId.endswith("/reply"):
-                    self._settle(self._replies, event.requestId.removesuffix("/reply"), event.messages[0])
+            try:
+                self._take(record, filtered, persisted)
+            except msgspec.DecodeError:  # not the processor's or a saver's: nothing to wait for
+                continue
+
+    def _take(self, record, filtered: msgspec.json.Decoder, persisted: msgspec.json.Decoder) -> None:
+        """Settle what a filtered input or a saved reply answers."""
+        if record.topic == self.topics.filtered:
+            event = filtered.decode(record.value)
+            self._settle(self._filtered, event.requestId, event)
+        else:
+            event = persisted.decode(record.value)
+            if event.requestId.endswith("/reply") and event.messages:
+                self._settle(self._replies, event.requestId.removesuffix("/reply"), event.messages[0])
 
     def _settle(self, futures: dict[str, asyncio.Future], request_id: str, value: Any) -> None:
         future = self._future(futures, request_id)

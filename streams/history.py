@@ -140,14 +140,18 @@ return {'ok', tostring(version)}
 # The context's window reaching back (`streams/filter.py`, `_context`): the thread's order from
 # the first of these message ids (ARGV) stored in it to its end, and those rows.
 # KEYS: rows, order. Returns {ids, rows}.
+# One pass over the order, whatever the number of ids (an LPOS per id would be a pass each).
 TAIL = """
+local wanted = {}
+for i = 1, #ARGV do wanted[ARGV[i]] = true end
+local order = redis.call('LRANGE', KEYS[2], 0, -1)
 local first
-for i = 1, #ARGV do
-  local at = redis.call('LPOS', KEYS[2], ARGV[i])
-  if at and (first == nil or at < first) then first = at end
+for i, id in ipairs(order) do
+  if wanted[id] then first = i break end
 end
 if first == nil then return {{}, {}} end
-local ids = redis.call('LRANGE', KEYS[2], first, -1)
+local ids = {}
+for i = first, #order do ids[#ids + 1] = order[i] end
 local rows = {}
 for i = 1, #ids, 1000 do
   for _, row in ipairs(redis.call('HMGET', KEYS[1], unpack(ids, i, math.min(i + 999, #ids)))) do

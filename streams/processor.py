@@ -384,7 +384,7 @@ class Processor:
                 if mid not in tail
             ]
             if far:
-                reach[thread] = far
+                reach[thread] = list(dict.fromkeys(far))
         await self.store.read_tails(states, reach)
 
     def _reach(self, p: _Pending, state: ThreadState) -> list[str]:

@@ -15,7 +15,6 @@ import asyncio
 import json
 import time
 
-import pytest
 import redis.asyncio as aioredis
 
 from pipeline import Pipeline
@@ -79,28 +78,20 @@ def converse(pipeline: Pipeline, conversations: list[Conversation], during=None)
     asyncio.run(go())
 
 
-@pytest.fixture
-def loop_pipeline(services):
-    p = Pipeline(services.bootstrap, services.redis_url)
-    asyncio.run(p.create_topics())
-    yield p
-    p.stop_all()
-
-
-def test_every_thread_stores_the_clients_conversation_each_context_is_its_view_and_a_replay_agrees(loop_pipeline):
-    loop_pipeline.start_worker()
-    loop_pipeline.start_agent()
+def test_every_thread_stores_the_clients_conversation_each_context_is_its_view_and_a_replay_agrees(pipeline):
+    pipeline.start_worker()
+    pipeline.start_agent()
     conversations = scripts(THREADS, TURNS)
-    converse(loop_pipeline, conversations)
-    check(loop_pipeline, conversations)
-    replayed = loop_pipeline.memfilter("replay", timeout=600)  # the contexts, replies among them, decided again
+    converse(pipeline, conversations)
+    check(pipeline, conversations)
+    replayed = pipeline.memfilter("replay", timeout=600)  # the contexts, replies among them, decided again
     assert replayed.returncode == 0 and "identical, 0 different" in replayed.stdout, replayed.stdout + replayed.stderr
 
 
-def test_with_a_worker_and_an_agent_killed_mid_run_the_result_is_the_same(loop_pipeline):
+def test_with_a_worker_and_an_agent_killed_mid_run_the_result_is_the_same(pipeline):
     settings = {"MEMFILTER_SESSION_TIMEOUT": "6"}
-    workers = [loop_pipeline.start_worker(**settings) for _ in range(2)]
-    agents = [loop_pipeline.start_agent(**settings) for _ in range(2)]
+    workers = [pipeline.start_worker(**settings) for _ in range(2)]
+    agents = [pipeline.start_agent(**settings) for _ in range(2)]
     conversations = scripts(THREADS, TURNS)
     total = sum(len(c.script) + 1 for c in conversations)
 
@@ -108,42 +99,42 @@ def test_with_a_worker_and_an_agent_killed_mid_run_the_result_is_the_same(loop_p
         deadline = time.monotonic() + 300
         while sum(len(c.turns) for c in conversations) < total * 0.4 and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-        loop_pipeline.kill(workers[0])
-        loop_pipeline.kill(agents[0])
+        pipeline.kill(workers[0])
+        pipeline.kill(agents[0])
 
-    converse(loop_pipeline, conversations, during=kill_midway)
+    converse(pipeline, conversations, during=kill_midway)
     assert workers[0].returncode is not None and agents[0].returncode is not None
-    check(loop_pipeline, conversations)
+    check(pipeline, conversations)
 
 
-def test_regenerates_and_edits_leave_the_clients_conversation_stored_and_a_rebuild_and_replay_agree(loop_pipeline):
+def test_regenerates_and_edits_leave_the_clients_conversation_stored_and_a_rebuild_and_replay_agree(pipeline):
     """Each thread regenerates an answer and edits a message on the way; what they replaced is
     superseded: out of the stored conversation and of every later context, kept stored, and the
     same after a rebuild from persist-messages into a new prefix."""
-    loop_pipeline.start_worker()
-    loop_pipeline.start_agent()
+    pipeline.start_worker()
+    pipeline.start_agent()
     conversations = scripts(50, 8)
     for c in conversations:
         c.script[5], c.script[7] = "/regenerate", f"/edit thread {c.thread} edited"
-    converse(loop_pipeline, conversations)
-    check(loop_pipeline, conversations)
-    live = asyncio.run(superseded(loop_pipeline, loop_pipeline.prefix, conversations))
+    converse(pipeline, conversations)
+    check(pipeline, conversations)
+    live = asyncio.run(superseded(pipeline, pipeline.prefix, conversations))
     for c in conversations:
         regenerate, edit = c.turns[-3], c.turns[-1]  # the tool turn adds one
         assert len(regenerate.superseded) == 1 and len(edit.superseded) == 1
         assert set(live[c.thread]) == set(regenerate.superseded + edit.superseded)
         assert not set(live[c.thread]) & {m["id"] for m in c.messages}  # the new answers have ids of their own
-    rebuilt = loop_pipeline.memfilter("history", "rebuild", "--prefix", f"{loop_pipeline.prefix}-rebuilt", timeout=600)
+    rebuilt = pipeline.memfilter("history", "rebuild", "--prefix", f"{pipeline.prefix}-rebuilt", timeout=600)
     assert rebuilt.returncode == 0, rebuilt.stderr
-    assert asyncio.run(superseded(loop_pipeline, f"{loop_pipeline.prefix}-rebuilt", conversations)) == live
-    assert asyncio.run(stored(loop_pipeline, [c.thread for c in conversations], f"{loop_pipeline.prefix}-rebuilt")) == asyncio.run(
-        stored(loop_pipeline, [c.thread for c in conversations])
+    assert asyncio.run(superseded(pipeline, f"{pipeline.prefix}-rebuilt", conversations)) == live
+    assert asyncio.run(stored(pipeline, [c.thread for c in conversations], f"{pipeline.prefix}-rebuilt")) == asyncio.run(
+        stored(pipeline, [c.thread for c in conversations])
     )
-    replayed = loop_pipeline.memfilter("replay", timeout=600)
+    replayed = pipeline.memfilter("replay", timeout=600)
     assert replayed.returncode == 0 and "identical, 0 different" in replayed.stdout, replayed.stdout + replayed.stderr
-    shown = loop_pipeline.memfilter("history", "show", "loop-0")
+    shown = pipeline.memfilter("history", "show", "loop-0")
     assert shown.stdout.count("(superseded by request loop-0-q5)") == 1 and shown.stdout.count("(superseded by request loop-0-q7)") == 1
-    as_json = [json.loads(line) for line in loop_pipeline.memfilter("history", "show", "loop-0", "--json").stdout.splitlines()]
+    as_json = [json.loads(line) for line in pipeline.memfilter("history", "show", "loop-0", "--json").stdout.splitlines()]
     assert sorted(line["supersededBy"] for line in as_json if "supersededBy" in line) == ["loop-0-q5", "loop-0-q7"]
 
 
