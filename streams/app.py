@@ -234,15 +234,7 @@ class RecordLoop(mode.Service):
         past them, so an idle worker's lag is 0)."""
         if batch:
             self.metrics.batch_size.observe(sum(len(rs) for rs in batch.values()))
-        outs: dict[int, list[Out]] = {tp.partition: [] for tp in batch}  # by task
-        requests: list[Record] = []
-        for phase_requests, phase_persisted in in_order(batch, self.settings.topics, self.settings.secret):
-            for record, record_outs in zip(phase_requests, await self._decide(phase_requests)):
-                outs[record.partition] += record_outs
-            for record, result in zip(phase_persisted, await self._apply(phase_persisted)):
-                if isinstance(result, Rejection):
-                    outs[record.partition].append(dead_letter(record, self.settings.topics.dlq, result))
-            requests += phase_requests
+        outs, requests = await _with_redis_retry("handling a batch", lambda: self._decide_and_apply(batch))
         positions = {tp: await self._consumer.position(tp) for tp in self._committed}
         offsets = {tp: p for tp, p in positions.items() if p > self._committed[tp]}
         for tp in offsets:
@@ -256,17 +248,26 @@ class RecordLoop(mode.Service):
             if end is not None:
                 self.metrics.lag.labels(tp.topic, str(tp.partition)).set(max(0, end - position))
 
-    async def _decide(self, requests: list[Record]) -> list[list[Out]]:
-        if not requests:
-            return []
-        return await _with_redis_retry("filtering requests", lambda: self.processor.outputs(requests))
-
-    async def _apply(self, persisted: list[Record]) -> list[Rejection | int]:
-        if not persisted:
-            return []
-        results = await _with_redis_retry("applying persisted messages", lambda: self.persister.apply(persisted))
-        self.metrics.persisted.inc(sum(1 for r in results if not isinstance(r, Rejection)))
-        return results
+    async def _decide_and_apply(self, batch) -> tuple[dict[int, list[Out]], list[Record]]:
+        """The batch's outputs by task, and its requests: requests decided and saves applied in
+        the order they were appended, then every Redis write of the batch on its replicas
+        (`HistoryStore.replicate`). A Redis failure anywhere has the whole batch handled again:
+        what was written is found then (requests by their records, saves by their identity)."""
+        outs: dict[int, list[Out]] = {tp.partition: [] for tp in batch}  # by task
+        requests: list[Record] = []
+        for phase_requests, phase_persisted in in_order(batch, self.settings.topics, self.settings.secret):
+            if phase_requests:
+                for record, record_outs in zip(phase_requests, await self.processor.outputs(phase_requests)):
+                    outs[record.partition] += record_outs
+            if phase_persisted:
+                results = await self.persister.apply(phase_persisted)
+                for record, result in zip(phase_persisted, results):
+                    if isinstance(result, Rejection):
+                        outs[record.partition].append(dead_letter(record, self.settings.topics.dlq, result))
+                self.metrics.persisted.inc(sum(1 for r in results if not isinstance(r, Rejection)))
+            requests += phase_requests
+        await self.store.replicate()
+        return outs, requests
 
     async def _catch_up(self, batch, epoch: int) -> None:
         """Bring into the batch every `persist-messages` record of its requests' tasks that was
@@ -563,7 +564,10 @@ def serve_health(name: str, settings: Settings, datadir: str, port: int, metrics
 def create_app(settings: Settings) -> faust.App:
     client = connect(settings.redis_url)
     metrics = Metrics()
-    loop = RecordLoop(settings, HistoryStore(client, settings.redis_prefix, metrics, settings.processed_ttl, settings.retry_window), metrics)
+    store = HistoryStore(
+        client, settings.redis_prefix, metrics, settings.processed_ttl, settings.retry_window, settings.redis_replicas, settings.redis_replica_timeout
+    )
+    loop = RecordLoop(settings, store, metrics)
     app = serve_health(settings.group, settings, settings.data_dir, settings.web_port, metrics, lambda: [] if loop.assigned else ["no partitions assigned"], client)
     app.add_dependency(loop)
     return app

@@ -34,10 +34,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_stack(args: argparse.Namespace) -> int:
     from streams import stack
 
-    settings = stack.Settings.of(Settings.from_env(), args.partitions)
+    settings = stack.Settings.of(Settings.from_env(), args.partitions, args.brokers, args.redis_cluster)
     try:
         if args.action == "up":
-            print(stack.up(settings).exports(stack.secret(settings)))
+            print(stack.up(settings).exports(settings, stack.secret(settings)))
         elif args.action == "down":
             print("stopped" if stack.down(settings) else f"no stack recorded in {settings.dir}")
         else:
@@ -56,12 +56,20 @@ def _reachable(settings, redis_too: bool = True) -> str | None:
 
     import redis
 
+    from streams.history import connect
     from streams.stack import broker_answers
+
+    async def ping() -> None:
+        client = connect(settings.redis_url, socket_connect_timeout=3)
+        try:
+            await client.ping()
+        finally:
+            await client.aclose()
 
     try:
         if redis_too:
-            redis.Redis.from_url(settings.redis_url, socket_connect_timeout=3).ping()
-    except redis.RedisError as e:
+            asyncio.run(ping())
+    except (redis.RedisError, OSError) as e:
         return f"Redis at {settings.redis_url} does not answer ({e}); start it (memfilter stack up) or set REDIS_URL"
     if not asyncio.run(broker_answers(settings.bootstrap, timeout=10)):
         return f"Kafka at {settings.bootstrap} does not answer; start it (memfilter stack up) or set KAFKA_BOOTSTRAP_SERVERS"
@@ -559,7 +567,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "stack",
         help="a local Kafka (KRaft) and Redis for the product and its tests",
-        description="Start, stop or show a local single-node Kafka broker and Redis server on loopback ports. "
+        description="Start, stop or show a local Kafka (one broker, or a cluster of 3) and Redis (one server, or a cluster "
+        "of 3 masters with a replica each) on loopback ports. "
         "`up` starts what is not running (a service that died is started again on its data); `status` exits 3 "
         "unless everything runs. Settings: MEMFILTER_STACK_DIR (default .stack/ in the checkout), MEMFILTER_KAFKA_PORT (9092), "
         "MEMFILTER_CONTROLLER_PORT (9093), MEMFILTER_REDIS_PORT (6379), MEMFILTER_PARTITIONS (8), "
@@ -567,6 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("action", choices=["up", "down", "status"], help='up prints `export` lines: eval "$(memfilter stack up)"')
     p.add_argument("--partitions", type=_positive, help="partitions of each topic `up` makes (default 8); must match existing topics")
+    p.add_argument("--brokers", type=int, choices=[1, 3], default=1, help="`up`: Kafka brokers; 3 is a KRaft cluster with replication factor 3, min ISR 2 (ports +2 each)")
+    p.add_argument("--redis-cluster", action="store_true", help="`up`: a Redis Cluster of 3 masters and 3 replicas on MEMFILTER_REDIS_PORT and the 5 ports after it")
     p.set_defaults(parser=p, run=cmd_stack)
     return parser
 

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import re
 import struct
 from dataclasses import dataclass, field
@@ -78,8 +79,10 @@ import msgspec
 import redis.asyncio as aioredis
 from msgspec import UNSET, UnsetType
 from redis._parsers.hiredis import NOT_ENOUGH_DATA
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import AskError, ClusterDownError, NoScriptError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
 
 from streams.filter import STATE_RANKS, Rejection
 from streams.metrics import Metrics
@@ -391,12 +394,29 @@ class Save(msgspec.Struct, frozen=True, gc=False):
 TIMEOUT_S = 10.0
 
 
-def connect(url: str, **options) -> aioredis.Redis:
-    """A Redis client for the history store (`url` as in REDIS_URL)."""
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+def connect(url: str, **options) -> aioredis.Redis | RedisCluster:
+    """A Redis client for the history store (`url` as in REDIS_URL): redis-py's cluster client
+    for a `redis+cluster://HOST:PORT` URL (any node of the cluster; it finds the others)."""
     # No socket timeout: it would put every command's send in a task of its own (`wait_for`),
     # which waits for the event loop's next turn: a fifth of the worker's throughput. The
-    # worker bounds its calls itself (`_pipeline`, `take_epoch`: TIMEOUT_S).
-    return aioredis.from_url(url, socket_timeout=None, socket_connect_timeout=5, **options)
+    # worker bounds its calls itself (`_pipeline`: TIMEOUT_S).
+    options = {"socket_timeout": None, "socket_connect_timeout": 5, **options}
+    if url.startswith(CLUSTER_SCHEMES):
+        return RedisCluster.from_url(url.replace("+cluster", "", 1), **options)
+    return aioredis.from_url(url, **options)
+
+
+class NotReplicated(RedisConnectionError):
+    """Writes not yet on MEMFILTER_REDIS_REPLICAS replicas: the batch is not committed to Kafka
+    but handled again (`HistoryStore.replicate`)."""
+
+
+class Resharded(RedisConnectionError):
+    """A Redis Cluster node answered that a slot is elsewhere (MOVED, ASK), moving (TRYAGAIN) or
+    not served (CLUSTERDOWN): the cluster's map is read again and the batch handled again."""
 
 
 class HistoryStore:
@@ -407,6 +427,8 @@ class HistoryStore:
         metrics: Metrics | None = None,
         processed_ttl: int = PROCESSED_TTL_S,
         retry_window: int = RETRY_WINDOW,
+        replicas: int = 0,
+        replica_timeout: float = 1.0,
     ):
         self.redis = client
         self.prefix = prefix
@@ -416,18 +438,101 @@ class HistoryStore:
         self.epoch = 0  # this writer's owner epoch (`take_epoch`); 0 for a store no worker uses (a replay's)
         self.metrics = metrics or Metrics()  # counts the round trips
         self._sha = {script: hashlib.sha1(script.encode()).hexdigest() for script in (COMMIT, APPLY, TAIL)}
+        self.replicas = replicas  # MEMFILTER_REDIS_REPLICAS: writes are on this many replicas before Kafka commits (`replicate`)
+        self.replica_timeout_ms = int(replica_timeout * 1000)
+        self._cluster = isinstance(client, RedisCluster)
+        self._nodes: dict[str, aioredis.Redis] = {}  # a cluster's node name -> a client of that node alone
+        self._stale_map = False  # a cluster node failed or redirected: read the cluster's map before the next call
+        self._touched: dict[str, tuple[Any, int]] = {}  # node name -> (the node, a slot of it), read or written since the last `replicate`
 
     async def _pipeline(self, commands: list[tuple]) -> list[Any]:
-        """Send the commands in one write and read their replies: one round trip. Replies are
-        taken straight from the connection's hiredis reader: redis-py's per-reply path costs
-        ~3 µs of Python each (a batch has a few thousand), the reader's `gets` a tenth of that.
+        """Send the commands and read their replies: one round trip per Redis node (one
+        Redis, or each cluster node that holds some of their keys, all at once). An error
+        reply is raised once every reply is read. A cluster node that answers MOVED, ASK,
+        TRYAGAIN or CLUSTERDOWN, or does not answer, makes the next call read the cluster's map
+        again: the error (`Resharded`, a ConnectionError) has the caller handle its batch again,
+        as it does after an outage (a redirected command was not run, and what ran is found on
+        the second pass: the module's header)."""
+        if not self._cluster:
+            self._touched[""] = (None, 0)
+            replies = await self._node(self.redis, commands)
+        else:
+            replies = await self._routed(commands)
+        self._raise_first(replies)
+        return replies
+
+    def _raise_first(self, replies: list[Any]) -> None:
+        error = next((r for r in replies if isinstance(r, Exception)), None)
+        if error is not None:
+            if isinstance(error, (AskError, TryAgainError, ClusterDownError)):  # MovedError is an AskError
+                self._stale_map = True
+                raise Resharded(f"{type(error).__name__}: {error}; reading the cluster's map again") from error
+            raise error
+
+    async def _routed(self, commands: list[tuple]) -> list[Any]:
+        """`_pipeline` on a Redis Cluster: the commands grouped by the node that serves their
+        key's slot (redis-py's map of the cluster), each group in order on that node."""
+        cluster = await self.redis.initialize()  # the map, read on first use
+        if self._stale_map:
+            await cluster.nodes_manager.initialize()
+            self._stale_map = False
+        groups: dict[str, tuple[Any, int, list[int]]] = {}
+        try:
+            for i, command in enumerate(commands):
+                key = command[3] if command[0] == "EVALSHA" else command[1]
+                node = cluster.get_node_from_key(key)
+                groups.setdefault(node.name, (node, cluster.keyslot(key), []))[2].append(i)
+        except SlotNotCoveredError as e:
+            self._stale_map = True
+            raise Resharded(str(e)) from e
+        replies: list[Any] = [None] * len(commands)
+
+        async def on(node, indices: list[int]) -> None:
+            for i, reply in zip(indices, await self._node(self._node_client(node), [commands[i] for i in indices])):
+                replies[i] = reply
+
+        done = await asyncio.gather(*(on(node, indices) for node, _, indices in groups.values()), return_exceptions=True)
+        for name, (node, slot, _) in groups.items():
+            self._touched.setdefault(name, (node, slot))
+        failed = next((e for e in done if e is not None), None)
+        if failed is not None:
+            if isinstance(failed, (RedisConnectionError, OSError, TimeoutError)):
+                self._stale_map = True  # a node down: its replica may be taking over
+            raise failed
+        return replies
+
+    def _node_client(self, node) -> aioredis.Redis:
+        """A client of one cluster node alone, made with the cluster client's connection settings."""
+        client = self._nodes.get(node.name)
+        if client is None:
+            pool = aioredis.ConnectionPool(connection_class=node.connection_class, **node.connection_kwargs)
+            client = self._nodes[node.name] = aioredis.Redis(connection_pool=pool)
+        return client
+
+    async def _node(self, client: aioredis.Redis, commands: list[tuple]) -> list[Any]:
+        """`_send` on one node; scripts it lacks (first use, a restart, a replica just promoted)
+        are loaded there and the commands that named them sent again."""
+        replies = await self._send(client, commands)
+        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if missing:
+            for script in self._sha:
+                await client.script_load(script)
+            for i, reply in zip(missing, await self._send(client, [commands[i] for i in missing])):
+                replies[i] = reply
+        self.metrics.round_trips.inc()  # the round trips that did the work: not a refused try
+        return replies
+
+    async def _send(self, client: aioredis.Redis, commands: list[tuple]) -> list[Any]:
+        """Send the commands in one write and read their replies, error replies among them: one
+        round trip. Replies are taken straight from the connection's hiredis reader: redis-py's
+        per-reply path costs ~3 µs of Python each (a batch has a few thousand), the reader's
+        `gets` a tenth of that.
         (`_parser._reader` and `read_from_socket` are redis-py 8.1's hiredis parser, pinned in
-        pyproject.) An error reply is raised once every reply is read, so the connection stays
-        in step. The reader turns each into redis-py's exception for its prefix, and not all of
-        those are ResponseErrors: a Redis still loading its data after a restart answers LOADING,
-        a BusyLoadingError, which is a ConnectionError and so retried like an outage. A Redis that
-        does not answer within TIMEOUT_S raises TimeoutError."""
-        pool = self.redis.connection_pool
+        pyproject.) The reader turns each error reply into redis-py's exception for its prefix,
+        and not all of those are ResponseErrors: a Redis still loading its data after a restart
+        answers LOADING, a BusyLoadingError, which is a ConnectionError and so retried like an
+        outage. A Redis that does not answer within TIMEOUT_S raises TimeoutError."""
+        pool = client.connection_pool
         try:
             async with asyncio.timeout(TIMEOUT_S):  # a new connection's handshake waits for Redis too
                 conn = await pool.get_connection()
@@ -455,10 +560,6 @@ class HistoryStore:
             raise
         finally:
             await pool.release(conn)
-        error = next((r for r in replies if isinstance(r, Exception)), None)
-        if error is not None:
-            raise error
-        self.metrics.round_trips.inc()  # the round trips that did the work: not a refused try
         return replies
 
     async def _run(self, calls: list[tuple[str, list[str], list[Any]]], then: tuple | list = ()) -> list[Any]:
@@ -467,16 +568,7 @@ class HistoryStore:
         round trip; here the scripts are loaded only when Redis says it lacks them (first use,
         or after a restart)."""
         commands = [("EVALSHA", self._sha[script], len(keys), *keys, *args) for script, keys, args in calls]
-        commands += then
-        for attempt in (1, 2):
-            try:
-                return await self._pipeline(commands)
-            except NoScriptError:
-                if attempt == 2:
-                    raise
-                for script in self._sha:
-                    await self.redis.script_load(script)
-        raise AssertionError("unreachable")
+        return await self._pipeline([*commands, *then])
 
     def _tag(self, thread: str) -> str:
         if "{" in thread or "}" in thread or "%" in thread:  # one whole hash tag (see the layout)
@@ -600,10 +692,51 @@ class HistoryStore:
 
     async def take_epoch(self) -> int:
         """A new owner epoch, newer than every one handed out before: taken by a worker each
-        time it is given partitions, before it reads or writes any of their threads."""
-        async with asyncio.timeout(TIMEOUT_S):
-            self.epoch = await self.redis.incr(f"{self.prefix}:epoch")
+        time it is given partitions, before it reads or writes any of their threads (and on
+        MEMFILTER_REDIS_REPLICAS replicas, or a failover could hand it out again)."""
+        (self.epoch,) = await self._pipeline([("INCR", f"{self.prefix}:epoch")])
+        await self.replicate()
         return self.epoch
+
+    async def replicate(self) -> None:
+        """Return once every write made so far on the nodes this store has read or written
+        since the last call is on MEMFILTER_REDIS_REPLICAS replicas; raise NotReplicated if it
+        is not within MEMFILTER_REDIS_REPLICA_TIMEOUT. Called before a batch's Kafka
+        transaction commits: Redis replicates asynchronously, so a master that fails over
+        after acknowledging a write can lose it, while Kafka would hold outputs that rely on
+        it. WAIT counts the replicas that have the connection's last write, and a master's
+        replication stream is one sequence: so a marker write, then WAIT, on one connection
+        per node, covers every earlier write there, by any connection. A node only read (a
+        batch handled again after a timeout here finds its requests recorded and writes
+        nothing) is waited on too: what it was read from may not be on a replica yet. One
+        round trip per node, all at once."""
+        touched, self._touched = self._touched, {}
+        if not self.replicas or not touched:
+            return
+
+        async def on(node, slot: int) -> int:
+            client = self.redis if node is None else self._node_client(node)
+            marker = self._marker(slot)
+            replies = await self._node(client, [("SET", marker, self.epoch, "PX", 60_000), ("WAIT", self.replicas, self.replica_timeout_ms)])
+            self._raise_first(replies)
+            return replies[1]
+
+        # On failure the caller handles the batch again, which reads (touches) its nodes again.
+        short = min(await asyncio.gather(*(on(node, slot) for node, slot in touched.values())))
+        if short < self.replicas:
+            raise NotReplicated(
+                f"writes on {short} of the {self.replicas} replicas MEMFILTER_REDIS_REPLICAS asks for within "
+                f"{self.replica_timeout_ms} ms; the batch is handled again, not committed"
+            )
+
+    def _marker(self, slot: int) -> str:
+        """A key in `slot` (of a cluster; any key for one Redis) for `replicate`'s marker write."""
+        if not self._cluster:
+            return f"{self.prefix}:sync"
+        tag = _SLOT_TAGS.get(slot)
+        if tag is None:
+            tag = _SLOT_TAGS[slot] = next(str(n) for n in itertools.count() if key_slot(str(n).encode()) == slot)
+        return f"{self.prefix}:sync:{{{tag}}}"
 
     async def commit(self, writes: list[Write]) -> list[tuple[str, int]]:
         """Run COMMIT for each write, in order: ('ok' or 'stale', the thread's version). Raise
@@ -627,9 +760,11 @@ class HistoryStore:
     async def drop_records(self, records: list[tuple[str, bytes]]) -> None:
         """Drop the records of these (thread, `window_key`): their outputs are committed to
         Kafka, so no re-delivery needs them. One round trip."""
-        keys = list(dict.fromkeys(self.pending_key(thread, key) for thread, key in records))
-        if keys:
-            await self._pipeline([("UNLINK", *keys[i : i + 1000]) for i in range(0, len(keys), 1000)])
+        by_thread: dict[str, set[str]] = {}
+        for thread, key in records:  # a thread's keys share a slot of a cluster; others' may not
+            by_thread.setdefault(thread, set()).add(self.pending_key(thread, key))
+        if by_thread:
+            await self._pipeline([("UNLINK", *keys) for keys in by_thread.values()])
 
     async def apply(self, saves: list[Save]) -> list[int | tuple[str, str]]:
         """Save rows from `persist-messages`, in order and in one round trip; for each, the
@@ -677,7 +812,8 @@ class HistoryStore:
         return dropped
 
 
-_KEY_PREFIX = re.compile(rb"^(.*?):(?:t:\{|idx:\{|epoch$)")
+_KEY_PREFIX = re.compile(rb"^(.*?):(?:t:\{|idx:\{|sync:\{|sync$|epoch$)")
+_SLOT_TAGS: dict[int, str] = {}  # cluster slot -> a hash tag in it (`_marker`)
 
 
 async def prefixes(client: aioredis.Redis) -> dict[str, int]:

@@ -23,7 +23,7 @@ import msgspec
 from msgspec import Meta
 
 from streams.filter import HISTORY_MESSAGES, Limits
-from streams.history import PROCESSED_TTL_S, RETRY_WINDOW
+from streams.history import CLUSTER_SCHEMES, PROCESSED_TTL_S, RETRY_WINDOW
 from streams.processor import Topics
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
@@ -36,6 +36,8 @@ VARIABLES = {
     "redis_url": "REDIS_URL",
     "group": "MEMFILTER_GROUP",
     "redis_prefix": "MEMFILTER_REDIS_PREFIX",
+    "redis_replicas": "MEMFILTER_REDIS_REPLICAS",
+    "redis_replica_timeout": "MEMFILTER_REDIS_REPLICA_TIMEOUT",
     "topic_requests": "MEMFILTER_TOPIC_REQUESTS",
     "topic_filtered": "MEMFILTER_TOPIC_FILTERED",
     "topic_persist": "MEMFILTER_TOPIC_PERSIST",
@@ -88,6 +90,9 @@ class Settings(msgspec.Struct, frozen=True, rename=VARIABLES):
     topic_persist: str = "persist-messages"
     topic_dlq: str = "chat-requests-dlq"
     redis_prefix: str = "mf"
+    # a batch commits to Kafka only once its Redis writes are on this many replicas (WAIT)
+    redis_replicas: Annotated[int, Meta(ge=0, le=5)] = 0
+    redis_replica_timeout: Annotated[float, Meta(gt=0, le=5)] = 1.0  # seconds WAIT waits; then the batch is handled again
     # the worker
     group: str = "memfilter"  # the Faust app id, and so the consumer group
     max_bytes: Positive = 1 << 20
@@ -130,9 +135,10 @@ class Settings(msgspec.Struct, frozen=True, rename=VARIABLES):
             raise SettingError(f"{name}={given.get(name)!r} is not valid: {detail[0].lower()}{detail[1:]}") from None
         if not _BOOTSTRAP.match(settings.bootstrap):
             raise SettingError(f"KAFKA_BOOTSTRAP_SERVERS={settings.bootstrap!r} is not valid: expected host:port[,host:port...]")
-        if not settings.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        if not settings.redis_url.startswith(("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)):
             raise SettingError(
-                f"REDIS_URL={settings.redis_url!r} is not valid: expected redis://HOST:PORT/DB (or rediss://, unix://)"
+                f"REDIS_URL={settings.redis_url!r} is not valid: expected redis://HOST:PORT/DB (or rediss://, unix://), "
+                "or redis+cluster://HOST:PORT (any node of a Redis Cluster)"
             )
         return msgspec.structs.replace(
             settings,

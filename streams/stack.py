@@ -1,4 +1,4 @@
-"""`memfilter stack`: a real local Kafka broker and Redis server, started by the project.
+"""`memfilter stack`: a real local Kafka and Redis, started by the project.
 
 The processor's tests and its local demo run against the real things, not stand-ins: Apache
 Kafka in KRaft mode (broker and controller in one JVM), from the `org.apache.kafka:kafka_2.13`
@@ -6,6 +6,14 @@ jars that Maven collects from Maven Central (`streams/kafka-pom.xml`, shipped in
 `redis-server`. Both listen on loopback ports; their jars, data, logs and pids live under one
 stack folder (default `.stack/` in the checkout, git-ignored; for an installed package
 `~/.local/state/memfilter/stack`).
+
+By default one broker and one Redis. `--brokers 3` makes a KRaft cluster of three (each a
+broker and a voter of the controller quorum; topics, offsets and the transaction log with
+replication factor 3 and `min.insync.replicas=2`), broker n (from 0) on MEMFILTER_KAFKA_PORT + 2n
+and its controller on MEMFILTER_CONTROLLER_PORT + 2n. `--redis-cluster` makes a Redis Cluster
+of three masters with a replica each (`redis-cli --cluster create`), node n on
+MEMFILTER_REDIS_PORT + n (its cluster bus on that + 10000). Redis writes its append-only file
+every second (`appendfsync everysec`) either way.
 
 `up` is idempotent: a stack that already answers is reused. Every failure (no Java, Maven
 unreachable, a port taken, a stack of another folder on the ports) is one line naming the
@@ -20,6 +28,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -35,7 +44,10 @@ from streams import settings as product_settings
 POM = Path(__file__).resolve().parent / "kafka-pom.xml"
 TOPICS = ("chat-requests", "filtered-inputs", "persist-messages", "chat-requests-dlq")
 DEFAULT_PARTITIONS = 8
-SERVICES = ("kafka", "redis")
+REDIS_CLUSTER_NODES = 6  # three masters, a replica each
+# A master silent this long is failed over to its replica. Short, for a local stack and its
+# tests; a production cluster uses Redis's default, 15000 (docs/production.md).
+CLUSTER_NODE_TIMEOUT_MS = 2000
 
 
 class StackError(Exception):
@@ -52,37 +64,63 @@ class Settings:
     redis_port: int
     partitions: int | None  # None: DEFAULT_PARTITIONS for topics made now, existing ones as they are
     maven_settings: str = ""
+    brokers: int = 1
+    redis_cluster: bool = False
 
     @classmethod
-    def of(cls, s: product_settings.Settings, partitions: int | None = None) -> Settings:
-        return cls(Path(s.stack_dir), s.kafka_port, s.controller_port, s.redis_port, partitions or s.partitions, s.maven_settings)
+    def of(cls, s: product_settings.Settings, partitions: int | None = None, brokers: int = 1, redis_cluster: bool = False) -> Settings:
+        return cls(Path(s.stack_dir), s.kafka_port, s.controller_port, s.redis_port, partitions or s.partitions, s.maven_settings, brokers, redis_cluster)
+
+    @property
+    def kafka_ports(self) -> list[int]:
+        return [self.kafka_port + 2 * n for n in range(self.brokers)]
+
+    @property
+    def controller_ports(self) -> list[int]:
+        return [self.controller_port + 2 * n for n in range(self.brokers)]
+
+    @property
+    def redis_ports(self) -> list[int]:
+        return [self.redis_port + n for n in range(REDIS_CLUSTER_NODES if self.redis_cluster else 1)]
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.kafka_port}"
+        return ",".join(f"127.0.0.1:{port}" for port in self.kafka_ports)
 
     @property
     def redis_url(self) -> str:
+        if self.redis_cluster:
+            return f"redis+cluster://127.0.0.1:{self.redis_port}"
         return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def names(self) -> list[str]:
+        """The stack's processes: `kafka` (or `kafka-1`...), then `redis` (or `redis-<port>`...)."""
+        kafka = ["kafka"] if self.brokers == 1 else [f"kafka-{n + 1}" for n in range(self.brokers)]
+        return kafka + (["redis"] if not self.redis_cluster else [f"redis-{port}" for port in self.redis_ports])
 
 
 @dataclass
 class Running:
-    """What `up` recorded in the stack folder: the processes it started."""
+    """What `up` recorded in the stack folder: the processes it started, and where."""
 
-    kafka_pid: int
-    redis_pid: int
+    pids: dict[str, int]  # process name (`Settings.names`) -> pid
     kafka_port: int
     controller_port: int
     redis_port: int
+    brokers: int = 1
+    redis_cluster: bool = False
 
-    def exports(self, secret: str) -> str:
+    def settings(self, s: Settings) -> Settings:
+        """`s` with this stack's ports and shape."""
+        return Settings(s.dir, self.kafka_port, self.controller_port, self.redis_port, s.partitions, s.maven_settings, self.brokers, self.redis_cluster)
+
+    def exports(self, s: Settings, secret: str) -> str:
         """Shell lines for `eval "$(memfilter stack up)"`; `secret` is the stack's (`secret`)."""
-        return (
-            f"export KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:{self.kafka_port}\n"
-            f"export REDIS_URL=redis://127.0.0.1:{self.redis_port}/0\n"
-            f"export MEMFILTER_SECRET={secret}"
-        )
+        s = self.settings(s)
+        lines = [f"export KAFKA_BOOTSTRAP_SERVERS={s.bootstrap}", f"export REDIS_URL={s.redis_url}"]
+        if s.redis_cluster:  # a batch commits only once its writes are on a replica (docs/production.md)
+            lines.append("export MEMFILTER_REDIS_REPLICAS=1")
+        return "\n".join([*lines, f"export MEMFILTER_SECRET={secret}"])
 
 
 def secret(s: Settings) -> str:
@@ -123,9 +161,14 @@ def recorded(s: Settings) -> Running | None:
         return None
 
 
+def _marker(name: str, s: Settings) -> str:
+    """What the command line of the stack's process `name` holds."""
+    return str(s.dir) if name.startswith("kafka") else "redis-server"
+
+
 def alive(s: Settings, r: Running) -> dict[str, bool]:
-    """Which of the recorded stack's services still run."""
-    return {"kafka": _alive(r.kafka_pid, str(s.dir)), "redis": _alive(r.redis_pid, "redis-server")}
+    """Which of the recorded stack's processes still run."""
+    return {name: _alive(pid, _marker(name, s)) for name, pid in r.pids.items()}
 
 
 # ---- preflight: everything that can fail before a process starts --------------------------
@@ -183,15 +226,19 @@ def _listener_of(port: int) -> str:
     return "another process"
 
 
-def _check_ports(s: Settings, services: set[str]) -> None:
-    """The ports of the services about to start are free."""
-    for service, name, port, setting in (
-        ("kafka", "Kafka", s.kafka_port, "MEMFILTER_KAFKA_PORT"),
-        ("kafka", "the Kafka controller", s.controller_port, "MEMFILTER_CONTROLLER_PORT"),
-        ("redis", "Redis", s.redis_port, "MEMFILTER_REDIS_PORT"),
-    ):
-        if service not in services:
-            continue
+def _ports(s: Settings, name: str) -> list[tuple[str, int, str]]:
+    """The ports process `name` listens on: (what, port, the setting that moves it)."""
+    if name.startswith("kafka"):
+        n = int(name.partition("-")[2] or 1) - 1
+        return [("Kafka", s.kafka_ports[n], "MEMFILTER_KAFKA_PORT"), ("the Kafka controller", s.controller_ports[n], "MEMFILTER_CONTROLLER_PORT")]
+    port = int(name.partition("-")[2] or s.redis_port)
+    bus = [("the Redis cluster bus", port + 10000, "MEMFILTER_REDIS_PORT")] if s.redis_cluster else []
+    return [("Redis", port, "MEMFILTER_REDIS_PORT"), *bus]
+
+
+def _check_ports(s: Settings, names: list[str]) -> None:
+    """The ports of the processes about to start are free."""
+    for name, port, setting in (p for process in names for p in _ports(s, process)):
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -265,40 +312,80 @@ save ""
 protected-mode yes
 """
 
+REDIS_CLUSTER_CONF = """\
+cluster-enabled yes
+cluster-config-file nodes.conf
+cluster-node-timeout {timeout}
+"""
+
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def _start_redis(s: Settings, server: str) -> subprocess.Popen:
-    home = s.dir / "redis"
+def _home(s: Settings, name: str) -> Path:
+    return s.dir / name
+
+
+def _start_redis(s: Settings, name: str, server: str) -> subprocess.Popen:
+    home = _home(s, name)
     home.mkdir(parents=True, exist_ok=True)
     conf = home / "redis.conf"
-    conf.write_text(REDIS_CONF.format(port=s.redis_port, data=home, log=home / "redis.log"))
+    port = _ports(s, name)[0][1]
+    text = REDIS_CONF.format(port=port, data=home, log=home / "redis.log")
+    if s.redis_cluster:
+        text += REDIS_CLUSTER_CONF.format(timeout=CLUSTER_NODE_TIMEOUT_MS)
+    conf.write_text(text)
     return _spawn([server, str(conf)], home / "stdout.log")
 
 
-def _start_kafka(s: Settings, java: str, libs: Path) -> subprocess.Popen:
-    home = s.dir / "kafka"
+def _kafka_properties(s: Settings, n: int, data: Path) -> str:
+    """Broker n's (from 0) server.properties: one broker, or one of a replicated cluster."""
+    props = SERVER_PROPERTIES.format(kafka_port=s.kafka_ports[n], controller_port=s.controller_ports[n], data=data)
+    if s.brokers == 1:
+        return props
+    voters = ",".join(f"{i + 1}@127.0.0.1:{port}" for i, port in enumerate(s.controller_ports))
+    replicas, isr = s.brokers, min(2, s.brokers)
+    props = props.replace("node.id=1", f"node.id={n + 1}")
+    props = props.replace(f"controller.quorum.bootstrap.servers=127.0.0.1:{s.controller_ports[n]}", f"controller.quorum.voters={voters}")
+    for key, value in (("offsets.topic.replication.factor", replicas), ("transaction.state.log.replication.factor", replicas),
+                       ("transaction.state.log.min.isr", isr), ("share.coordinator.state.topic.replication.factor", replicas),
+                       ("share.coordinator.state.topic.min.isr", isr)):
+        props = re.sub(rf"^{re.escape(key)}=.*$", f"{key}={value}", props, flags=re.M)
+    return props + f"default.replication.factor={replicas}\nmin.insync.replicas={isr}\n"
+
+
+def _start_kafka(s: Settings, name: str, java: str, libs: Path, cluster_id: str) -> subprocess.Popen:
+    n = int(name.partition("-")[2] or 1) - 1
+    home = _home(s, name)
     data = home / "data"
     home.mkdir(parents=True, exist_ok=True)
     props = home / "server.properties"
-    props.write_text(SERVER_PROPERTIES.format(kafka_port=s.kafka_port, controller_port=s.controller_port, data=data))
+    props.write_text(_kafka_properties(s, n, data))
     jvm = [java, "-Xms256m", "-Xmx1g", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn", "-cp", f"{libs}/*"]
     formatted_for = home / "formatted-for-controller-port"
-    if data.exists() and formatted_for.exists() and formatted_for.read_text() != str(s.controller_port):
+    if data.exists() and formatted_for.exists() and formatted_for.read_text() != str(s.controller_ports[n]):
         _say("controller port changed since the storage was formatted; formatting Kafka's storage anew")
         shutil.rmtree(data)
     if not (data / "meta.properties").exists():
-        cluster = subprocess.run([*jvm, "kafka.tools.StorageTool", "random-uuid"], capture_output=True, text=True).stdout.strip()
-        fmt = [*jvm, "kafka.tools.StorageTool", "format", "--standalone", "-t", cluster, "-c", str(props)]
+        # One broker formats itself as the whole quorum; brokers of a cluster share its id and its static voters.
+        fmt = [*jvm, "kafka.tools.StorageTool", "format", *(["--standalone"] if s.brokers == 1 else []), "-t", cluster_id, "-c", str(props)]
         done = subprocess.run(fmt, capture_output=True, text=True)
         if done.returncode != 0:
             raise StackError(f"formatting Kafka's storage failed: {(done.stderr or done.stdout).strip()[-200:]}")
-        formatted_for.write_text(str(s.controller_port))
+        formatted_for.write_text(str(s.controller_ports[n]))
     # The stack folder on the command line marks the process as this stack's (see `running`).
     return _spawn([*jvm, f"-Dmemfilter.stack={s.dir}", "kafka.Kafka", str(props)], home / "kafka.log")
+
+
+def _cluster_id(s: Settings, java: str, libs: Path) -> str:
+    """The Kafka cluster's id, made once and kept in the stack folder."""
+    path = s.dir / "kafka-cluster-id"
+    if not path.exists():
+        jvm = [java, "-cp", f"{libs}/*", "kafka.tools.StorageTool", "random-uuid"]
+        path.write_text(subprocess.run(jvm, capture_output=True, text=True).stdout.strip())
+    return path.read_text().strip()
 
 
 def _port_open(port: int) -> bool:
@@ -346,10 +433,12 @@ async def _create_topics(s: Settings, deadline: float) -> None:
             await admin.start()
             existing = set(await admin.list_topics()) & set(TOPICS)
             counts = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(sorted(existing))} if existing else {}
-            missing = [NewTopic(t, s.partitions or next(iter(counts.values()), DEFAULT_PARTITIONS), 1) for t in TOPICS if t not in existing]
-            if missing:
-                await admin.create_topics(missing)
-            break
+            partitions = s.partitions or next(iter(counts.values()), DEFAULT_PARTITIONS)
+            missing = [NewTopic(t, partitions, s.brokers) for t in TOPICS if t not in existing]
+            if not missing:
+                break
+            await admin.create_topics(missing)  # refused per topic while brokers are still joining: asked again
+            await asyncio.sleep(0.2)
         except Exception as e:  # the broker is still starting: not yet a failure
             if time.monotonic() > deadline:
                 raise StackError(f"Kafka on {s.bootstrap} did not answer in time: {e!r}") from None
@@ -364,22 +453,45 @@ async def _create_topics(s: Settings, deadline: float) -> None:
         )
 
 
-def _wait(s: Settings, started: dict[str, subprocess.Popen], timeout: float) -> None:
-    """Until the services just started answer, and the topics exist."""
-    deadline = time.monotonic() + timeout
-    redis, kafka = started.get("redis"), started.get("kafka")
-    while redis is not None and not _redis_answers(s.redis_port):
-        if redis.poll() is not None:
-            raise StackError(f"redis-server exited at start: see {s.dir / 'redis' / 'redis.log'}")
+def _redis_cli(port: int, *args: str) -> str:
+    done = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=60)
+    return done.stdout + done.stderr
+
+
+def _cluster_ok(ports: list[int]) -> bool:
+    """Every node of the Redis Cluster serves all its slots."""
+    return all("cluster_state:ok" in _redis_cli(port, "cluster", "info") for port in ports)
+
+
+def _create_cluster(s: Settings, deadline: float) -> None:
+    """Join the nodes into a cluster of three masters with a replica each, once; then wait until
+    every node serves all the slots (after a restart too, while a node takes its place again)."""
+    ports = s.redis_ports
+    if "cluster_known_nodes:1\n" in _redis_cli(ports[0], "cluster", "info"):
+        out = _redis_cli(ports[0], "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "1", "--cluster-yes")
+        if "[OK] All 16384 slots covered" not in out:
+            raise StackError(f"`redis-cli --cluster create` failed: {out.strip().splitlines()[-1:]}")
+    while not _cluster_ok(ports):
         if time.monotonic() > deadline:
-            raise StackError(f"Redis on port {s.redis_port} did not answer within {timeout:.0f}s")
-        time.sleep(0.1)
-    while kafka is not None and not _port_open(s.kafka_port):
-        if kafka.poll() is not None:
-            raise StackError(f"Kafka exited at start: see {s.dir / 'kafka' / 'kafka.log'}")
-        if time.monotonic() > deadline:
-            raise StackError(f"Kafka on {s.bootstrap} did not listen within {timeout:.0f}s: see {s.dir / 'kafka' / 'kafka.log'}")
+            raise StackError(f"the Redis Cluster on ports {ports[0]}-{ports[-1]} did not reach cluster_state:ok in time")
         time.sleep(0.2)
+
+
+def _wait(s: Settings, started: dict[str, subprocess.Popen], timeout: float) -> None:
+    """Until the processes just started answer, and the topics (and the Redis Cluster) exist."""
+    deadline = time.monotonic() + timeout
+    for name, process in started.items():
+        port = _ports(s, name)[0][1]
+        log = _home(s, name) / ("redis.log" if name.startswith("redis") else "kafka.log")
+        answers = _redis_answers if name.startswith("redis") else _port_open
+        while not answers(port):
+            if process.poll() is not None:
+                raise StackError(f"{name} exited at start: see {log}")
+            if time.monotonic() > deadline:
+                raise StackError(f"{name} on port {port} did not answer within {timeout:.0f}s: see {log}")
+            time.sleep(0.1)
+    if s.redis_cluster:
+        _create_cluster(s, deadline)
     asyncio.run(_create_topics(s, deadline))
 
 
@@ -401,41 +513,50 @@ def _stop(pid: int, marker: str, grace: float) -> None:
 
 
 def up(s: Settings, timeout: float = 90.0) -> Running:
-    """Start the stack in `s.dir`, or what of it stopped (a service that died is started again
+    """Start the stack in `s.dir`, or what of it stopped (a process that died is started again
     on its data); return its record."""
     before = recorded(s)
-    up_already = alive(s, before) if before is not None else dict.fromkeys(SERVICES, False)
-    if before is not None and all(up_already.values()):
-        s = Settings(s.dir, before.kafka_port, before.controller_port, before.redis_port, s.partitions, s.maven_settings)
+    if before is not None and (before.brokers, before.redis_cluster) != (s.brokers, s.redis_cluster):
+        shape = lambda brokers, cluster: f"{brokers} broker{'s' if brokers > 1 else ''} and {'a Redis Cluster' if cluster else 'one Redis'}"  # noqa: E731
+        raise StackError(
+            f"the stack in {s.dir} has {shape(before.brokers, before.redis_cluster)}, not {shape(s.brokers, s.redis_cluster)}: "
+            "run `memfilter stack down` and use another MEMFILTER_STACK_DIR for the other shape"
+        )
+    if before is not None:  # a process of the running stack stays on its ports
+        s = before.settings(s)
+    up_already = alive(s, before) if before is not None else dict.fromkeys(s.names(), False)
+    if all(up_already.values()):
+        if s.redis_cluster:
+            _create_cluster(s, time.monotonic() + timeout)
         asyncio.run(_create_topics(s, time.monotonic() + timeout))
         _say(f"already running from {s.dir}")
         return before
-    if before is not None:  # a service of the running stack stays on its ports
-        s = Settings(s.dir, before.kafka_port, before.controller_port, before.redis_port, s.partitions, s.maven_settings)
-    missing = {name for name, is_up in up_already.items() if not is_up}
-    java = _check_java() if "kafka" in missing else ""
-    server = _redis_server() if "redis" in missing else ""
+    missing = [name for name, is_up in up_already.items() if not is_up]
+    java = _check_java() if any(name.startswith("kafka") for name in missing) else ""
+    server = _redis_server() if any(name.startswith("redis") for name in missing) else ""
     _check_ports(s, missing)
     s.dir.mkdir(parents=True, exist_ok=True)
-    libs = _kafka_libs(s) if "kafka" in missing else None
+    libs = _kafka_libs(s) if java else None
+    cluster_id = _cluster_id(s, java, libs) if java else ""
     started: dict[str, subprocess.Popen] = {}
     try:
-        if "redis" in missing:
-            started["redis"] = _start_redis(s, server)
-        if "kafka" in missing:
-            started["kafka"] = _start_kafka(s, java, libs)
+        for name in missing:
+            if name.startswith("redis"):
+                started[name] = _start_redis(s, name, server)
+            else:
+                started[name] = _start_kafka(s, name, java, libs, cluster_id)
         _wait(s, started, timeout)
     except BaseException:
         for name, process in reversed(started.items()):
-            _stop(process.pid, str(s.dir) if name == "kafka" else "redis-server", grace=5)
+            _stop(process.pid, _marker(name, s), grace=5)
         raise
-    pid = lambda name: started[name].pid if name in started else getattr(before, f"{name}_pid")  # noqa: E731
-    record = Running(pid("kafka"), pid("redis"), s.kafka_port, s.controller_port, s.redis_port)
+    pids = {name: started[name].pid if name in started else before.pids[name] for name in s.names()}
+    record = Running(pids, s.kafka_port, s.controller_port, s.redis_port, s.brokers, s.redis_cluster)
     _state_file(s).write_text(json.dumps(asdict(record)))
     if before is not None:
-        _say(f"started {' and '.join(sorted(missing))} again; the stack runs from {s.dir}")
+        _say(f"started {' and '.join(missing)} again; the stack runs from {s.dir}")
     else:
-        _say(f"Kafka on {s.bootstrap} (pid {record.kafka_pid}), Redis on {s.redis_url} (pid {record.redis_pid}), topics made")
+        _say(f"Kafka on {s.bootstrap}, Redis on {s.redis_url}, topics made; processes {pids}")
     return record
 
 
@@ -444,17 +565,19 @@ def down(s: Settings) -> bool:
     r = recorded(s)
     if r is None:
         return False
-    _stop(r.kafka_pid, str(s.dir), grace=30)
-    _stop(r.redis_pid, "redis-server", grace=10)
+    s = r.settings(s)
+    for name, pid in r.pids.items():
+        _stop(pid, _marker(name, s), grace=30 if name.startswith("kafka") else 10)
     _state_file(s).unlink(missing_ok=True)
     return True
 
 
 def status(s: Settings) -> tuple[str, bool]:
-    """What runs, service by service; and whether all of it runs."""
+    """What runs, process by process; and whether all of it runs."""
     r = recorded(s)
     if r is None:
         return f"stopped (stack folder {s.dir})", False
+    s = r.settings(s)
     is_up = alive(s, r)
     if all(is_up.values()):
         head = f"running from {s.dir}"
@@ -462,10 +585,10 @@ def status(s: Settings) -> tuple[str, bool]:
         head = f"partly running from {s.dir}: `memfilter stack up` starts what stopped"
     else:
         head = f"stopped (stack folder {s.dir})"
-    state = {name: "running" if is_up[name] else "stopped" for name in SERVICES}
-    lines = [
-        head,
-        f"  kafka  {state['kafka']}  pid {r.kafka_pid}  127.0.0.1:{r.kafka_port} (controller {r.controller_port})",
-        f"  redis  {state['redis']}  pid {r.redis_pid}  redis://127.0.0.1:{r.redis_port}/0",
-    ]
+    lines = [head]
+    for name, pid in r.pids.items():
+        state = "running" if is_up[name] else "stopped"
+        ports = _ports(s, name)
+        where = f"127.0.0.1:{ports[0][1]} (controller {ports[1][1]})" if name.startswith("kafka") else f"redis://127.0.0.1:{ports[0][1]}"
+        lines.append(f"  {name}  {state}  pid {pid}  {where}")
     return "\n".join(lines), all(is_up.values())

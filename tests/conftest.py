@@ -5,6 +5,10 @@ Otherwise the session starts the project's own stack (`memfilter stack up`) in
 `.stack/tests/` on ports of its own (19092, 19093, 16379, overridable with the usual
 `MEMFILTER_*_PORT` settings), so a developer's `.stack/` on the default ports is left alone,
 and stops it at the end if it started it.
+
+Tests of the replicated stack (`cluster_services`) start `memfilter stack up --brokers 3
+--redis-cluster` in `.stack/cluster-tests/`: brokers on 29092, 29094, 29096 (controllers one
+above each), Redis Cluster nodes on 17001-17006.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import asyncio
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -40,6 +44,13 @@ class Services:
     bootstrap: str
     redis_url: str
     stack_dir: Path | None  # None when the services were given, not started here
+    settings: dict[str, str] = field(default_factory=dict)  # what else the stack exports for workers (MEMFILTER_REDIS_REPLICAS)
+
+    def pipeline(self):
+        """A `Pipeline` on these services (see `pipeline`)."""
+        from pipeline import Pipeline
+
+        return Pipeline(self.bootstrap, self.redis_url, settings=self.settings)
 
 
 def stack_env(**overrides: str) -> dict[str, str]:
@@ -62,9 +73,7 @@ def memfilter(*argv: str, env: dict[str, str] | None = None, timeout: float = 30
 @pytest.fixture
 def pipeline(services):
     """Topics, a consumer group and a Redis prefix of the test's own; its workers stopped after."""
-    from pipeline import Pipeline
-
-    p = Pipeline(services.bootstrap, services.redis_url)
+    p = services.pipeline()
     asyncio.run(p.create_topics())
     yield p
     p.stop_all()
@@ -82,5 +91,30 @@ def services():
     assert up.returncode == 0, f"memfilter stack up failed: {up.stderr}"
     exports = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines())
     yield Services(exports["KAFKA_BOOTSTRAP_SERVERS"], exports["REDIS_URL"], Path(env["MEMFILTER_STACK_DIR"]))
+    if not was_running:
+        memfilter("stack", "down", env=env)
+
+
+CLUSTER_PORTS = {"MEMFILTER_KAFKA_PORT": "29092", "MEMFILTER_CONTROLLER_PORT": "29093", "MEMFILTER_REDIS_PORT": "17001"}
+
+
+def cluster_env() -> dict[str, str]:
+    """The environment of a `memfilter stack` call for the replicated test stack."""
+    return {**stack_env(), "MEMFILTER_STACK_DIR": str(REPO / ".stack" / "cluster-tests"), **CLUSTER_PORTS}
+
+
+@pytest.fixture(scope="session")
+def cluster_services():
+    """Three Kafka brokers (replication factor 3, min ISR 2) and a Redis Cluster of three
+    masters with a replica each, on loopback; stopped at the end if started here."""
+    env = cluster_env()
+    was_running = "running" in memfilter("stack", "status", env=env).stdout.split("\n")[0]
+    up = memfilter("stack", "up", "--brokers", "3", "--redis-cluster", env=env)
+    assert up.returncode == 0, f"memfilter stack up --brokers 3 --redis-cluster failed: {up.stderr}"
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines())
+    given = ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL", "MEMFILTER_SECRET")
+    yield Services(
+        exports["KAFKA_BOOTSTRAP_SERVERS"], exports["REDIS_URL"], Path(env["MEMFILTER_STACK_DIR"]), {k: v for k, v in exports.items() if k not in given}
+    )
     if not was_running:
         memfilter("stack", "down", env=env)

@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
 
-from streams.history import HistoryStore
+from streams.history import HistoryStore, connect
 from streams.processor import Topics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,6 +54,7 @@ class Pipeline:
     partitions: int = 8
     workers: list[subprocess.Popen] = field(default_factory=list)  # and agent runners
     secret: bytes = field(default_factory=lambda: uuid.uuid4().hex.encode())  # the pipeline's MEMFILTER_SECRET
+    settings: dict[str, str] = field(default_factory=dict)  # further settings of its workers (the stack's)
 
     @property
     def topics(self) -> Topics:
@@ -77,14 +78,16 @@ class Pipeline:
             "MEMFILTER_TOPIC_DLQ": t.dlq,
             "MEMFILTER_DATA_DIR": f"/tmp/memfilter-test-{self.name}",
             "MEMFILTER_SECRET": self.secret.decode(),
+            **self.settings,
             **extra,
         }
 
     async def create_topics(self) -> None:
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
         await admin.start()
+        replicas = min(3, len(self.bootstrap.split(",")))  # each broker of a replicated stack holds a copy
         try:
-            await admin.create_topics([NewTopic(t, self.partitions, 1) for t in self.topics.__dict__.values()])
+            await admin.create_topics([NewTopic(t, self.partitions, replicas) for t in self.topics.__dict__.values()])
         finally:
             await admin.close()
 
@@ -135,7 +138,7 @@ class Pipeline:
                 w.kill()
 
     def store(self) -> tuple[aioredis.Redis, HistoryStore]:
-        client = aioredis.from_url(self.redis_url)
+        client = connect(self.redis_url)
         return client, HistoryStore(client, self.prefix)
 
 
@@ -225,7 +228,7 @@ async def dump(pipeline: Pipeline, prefix: str, url: str | None = None) -> dict:
     """Every thread's rows, order, meta and applied saves, and the id index, under `prefix`
     (not the processed-request records and retry windows, which are on no topic, nor the
     fencing epochs)."""
-    client = aioredis.from_url(url or pipeline.redis_url)
+    client = connect(url or pipeline.redis_url)
     out = {}
     async for key in client.scan_iter(match=f"{prefix}:*"):
         name = key.decode().removeprefix(prefix)

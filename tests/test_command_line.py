@@ -141,7 +141,7 @@ class TestTheWorkerSaysWhatItDoes:
             server.terminate()
             server.wait(10)
         assert [json.loads(r.value)["requestId"] for r in filtered] == ["hung-r1"]
-        waits = [line for line in log.splitlines() if "Redis unavailable while filtering requests" in line]
+        waits = [line for line in log.splitlines() if "Redis unavailable while handling a batch" in line]
         assert len(waits) >= 2 and "()" not in "".join(waits), log[-2000:]
         assert "(no answer within 10 s)" in waits[0]
 

@@ -7,7 +7,8 @@ what `memfilter explain` gives for the same case: the filtered input with its co
 to persist, or the dead letter with the same error type. Cases that set the context's size
 (`historyMessages`) go to a worker with that MEMFILTER_HISTORY_MESSAGES, and so for `edits`
 (MEMFILTER_EDITS); a case's `superseded` rows are superseded in Redis first, as a regenerate
-would have left them. Each case gets thread and message ids of its own (`c<i>-<id>`).
+would have left them. Each case gets thread and message ids of its own (`c<i>-<id>`). All of it twice: on the
+single-node stack and on three brokers with a Redis Cluster (`cluster_services`).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ async def save_history(pipeline: Pipeline, case: dict) -> None:
 def run_cases(services, cases: list[dict], history: int, edits: str) -> tuple:
     """Publish cases against a worker deciding with contexts of `history` rows and edits on
     or off; its topics and records."""
-    pipeline = Pipeline(services.bootstrap, services.redis_url)
+    pipeline = services.pipeline()
     expected = json.loads(explain(json.dumps(cases).encode(), pipeline.secret))
 
     async def run():
@@ -96,10 +97,12 @@ def run_cases(services, cases: list[dict], history: int, edits: str) -> tuple:
         pipeline.stop_all()
 
 
-@pytest.fixture(scope="module")
-def outputs(services):
+@pytest.fixture(scope="module", params=["one-broker-one-redis", "3-brokers-redis-cluster"])
+def outputs(request):
     """Every case against a worker, one worker per context size and edits setting the cases
-    ask for; the worker's records and explain's answers."""
+    ask for; the worker's records and explain's answers. On the single-node stack, and on the
+    replicated one (three brokers, a Redis Cluster, writes on a replica before each commit)."""
+    services = request.getfixturevalue("services" if request.param.startswith("one") else "cluster_services")
     cases = [renamed(c["case"], f"c{i}-") for i, c in enumerate(CASES)]
     expected: list = [None] * len(cases)
     by_key = defaultdict(dict)

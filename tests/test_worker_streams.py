@@ -202,7 +202,7 @@ def test_a_redis_restart_mid_stream_stalls_the_worker_and_loses_nothing(services
         check(records, t, threads=threads)
         asyncio.run(check_redis(pipeline, threads=threads))
         log = pipeline.log_path(0).read_text()
-        loading = "Redis unavailable while filtering requests (BusyLoadingError: Redis is loading the dataset in memory)"
+        loading = "Redis unavailable while handling a batch (BusyLoadingError: Redis is loading the dataset in memory)"
         assert loading in log
         assert "Redis unavailable" not in log.rsplit(loading, 1)[1], "batches failed again after Redis was back"
     finally:
