@@ -79,7 +79,7 @@ import msgspec
 import redis.asyncio as aioredis
 from msgspec import UNSET, UnsetType
 from redis._parsers.hiredis import NOT_ENOUGH_DATA
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, NoScriptError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -399,13 +399,18 @@ CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 def connect(url: str, **options) -> aioredis.Redis | RedisCluster:
     """A Redis client for the history store (`url` as in REDIS_URL): redis-py's cluster client
-    for a `redis+cluster://HOST:PORT` URL (any node of the cluster; it finds the others)."""
+    for a `redis+cluster://HOST:PORT[,HOST:PORT...]` URL (nodes of the cluster: it finds the
+    others from whichever answers, so name several, or a node that is down stops a start)."""
     # No socket timeout: it would put every command's send in a task of its own (`wait_for`),
     # which waits for the event loop's next turn: a fifth of the worker's throughput. The
     # worker bounds its calls itself (`_pipeline`: TIMEOUT_S).
     options = {"socket_timeout": None, "socket_connect_timeout": 5, **options}
     if url.startswith(CLUSTER_SCHEMES):
-        return RedisCluster.from_url(url.replace("+cluster", "", 1), **options)
+        scheme, _, rest = url.replace("+cluster", "", 1).partition("://")
+        credentials, at, hosts = rest.rpartition("@")
+        first, *others = hosts.split("/")[0].split(",")
+        nodes = [ClusterNode(host, int(port)) for host, port in (node.rsplit(":", 1) for node in others)]
+        return RedisCluster.from_url(f"{scheme}://{credentials}{at}{first}", startup_nodes=nodes, **options)
     return aioredis.from_url(url, **options)
 
 

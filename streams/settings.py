@@ -138,7 +138,7 @@ class Settings(msgspec.Struct, frozen=True, rename=VARIABLES):
         if not settings.redis_url.startswith(("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)):
             raise SettingError(
                 f"REDIS_URL={settings.redis_url!r} is not valid: expected redis://HOST:PORT/DB (or rediss://, unix://), "
-                "or redis+cluster://HOST:PORT (any node of a Redis Cluster)"
+                "or redis+cluster://HOST:PORT[,HOST:PORT...] (nodes of a Redis Cluster)"
             )
         return msgspec.structs.replace(
             settings,

@@ -90,7 +90,7 @@ class Settings:
     @property
     def redis_url(self) -> str:
         if self.redis_cluster:
-            return f"redis+cluster://127.0.0.1:{self.redis_port}"
+            return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.redis_ports)
         return f"redis://127.0.0.1:{self.redis_port}/0"
 
     def names(self) -> list[str]:

@@ -227,13 +227,13 @@ class Collector:
 async def dump(pipeline: Pipeline, prefix: str, url: str | None = None) -> dict:
     """Every thread's rows, order, meta and applied saves, and the id index, under `prefix`
     (not the processed-request records and retry windows, which are on no topic, nor the
-    fencing epochs)."""
+    fencing epochs and replication markers)."""
     client = connect(url or pipeline.redis_url)
     out = {}
     async for key in client.scan_iter(match=f"{prefix}:*"):
         name = key.decode().removeprefix(prefix)
         kind = await client.type(key)
-        if ":pending:" in name or name.endswith(":recent") or name == ":epoch":  # not history: retries, re-delivery and fencing
+        if ":pending:" in name or name.endswith(":recent") or name == ":epoch" or name.startswith(":sync"):  # not history: retries, re-delivery, fencing, replication markers
             continue
         if kind == b"list":
             out[name] = await client.lrange(key, 0, -1)

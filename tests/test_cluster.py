@@ -1,0 +1,216 @@
+"""Past one machine: three Kafka brokers and a Redis Cluster (three masters, a replica each),
+with brokers and Redis masters killed, a failover forced and slots moved under running workers.
+
+Requests here are full echoes of a user-only conversation: turn k of a thread sends u0..uk,
+and its `persist-messages` event saves uk alone. So a lost Redis write shows in the very next
+request: the echo of a message the store no longer has is saved again. Every check reads with
+read_committed, as downstream does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from redis.crc import key_slot
+
+from conftest import cluster_env, memfilter
+from pipeline import Collector, Pipeline, dump, publish
+
+T0 = 1772366400000
+
+
+def request(thread: str, k: int) -> tuple[bytes, bytes, int]:
+    """Turn k of a thread: the whole conversation so far, u0..uk."""
+    text = lambda i: {"format": 2, "parts": [{"type": "text", "text": f"question {i}"}]}  # noqa: E731
+    messages = [{"id": f"{thread}-u{i}", "role": "user", "content": text(i)} for i in range(k + 1)]
+    body = {"requestId": f"{thread}-r{k}", "threadId": thread, "resourceId": "r", "messages": messages}
+    return thread.encode(), json.dumps(body).encode(), T0 + k
+
+
+class Cluster:
+    """The replicated test stack's processes, as `memfilter stack status` lists them."""
+
+    def __init__(self):
+        self.env = cluster_env()
+
+    def pids(self) -> dict[str, int]:
+        lines = memfilter("stack", "status", env=self.env).stdout.splitlines()[1:]
+        return {name: int(pid) for name, state, _, pid, *_ in (line.split() for line in lines) if state == "running"}
+
+    def up(self) -> None:
+        """Start what was killed (a Redis node rejoins as a replica) and wait for a healthy cluster."""
+        done = memfilter("stack", "up", "--brokers", "3", "--redis-cluster", env=self.env)
+        assert done.returncode == 0, done.stderr
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        pid = self.pids()[name]
+        os.kill(pid, sig)
+        while sig == signal.SIGKILL and os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read():
+            time.sleep(0.05)
+
+    @staticmethod
+    def redis(port: int, *args: str) -> str:
+        return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=60).stdout
+
+    def nodes(self) -> list[list[str]]:
+        """`CLUSTER NODES` as a node still running sees it."""
+        port = next(int(name.split("-")[1]) for name in self.pids() if name.startswith("redis-"))
+        return [line.split() for line in self.redis(port, "cluster", "nodes").splitlines()]
+
+    def shard_of(self, key: str) -> tuple[int, int]:
+        """The ports of the master serving `key` and of its replica."""
+        slot, nodes = key_slot(key.encode()), self.nodes()
+        for node in nodes:
+            ranges = [r.split("-") for r in node[8:] if not r.startswith("[")]
+            if "master" in node[2] and "fail" not in node[2] and any(int(r[0]) <= slot <= int(r[-1]) for r in ranges):
+                replica = next(n for n in nodes if n[3] == node[0] and "fail" not in n[2])
+                return int(node[1].split(":")[1].split("@")[0]), int(replica[1].split(":")[1].split("@")[0])
+        raise AssertionError(f"no master serves slot {slot}")
+
+    def cut_off(self, master: int, replica: int) -> None:
+        """The replica stops taking its master's writes: stopped (SIGSTOP), and its link closed
+        by the master, so that what the master writes next stays in the master."""
+        self.kill(f"redis-{replica}", signal.SIGSTOP)
+        assert int(self.redis(master, "client", "kill", "type", "replica")) == 1
+
+    def take_over(self, port: int) -> None:
+        """Make the replica on `port` the master of its shard now (its master is gone)."""
+        assert self.redis(port, "cluster", "failover", "takeover").strip() == "OK"
+        deadline = time.monotonic() + 30
+        while "role:master" not in self.redis(port, "info", "replication") or "cluster_state:ok" not in self.redis(port, "cluster", "info"):
+            assert time.monotonic() < deadline, "the takeover did not complete"
+            time.sleep(0.1)
+
+
+async def rows_of(pipeline: Pipeline, thread: str, prefix: str | None = None) -> list[str]:
+    client, store = pipeline.store()
+    store.prefix = prefix or store.prefix
+    try:
+        return [json.loads(r)["id"] for r in await store.thread_rows(thread)]
+    finally:
+        await client.aclose()
+
+
+def filtered_of(records, thread: str) -> list[dict]:
+    return [json.loads(r.value) for r in records if r.key == thread.encode() and r.topic.startswith("filtered-inputs")]
+
+
+def saved_of(records, thread: str) -> list[list[str]]:
+    """The ids each of the thread's `persist-messages` events saves, in order."""
+    events = [json.loads(r.value) for r in records if r.key == thread.encode() and r.topic.startswith("persist-messages")]
+    return [[m["id"] for m in e["messages"]] for e in events]
+
+
+def test_the_replicated_stack_is_three_brokers_and_three_masters_with_a_replica_each(cluster_services):
+    pids = Cluster().pids()
+    assert sorted(n for n in pids if n.startswith("kafka")) == ["kafka-1", "kafka-2", "kafka-3"]
+    nodes = Cluster().nodes()
+    masters = [n for n in nodes if "master" in n[2]]
+    assert len(masters) == 3 and all(sum(n[3] == m[0] for n in nodes) == 1 for m in masters)
+    assert all(Cluster.redis(int(n[1].split(":")[1].split("@")[0]), "config", "get", "appendfsync").split() == ["appendfsync", "everysec"] for n in nodes)
+
+    async def replication() -> tuple[set, str]:
+        admin = AIOKafkaAdminClient(bootstrap_servers=cluster_services.bootstrap)
+        await admin.start()
+        try:
+            topics = await admin.describe_topics(["chat-requests", "__transaction_state"])
+            configs = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, "chat-requests")])
+            isr = next(c[1] for c in configs[0].resources[0][4] if c[0] == "min.insync.replicas")
+            return {len(p["replicas"]) for t in topics for p in t["partitions"]}, isr
+        finally:
+            await admin.close()
+
+    assert asyncio.run(replication()) == ({3}, "2")
+
+
+class TestWaitForAReplica:
+    """Why a batch waits for its Redis writes to be on a replica before Kafka commits it: Redis
+    replicates asynchronously. A write acknowledged by a master that is failed over before its
+    replica has it is lost, while Kafka holds the filtered input that relied on it."""
+
+    def start(self, services, **settings: str) -> tuple[Pipeline, Cluster]:
+        pipeline = services.pipeline()
+        pipeline.settings = {**pipeline.settings, **settings}
+        asyncio.run(pipeline.create_topics())
+        pipeline.start_worker()
+        return pipeline, Cluster()
+
+    def test_without_it_a_failover_right_after_a_commit_loses_the_write_and_a_rebuild_shows_the_loss(self, cluster_services):
+        pipeline, cluster = self.start(cluster_services, MEMFILTER_REDIS_REPLICAS="0")
+        thread = f"lost-{uuid.uuid4().hex[:6]}"
+        master, replica = cluster.shard_of(f"{pipeline.prefix}:t:{{{thread}}}:meta")
+        try:
+
+            async def run() -> tuple[list, list, list]:
+                async with Collector(pipeline.bootstrap, [pipeline.topics.filtered, pipeline.topics.persist], isolation_level="read_committed") as got:
+                    await publish(pipeline.bootstrap, pipeline.topics.requests, [request(f"warm-{thread}", 0)])
+                    assert await got.wait_for(lambda rs: len(rs) == 2, timeout=120)
+                    cluster.cut_off(master, replica)
+                    try:
+                        await publish(pipeline.bootstrap, pipeline.topics.requests, [request(thread, 0)])
+                        assert await got.wait_for(lambda rs: filtered_of(rs, thread), timeout=60)  # acknowledged: committed downstream
+                        cluster.kill(f"redis-{master}")
+                    finally:
+                        cluster.kill(f"redis-{replica}", signal.SIGCONT)
+                    cluster.take_over(replica)
+                    # The loss is there, and found: the history rebuilt from persist-messages has what the live one lost.
+                    stored = await rows_of(pipeline, thread)
+                    rebuilt = await asyncio.to_thread(pipeline.memfilter, "history", "rebuild", "--prefix", f"{pipeline.prefix}-rebuilt")
+                    assert rebuilt.returncode == 0, rebuilt.stderr
+                    expected = await rows_of(pipeline, thread, f"{pipeline.prefix}-rebuilt")
+                    await publish(pipeline.bootstrap, pipeline.topics.requests, [request(thread, 1)])
+                    assert await got.wait_for(lambda rs: len(saved_of(rs, thread)) == 2, timeout=120)
+                    return stored, expected, saved_of(got.records, thread)
+
+            stored, expected, answers = asyncio.run(run())
+        finally:
+            pipeline.stop_all()
+            cluster.up()
+        assert stored == [] and expected == [f"{thread}-u0"]
+        # ... and the next request is decided against the gap: u0, saved once already, is saved again.
+        assert answers == [[f"{thread}-u0"], [f"{thread}-u0", f"{thread}-u1"]]
+
+    def test_with_it_nothing_acknowledged_is_lost_the_batch_waits_until_a_replica_has_it(self, cluster_services):
+        pipeline, cluster = self.start(cluster_services, MEMFILTER_REDIS_REPLICAS="1", MEMFILTER_REDIS_REPLICA_TIMEOUT="0.5")
+        thread = f"kept-{uuid.uuid4().hex[:6]}"
+        master, replica = cluster.shard_of(f"{pipeline.prefix}:t:{{{thread}}}:meta")
+        try:
+
+            async def run() -> tuple[bool, bool, list, list]:
+                async with Collector(pipeline.bootstrap, [pipeline.topics.filtered, pipeline.topics.persist], isolation_level="read_committed") as got:
+                    await publish(pipeline.bootstrap, pipeline.topics.requests, [request(f"warm-{thread}", 0)])
+                    assert await got.wait_for(lambda rs: len(rs) == 2, timeout=120)
+                    cluster.cut_off(master, replica)
+                    try:
+                        await publish(pipeline.bootstrap, pipeline.topics.requests, [request(thread, 0)])
+                        held = not await got.wait_for(lambda rs: filtered_of(rs, thread), timeout=4)  # on no replica: not committed
+                        cluster.kill(f"redis-{master}")
+                    finally:
+                        cluster.kill(f"redis-{replica}", signal.SIGCONT)
+                    cluster.take_over(replica)
+                    # The new master has no replica until the old one comes back: still held.
+                    still_held = not await got.wait_for(lambda rs: filtered_of(rs, thread), timeout=3)
+                    await asyncio.to_thread(cluster.up)  # the old master rejoins as the replica
+                    assert await got.wait_for(lambda rs: filtered_of(rs, thread), timeout=120)
+                    await publish(pipeline.bootstrap, pipeline.topics.requests, [request(thread, 1)])
+                    assert await got.wait_for(lambda rs: len(saved_of(rs, thread)) == 2, timeout=120)
+                    await asyncio.sleep(1)  # a second copy would be here by now
+                    return held, still_held, saved_of(got.records, thread), await rows_of(pipeline, thread)
+
+            held, still_held, answers, stored = asyncio.run(run())
+        finally:
+            pipeline.stop_all()
+            cluster.up()
+        assert held and still_held
+        assert answers == [[f"{thread}-u0"], [f"{thread}-u1"]]
+        assert stored == [f"{thread}-u0", f"{thread}-u1"]
+        rebuilt = pipeline.memfilter("history", "rebuild", "--prefix", f"{pipeline.prefix}-rebuilt")
+        assert rebuilt.returncode == 0, rebuilt.stderr
+        assert asyncio.run(dump(pipeline, f"{pipeline.prefix}-rebuilt")) == asyncio.run(dump(pipeline, pipeline.prefix))
