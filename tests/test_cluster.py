@@ -16,6 +16,8 @@ import signal
 import subprocess
 import time
 import uuid
+from collections import Counter, defaultdict
+
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from redis.crc import key_slot
@@ -214,3 +216,93 @@ class TestWaitForAReplica:
         rebuilt = pipeline.memfilter("history", "rebuild", "--prefix", f"{pipeline.prefix}-rebuilt")
         assert rebuilt.returncode == 0, rebuilt.stderr
         assert asyncio.run(dump(pipeline, f"{pipeline.prefix}-rebuilt")) == asyncio.run(dump(pipeline, pipeline.prefix))
+
+
+THREADS, TURNS = 1000, 20
+
+
+async def leaders(bootstrap: str, topics: list[str]) -> Counter:
+    """How many of the topics' partitions each broker (node id) leads."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return Counter(p["leader"] for t in await admin.describe_topics(topics) for p in t["partitions"])
+    finally:
+        await admin.close()
+
+
+def test_20000_requests_are_answered_once_in_order_and_stored_through_a_broker_kill_a_redis_failover_and_a_reshard(cluster_services):
+    """1,000 threads × 20 turns, two workers. During the run: kill -9 of the broker leading the
+    most partitions (started again later), kill -9 of a Redis master (its replica takes over;
+    started again later, it rejoins as a replica), and a quarter of the slots moved from one
+    master to another with `redis-cli --cluster reshard`."""
+    pipeline = cluster_services.pipeline()
+    asyncio.run(pipeline.create_topics())
+    for _ in range(2):
+        pipeline.start_worker(MEMFILTER_SESSION_TIMEOUT="6")
+    cluster, t = Cluster(), pipeline.topics
+    threads = [f"chaos-{i}" for i in range(THREADS)]
+    reshard: list[subprocess.Popen] = []
+    events: list[str] = []
+
+    async def chaos(turn: int) -> None:
+        if turn == 2:
+            broker = (await leaders(pipeline.bootstrap, list(t.__dict__.values()))).most_common(1)[0][0]
+            cluster.kill(f"kafka-{broker}")
+            events.append(f"killed kafka-{broker}")
+        elif turn == 5:
+            master, _ = cluster.shard_of(f"{pipeline.prefix}:t:{{{threads[0]}}}:meta")
+            cluster.kill(f"redis-{master}")
+            events.append(f"killed redis-{master}")
+        elif turn == 8:
+            await asyncio.to_thread(cluster.up)
+            events.append("restarted them")
+        elif turn == 11:
+            masters = [n for n in cluster.nodes() if "master" in n[2]]
+            port = masters[0][1].split(":")[1].split("@")[0]
+            reshard.append(subprocess.Popen(
+                ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{port}", "--cluster-from", masters[0][0], "--cluster-to", masters[1][0],
+                 "--cluster-slots", "4096", "--cluster-yes"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            ))
+            events.append("resharding")
+
+    async def run() -> list:
+        async with Collector(pipeline.bootstrap, [t.filtered, t.persist, t.dlq], isolation_level="read_committed") as got:
+            for turn in range(TURNS):
+                await publish(pipeline.bootstrap, t.requests, [request(thread, turn) for thread in threads])
+                await chaos(turn)
+                if turn in (2, 5, 8, 11):
+                    events[-1] += f" at {sum(r.topic == t.filtered for r in got.records)} answered"
+                if turn == 11:
+                    resharded = asyncio.ensure_future(asyncio.to_thread(reshard[0].communicate, timeout=600))
+                    resharded.add_done_callback(lambda _: events.append(f"resharded at {sum(r.topic == t.filtered for r in got.records)} answered"))
+                await asyncio.sleep(1)
+            answered = lambda rs: sum(r.topic in (t.filtered, t.dlq) for r in rs) >= THREADS * TURNS  # noqa: E731
+            assert await got.wait_for(answered, timeout=600), f"{sum(r.topic in (t.filtered, t.dlq) for r in got.records)} answered; {events}"
+            out, _ = await resharded
+            assert reshard[0].returncode == 0, out[-2000:]
+            print("\n" + "; ".join(events))
+            await asyncio.sleep(2)  # a second copy of anything would be here by now
+            return list(got.records)
+
+    try:
+        records = asyncio.run(run())
+        alive = [w.poll() is None for w in pipeline.workers]
+    finally:
+        pipeline.stop_all()
+        cluster.up()
+    assert alive == [True, True]
+    assert [r for r in records if r.topic == t.dlq] == []
+    by_thread = defaultdict(list)
+    for r in records:
+        by_thread[r.key.decode()].append(r)
+    for thread in threads:
+        answered = [json.loads(r.value)["requestId"] for r in by_thread[thread] if r.topic == t.filtered]
+        assert answered == [f"{thread}-r{k}" for k in range(TURNS)], thread  # each once, in order
+        assert saved_of(by_thread[thread], thread) == [[f"{thread}-u{k}"] for k in range(TURNS)], thread  # no write lost
+    rebuilt = pipeline.memfilter("history", "rebuild", "--prefix", f"{pipeline.prefix}-rebuilt", timeout=600)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    live = asyncio.run(dump(pipeline, pipeline.prefix))
+    assert asyncio.run(dump(pipeline, f"{pipeline.prefix}-rebuilt")) == live
+    assert all(live[f":t:{{{thread}}}:order"] == [f"{thread}-u{k}".encode() for k in range(TURNS)] for thread in threads)
