@@ -15,6 +15,11 @@ REDIS_URL as it prints):
       time from publish to the filtered input arriving at a consumer.
 Both (b) and (c) read the filtered inputs as downstream does, `read_committed`: a record
 counts once the worker's transaction that holds it is committed.
+Given a replicated stack too (`--cluster KAFKA_BOOTSTRAP_SERVERS REDIS_URL`, as `memfilter stack
+up --brokers 3 --redis-cluster` prints them), the same requests go through it in the same run:
+(b) with writes on no replica before a commit (MEMFILTER_REDIS_REPLICAS=0), with two workers
+and with one, both waiting for a replica (=1), then (c) on the last; each (b) is also given
+against the single-node stack's last (b).
 It prints requests/s of both and their ratio (and each (b) against the first), the mean bytes
 of a filtered input, p50/p99 latency, Redis round trips per request
 (from the worker's /metrics), the worker's CPU time per request and how busy it was during
@@ -23,6 +28,7 @@ whole machine was (the broker and Redis share its cores with the worker),
 and the worker's RSS after the first batches and after each tenth of the requests.
 
     .venv/bin/python -m benchmarks.worker_throughput [--threads 10000] [--requests 100000] [--history 0,10] [--profile FILE]
+        [--cluster KAFKA_BOOTSTRAP_SERVERS REDIS_URL]
 """
 
 from __future__ import annotations
@@ -44,14 +50,13 @@ import uuid
 from pathlib import Path
 
 import msgspec
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.sample_threads import echo_of, stored_thread
 from streams.filter import parse_ms
-from streams.history import HistoryStore, Save
+from streams.history import HistoryStore, Save, connect
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = 1772366400000
@@ -108,8 +113,9 @@ def kept_from_collector():
 async def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
+    replicas = min(3, len(bootstrap.split(",")))  # a replicated stack's brokers each hold a copy
     try:
-        await admin.create_topics([NewTopic(n, partitions, 1) for n in names])
+        await admin.create_topics([NewTopic(n, partitions, replicas) for n in names])
     finally:
         await admin.close()
 
@@ -135,7 +141,7 @@ async def publish(bootstrap: str, topic: str, records, rate: float | None = None
 
 
 async def seed(redis_url: str, prefix: str, history: dict) -> None:
-    client = aioredis.from_url(redis_url)
+    client = connect(redis_url)
     store = HistoryStore(client, prefix)
     try:
         threads = [(thread, rows) for thread, rows in history.items() if rows]
@@ -158,7 +164,7 @@ async def clean_up(bootstrap: str, redis_url: str, topics: list[str], prefix: st
         await admin.delete_topics(topics)
     finally:
         await admin.close()
-    client = aioredis.from_url(redis_url)
+    client = connect(redis_url)
     try:
         batch = []
         async for key in client.scan_iter(f"{prefix}*", count=1000):
@@ -234,10 +240,10 @@ async def count_until(bootstrap: str, topic: str, n: int, on_record=None, timeou
         await consumer.stop()
 
 
-def worker_env(bootstrap: str, redis_url: str, topics: dict[str, str], prefix: str, history: int) -> dict[str, str]:
+def worker_env(bootstrap: str, redis_url: str, topics: dict[str, str], prefix: str, history: int, replicas: int = 0) -> dict[str, str]:
     """A benchmark worker's settings: the run's topics for its context size, and its prefix
     as group and key prefix."""
-    return {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "REDIS_URL": redis_url, "MEMFILTER_GROUP": prefix,
+    return {**os.environ, "MEMFILTER_REDIS_REPLICAS": str(replicas), "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "REDIS_URL": redis_url, "MEMFILTER_GROUP": prefix,
             "MEMFILTER_REDIS_PREFIX": prefix, "MEMFILTER_TOPIC_REQUESTS": topics["requests"],
             "MEMFILTER_TOPIC_FILTERED": topics[f"filtered{history}"], "MEMFILTER_TOPIC_PERSIST": topics[f"persist{history}"],
             "MEMFILTER_TOPIC_DLQ": topics[f"dlq{history}"], "MEMFILTER_DATA_DIR": f"/tmp/{prefix}",
@@ -262,6 +268,20 @@ def cpu_seconds(pid: int) -> float:
     """User and system CPU time the process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def service_cpu_seconds() -> dict[str, float]:
+    """CPU time used so far by the Kafka brokers and the Redis servers on this machine, each summed."""
+    out = {"Kafka": 0.0, "Redis": 0.0}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            name = "Kafka" if b"kafka.Kafka" in cmdline else "Redis" if b"redis-server" in cmdline else None
+            if name:
+                out[name] += cpu_seconds(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def worker_metrics(port: int) -> dict[str, float]:
@@ -319,6 +339,8 @@ async def main() -> None:
     parser.add_argument("--history", default="0,10", help="context sizes to run (b) with, in order (MEMFILTER_HISTORY_MESSAGES)")
     parser.add_argument("--profile", metavar="FILE", help="sample the worker with py-spy during (b), write the samples "
                         "to FILE and print where its time went (py-spy takes CPU too: the run's figures drop)")
+    parser.add_argument("--cluster", nargs=2, metavar=("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL"),
+                        help="a replicated stack to run the same requests through as well")
     args = parser.parse_args()
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -327,20 +349,30 @@ async def main() -> None:
     topics = {k: f"bench-{k}-{run}" for k in ("requests", "baseline-out")}
     for n in histories:
         topics |= {f"{k}{n}": f"bench-{k}{n}-{run}" for k in ("filtered", "persist", "dlq")}
+    for variant in CLUSTER_RUNS if args.cluster else ():
+        topics |= {f"{k}{variant}": f"bench-{k}{variant}-{run}" for k in ("filtered", "persist", "dlq")}
     prefix = f"bench-{run}"
-    await create_topics(bootstrap, list(topics.values()), args.partitions)
+    stacks = [(bootstrap, redis_url), *([tuple(args.cluster)] if args.cluster else [])]
+    for stack_bootstrap, _ in stacks:
+        await create_topics(stack_bootstrap, list(topics.values()), args.partitions)
     try:
-        await measure(args, bootstrap, redis_url, topics, prefix, histories)
+        await measure(args, stacks, topics, prefix, histories)
     finally:
-        await clean_up(bootstrap, redis_url, list(topics.values()), prefix)
+        for stack_bootstrap, stack_redis in stacks:
+            await clean_up(stack_bootstrap, stack_redis, list(topics.values()), prefix)
 
 
-async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topics: dict[str, str], prefix: str, histories: list[int]) -> None:
+# The replicated stack's runs of (b), in order: (workers, MEMFILTER_REDIS_REPLICAS); (c) runs on the last.
+CLUSTER_RUNS = {"c0": (1, 0), "c2w": (2, 1), "c1": (1, 1)}
+
+
+async def measure(args: argparse.Namespace, stacks: list[tuple[str, str]], topics: dict[str, str], prefix: str, histories: list[int]) -> None:
     with kept_from_collector():
         history, requests = make_workload(args.threads, args.requests)
     sizes = sorted(len(v) for _, v in requests)
     print(f"workload: {len(requests):,} requests over {args.threads:,} threads, "
           f"{sum(sizes) / len(sizes) / 1024:.1f} KiB mean, {sizes[len(sizes) // 2] / 1024:.1f} KiB median")
+    (bootstrap, redis_url), cluster = stacks[0], stacks[1:]
     for n in histories:
         await seed(redis_url, f"{prefix}-h{n}", history)
     await publish(bootstrap, topics["requests"], requests)
@@ -350,65 +382,99 @@ async def measure(args: argparse.Namespace, bootstrap: str, redis_url: str, topi
     rates = []
     for i, n in enumerate(histories):
         last_worker = i == len(histories) - 1
-        worker = await run_worker(args, bootstrap, redis_url, topics, f"{prefix}-h{n}", n, len(requests), rate_a, rates)
+        workers = await run_worker(args, bootstrap, redis_url, topics, f"{prefix}-h{n}", n, len(requests), rate_a, rates)
         try:
             if last_worker:
                 await latency(args, bootstrap, topics[f"filtered{n}"], topics["requests"])
         finally:
-            worker.terminate()
-            worker.wait(30)
+            stop(workers)
+    if not cluster:
+        return
+    (bootstrap, redis_url), n, single = cluster[0], histories[-1], rates[-1]
+    print(f"replicated stack: Kafka {bootstrap}, Redis {redis_url}; MEMFILTER_HISTORY_MESSAGES={n}, against one broker, one Redis: {single:,.0f} requests/s")
+    for variant in CLUSTER_RUNS:
+        await seed(redis_url, f"{prefix}-{variant}", history)
+    await publish(bootstrap, topics["requests"], requests)
+    for i, (variant, (count, replicas)) in enumerate(CLUSTER_RUNS.items()):
+        rates = [single]
+        label = f"{'s' if count > 1 else ''} x{count}, MEMFILTER_REDIS_REPLICAS={replicas}"
+        workers = await run_worker(args, bootstrap, redis_url, topics, f"{prefix}-{variant}", n, len(requests), rate_a, rates,
+                                   variant=variant, label=label, count=count, replicas=replicas, against="one broker, one Redis")
+        try:
+            if i == len(CLUSTER_RUNS) - 1:
+                await latency(args, bootstrap, topics[f"filtered{variant}"], topics["requests"])
+        finally:
+            stop(workers)
 
 
-async def run_worker(args, bootstrap, redis_url, topics, prefix, history, n_requests, rate_a, rates) -> subprocess.Popen:
-    """(b) with contexts of `history` rows: the worker, still running, once it has caught up."""
-    web_port = free_port()
-    env = worker_env(bootstrap, redis_url, topics, prefix, history)
-    worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(web_port)], env=env, cwd=REPO,
-                              stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
+def stop(workers: list[subprocess.Popen]) -> None:
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        worker.wait(30)
+
+
+async def run_worker(args, bootstrap, redis_url, topics, prefix, history, n_requests, rate_a, rates,
+                     variant: str | None = None, label: str = "", count: int = 1, replicas: int = 0,
+                     against: str = "the first (b)") -> list[subprocess.Popen]:
+    """(b) with contexts of `history` rows, by `count` workers of one group: the workers, still
+    running, once they have caught up. Their output topics are `variant`'s (default: the
+    context size's)."""
+    variant = variant if variant is not None else str(history)
+    label = label or f", MEMFILTER_HISTORY_MESSAGES={history}"
+    ports = [free_port() for _ in range(count)]
+    env = worker_env(bootstrap, redis_url, {**topics, **{f"{k}{history}": topics[f"{k}{variant}"] for k in ("filtered", "persist", "dlq")}},
+                     prefix, history, replicas)
+    workers = [subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(port)], env=env, cwd=REPO,
+                                stdout=open(f"/tmp/{prefix}-worker{i}.log", "wb"), stderr=subprocess.STDOUT) for i, port in enumerate(ports)]
     try:
-        rss, tenths, cpu, machine, profiler, sizes = [], [], [], [], [], [0]
+        rss, tenths, cpu, machine, services, profiler, sizes = [], [], [], [], [], [], [0]
+        worker = workers[0]
 
         def note_start(record, seen=[0]):
             seen[0] += 1
             sizes[0] += len(record.value)
             if seen[0] == 1:
-                cpu.append(cpu_seconds(worker.pid))
+                cpu.append(sum(cpu_seconds(w.pid) for w in workers))
                 machine.append(machine_busy_seconds())
+                services.append(service_cpu_seconds())
                 if args.profile:
                     profiler.append(subprocess.Popen(
                         [Path(sys.executable).parent / "py-spy", "record", "--pid", str(worker.pid), "--rate", "200",
-                         "--format", "raw", "--output", f"{args.profile}.h{history}", "--nonblocking"], stdout=subprocess.DEVNULL))
+                         "--format", "raw", "--output", f"{args.profile}.{variant}", "--nonblocking"], stdout=subprocess.DEVNULL))
             if seen[0] == 2000:
                 rss.append(rss_mb(worker.pid))
             if seen[0] % max(1, n_requests // 10) == 0:
                 tenths.append(rss_mb(worker.pid))
 
-        first, last = await count_until(bootstrap, topics[f"filtered{history}"], n_requests, on_record=note_start)
+        first, last = await count_until(bootstrap, topics[f"filtered{variant}"], n_requests, on_record=note_start)
         rate_b = (n_requests - 1) / (last - first)
         rates.append(rate_b)
-        cpu.append(cpu_seconds(worker.pid))
+        cpu.append(sum(cpu_seconds(w.pid) for w in workers))
         machine.append(machine_busy_seconds())
+        services.append(service_cpu_seconds())
         for p in profiler:
             p.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
             p.wait(30)
-        m = worker_metrics(web_port)
-        print(f"(b) memfilter worker, MEMFILTER_HISTORY_MESSAGES={history}: {rate_b:9,.0f} requests/s   (b)/(a) = {rate_b / rate_a:.2f}"
-              + (f"   against the first (b): {rate_b / rates[0]:.2f}" if len(rates) > 1 else ""))
-        print(f"    Redis round trips/request:  {m['memfilter_redis_round_trips_total'] / m['memfilter_requests_total']:.4f}")
+        m = [worker_metrics(port) for port in ports]
+        print(f"(b) memfilter worker{label}: {rate_b:9,.0f} requests/s   (b)/(a) = {rate_b / rate_a:.2f}"
+              + (f"   against {against}: {rate_b / rates[0]:.2f}" if len(rates) > 1 else ""))
+        trips, handled = (sum(x[name] for x in m) for name in ("memfilter_redis_round_trips_total", "memfilter_requests_total"))
+        print(f"    Redis round trips/request:  {trips / handled:.4f}")
         print(f"    filtered input: {sizes[0] / n_requests:,.0f} bytes mean")
         print(f"    worker CPU: {(cpu[1] - cpu[0]) / (n_requests - 1) * 1e6:.0f} µs per request, "
-              f"busy {(cpu[1] - cpu[0]) / (last - first):.0%} of the time")
+              f"busy {(cpu[1] - cpu[0]) / (last - first):.0%} of the time" + (f" (the {count} together)" if count > 1 else ""))
         print(f"    machine: {(machine[1] - machine[0]) / (last - first):.2f} of its {os.cpu_count()} cores busy, "
               f"{((machine[1] - machine[0]) - (cpu[1] - cpu[0])) / (n_requests - 1) * 1e6:.0f} µs per request "
-              f"outside the worker (broker, Redis, this benchmark's reader)")
+              f"outside the worker (broker, Redis, this benchmark's reader): "
+              + ", ".join(f"{name} {(services[1][name] - services[0][name]) / (n_requests - 1) * 1e6:.0f} µs" for name in services[0]))
         print(f"    worker RSS: {rss[0]:.0f} MiB after 2,000 requests, {tenths[-1]:.0f} MiB after {n_requests:,} "
               f"(after each tenth: {' '.join(f'{r:.0f}' for r in tenths)})")
         if args.profile:
-            print_profile(f"{args.profile}.h{history}")
-        return worker
+            print_profile(f"{args.profile}.{variant}")
+        return workers
     except BaseException:
-        worker.terminate()
-        worker.wait(30)
+        stop(workers)
         raise
 
 

@@ -19,6 +19,7 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:t:{T}:pending:<K>` | string | what was emitted for processed request K (`window_key`, hex), as `Recorded` JSON, until its batch's Kafka transaction commits |
 | `mf:idx:{B}` | hash | message id digest -> digest of the thread that owns it (`id_key`, `thread_tag`), in 4,096 buckets |
 | `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
+| `mf:sync:{S}` | string | a marker `replicate` writes before WAIT, one per cluster node (`mf:sync` on one Redis); expires after a minute |
 
 Only rows and order lists grow with the conversation (and `superseded`, with regenerates and
 edits); everything else is a few bytes per message or save, or per thread (README, "Capacity").
@@ -61,7 +62,17 @@ Saves are applied once: the identity of every other service's save is kept in `s
 processor's own events are skipped live, being saved already, and told apart in a rebuild
 by their version: `streams/recorded.py`).
 
-Every call here is one pipelined round trip for all the threads it is given.
+Every call here is one pipelined round trip for all the threads it is given: on a Redis
+Cluster (`redis+cluster://` in REDIS_URL), one per node that serves some of them, all at once,
+each thread's commands on its own node in order (every script touches one thread's keys, or
+one bucket's: one slot). A node that answers MOVED, ASK, TRYAGAIN or CLUSTERDOWN (slots moving,
+a failover) or does not answer has the caller handle its batch again on the cluster's new map,
+as after an outage: nothing is followed half-way.
+
+Redis replicates asynchronously: a master can acknowledge a write and fail over before its
+replica has it. So, with MEMFILTER_REDIS_REPLICAS > 0, the worker commits a batch to Kafka
+only once `replicate` has seen every Redis write the batch relied on reach that many replicas
+(WAIT); on a timeout the batch is handled again, never committed half-safe.
 """
 
 from __future__ import annotations
@@ -765,11 +776,16 @@ class HistoryStore:
     async def drop_records(self, records: list[tuple[str, bytes]]) -> None:
         """Drop the records of these (thread, `window_key`): their outputs are committed to
         Kafka, so no re-delivery needs them. One round trip."""
-        by_thread: dict[str, set[str]] = {}
-        for thread, key in records:  # a thread's keys share a slot of a cluster; others' may not
-            by_thread.setdefault(thread, set()).add(self.pending_key(thread, key))
-        if by_thread:
-            await self._pipeline([("UNLINK", *keys) for keys in by_thread.values()])
+        keys = list(dict.fromkeys(self.pending_key(thread, key) for thread, key in records))
+        if self._cluster:  # one command's keys must share a slot: a thread's do
+            by_slot: dict[int, list[str]] = {}
+            for k in keys:
+                by_slot.setdefault(key_slot(k.encode()), []).append(k)
+            groups = list(by_slot.values())
+        else:
+            groups = [keys[i : i + 1000] for i in range(0, len(keys), 1000)]
+        if groups:
+            await self._pipeline([("UNLINK", *group) for group in groups])
 
     async def apply(self, saves: list[Save]) -> list[int | tuple[str, str]]:
         """Save rows from `persist-messages`, in order and in one round trip; for each, the

@@ -216,6 +216,11 @@ class TestWaitForAReplica:
         rebuilt = pipeline.memfilter("history", "rebuild", "--prefix", f"{pipeline.prefix}-rebuilt")
         assert rebuilt.returncode == 0, rebuilt.stderr
         assert asyncio.run(dump(pipeline, f"{pipeline.prefix}-rebuilt")) == asyncio.run(dump(pipeline, pipeline.prefix))
+        # The operator's commands run on the cluster too: an audit finds nothing to report, and the thread shows.
+        audit = pipeline.memfilter("replay", "--strict")
+        assert audit.returncode == 0 and "replayed 3 requests: 3 identical, 0 different" in audit.stdout, audit.stdout + audit.stderr
+        shown = pipeline.memfilter("history", "show", thread)
+        assert shown.returncode == 0 and "question 0" in shown.stdout and "question 1" in shown.stdout, shown.stderr
 
 
 THREADS, TURNS = 1000, 20

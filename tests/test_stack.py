@@ -203,6 +203,13 @@ class TestStackUpIsIdempotent:
         assert memfilter("stack", "status", env=env).returncode == 0
         assert asyncio.run(self._redis(exports["REDIS_URL"], "get", "kept")) == b"yes"
 
+    def test_up_with_another_shape_than_the_running_stack_is_refused_before_anything_starts(self, second_stack):
+        env, _ = second_stack
+        result = memfilter("stack", "up", "--brokers", "3", "--redis-cluster", env=env)
+        assert result.returncode == 1
+        assert "has 1 broker and one Redis, not 3 brokers and a Redis Cluster" in one_line_failure(result)
+        assert memfilter("stack", "status", env=env).returncode == 0
+
     def test_up_with_another_partition_count_than_the_topics_have_is_refused(self, second_stack):
         env, _ = second_stack
         result = memfilter("stack", "up", "--partitions", "4", env=env)
