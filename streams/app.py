@@ -389,7 +389,7 @@ class RecordLoop(mode.Service):
         async with self._turn:
             self._producers = {task: self._transactional(task) for task in tasks}
             await asyncio.gather(*(p.start() for p in self._producers.values()))
-            await self.store.take_epoch()
+            await _with_redis_retry("taking an owner epoch", self.store.take_epoch)
             await self._seek_to_committed(assigned)
         topics = self.settings.topics
         log.info("memfilter worker ready: %d tasks %s (partitions of %s and %s)", len(tasks), tasks, topics.requests, topics.persist)

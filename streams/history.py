@@ -460,6 +460,7 @@ class HistoryStore:
         self._nodes: dict[str, aioredis.Redis] = {}  # a cluster's node name -> a client of that node alone
         self._stale_map = False  # a cluster node failed or redirected: read the cluster's map before the next call
         self._touched: dict[str, tuple[Any, int]] = {}  # node name -> (the node, a slot of it), read or written since the last `replicate`
+        self._markers: dict[str, str] = {}  # node name -> the key of its `replicate` marker
 
     async def _pipeline(self, commands: list[tuple]) -> list[Any]:
         """Send the commands and read their replies: one round trip per Redis node (one
@@ -492,6 +493,7 @@ class HistoryStore:
         if self._stale_map:
             await cluster.nodes_manager.initialize()
             self._stale_map = False
+            self._markers.clear()  # a marker's slot may have moved
         groups: dict[str, tuple[Any, int, list[int]]] = {}
         try:
             for i, command in enumerate(commands):
@@ -730,15 +732,15 @@ class HistoryStore:
         if not self.replicas or not touched:
             return
 
-        async def on(node, slot: int) -> int:
+        async def on(name: str, node, slot: int) -> int:
             client = self.redis if node is None else self._node_client(node)
-            marker = self._marker(slot)
+            marker = self._markers.get(name) or self._markers.setdefault(name, self._marker(slot))
             replies = await self._node(client, [("SET", marker, self.epoch, "PX", 60_000), ("WAIT", self.replicas, self.replica_timeout_ms)])
             self._raise_first(replies)
             return replies[1]
 
         # On failure the caller handles the batch again, which reads (touches) its nodes again.
-        short = min(await asyncio.gather(*(on(node, slot) for node, slot in touched.values())))
+        short = min(await asyncio.gather(*(on(name, node, slot) for name, (node, slot) in touched.items())))
         if short < self.replicas:
             raise NotReplicated(
                 f"writes on {short} of the {self.replicas} replicas MEMFILTER_REDIS_REPLICAS asks for within "
@@ -746,12 +748,11 @@ class HistoryStore:
             )
 
     def _marker(self, slot: int) -> str:
-        """A key in `slot` (of a cluster; any key for one Redis) for `replicate`'s marker write."""
+        """A key in `slot` (of a cluster; any key for one Redis) for `replicate`'s marker write:
+        one per node, kept until the cluster's map is read again (`_markers`)."""
         if not self._cluster:
             return f"{self.prefix}:sync"
-        tag = _SLOT_TAGS.get(slot)
-        if tag is None:
-            tag = _SLOT_TAGS[slot] = next(str(n) for n in itertools.count() if key_slot(str(n).encode()) == slot)
+        tag = next(str(n) for n in itertools.count() if key_slot(str(n).encode()) == slot)  # ~16,000 tries, ~5 ms
         return f"{self.prefix}:sync:{{{tag}}}"
 
     async def commit(self, writes: list[Write]) -> list[tuple[str, int]]:
@@ -834,7 +835,6 @@ class HistoryStore:
 
 
 _KEY_PREFIX = re.compile(rb"^(.*?):(?:t:\{|idx:\{|sync:\{|sync$|epoch$)")
-_SLOT_TAGS: dict[int, str] = {}  # cluster slot -> a hash tag in it (`_marker`)
 
 
 async def prefixes(client: aioredis.Redis) -> dict[str, int]:

@@ -459,13 +459,18 @@ def _redis_cli(port: int, *args: str) -> str:
 
 
 def _cluster_ok(ports: list[int]) -> bool:
-    """Every node of the Redis Cluster serves all its slots."""
-    return all("cluster_state:ok" in _redis_cli(port, "cluster", "info") for port in ports)
+    """Every node of the Redis Cluster sees all the slots served, and every replica has its
+    master's data (a node started again syncs with its master first)."""
+    for port in ports:
+        replication = _redis_cli(port, "info", "replication")
+        if "cluster_state:ok" not in _redis_cli(port, "cluster", "info") or ("role:slave" in replication and "master_link_status:up" not in replication):
+            return False
+    return True
 
 
 def _create_cluster(s: Settings, deadline: float) -> None:
     """Join the nodes into a cluster of three masters with a replica each, once; then wait until
-    every node serves all the slots (after a restart too, while a node takes its place again)."""
+    it is whole (`_cluster_ok`: after a restart too, while a node takes its place again)."""
     ports = s.redis_ports
     if "cluster_known_nodes:1\n" in _redis_cli(ports[0], "cluster", "info"):
         out = _redis_cli(ports[0], "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "1", "--cluster-yes")

@@ -144,24 +144,32 @@ class TestWaitForAReplica:
         pipeline.start_worker()
         return pipeline, Cluster()
 
+    @staticmethod
+    async def fail_over(pipeline: Pipeline, cluster: Cluster, got: Collector, thread: str, seconds: float) -> bool:
+        """With the worker warmed up, cut the thread's master off from its replica and publish
+        the thread's first request; whether its filtered input is committed within `seconds`.
+        Then kill the master and have the replica take over."""
+        await publish(pipeline.bootstrap, pipeline.topics.requests, [request(f"warm-{thread}", 0)])
+        assert await got.wait_for(lambda rs: len(rs) == 2, timeout=120)
+        master, replica = cluster.shard_of(f"{pipeline.prefix}:t:{{{thread}}}:meta")
+        cluster.cut_off(master, replica)
+        try:
+            await publish(pipeline.bootstrap, pipeline.topics.requests, [request(thread, 0)])
+            committed = await got.wait_for(lambda rs: filtered_of(rs, thread), timeout=seconds)
+            cluster.kill(f"redis-{master}")
+        finally:
+            cluster.kill(f"redis-{replica}", signal.SIGCONT)
+        cluster.take_over(replica)
+        return committed
+
     def test_without_it_a_failover_right_after_a_commit_loses_the_write_and_a_rebuild_shows_the_loss(self, cluster_services):
         pipeline, cluster = self.start(cluster_services, MEMFILTER_REDIS_REPLICAS="0")
         thread = f"lost-{uuid.uuid4().hex[:6]}"
-        master, replica = cluster.shard_of(f"{pipeline.prefix}:t:{{{thread}}}:meta")
         try:
 
             async def run() -> tuple[list, list, list]:
                 async with Collector(pipeline.bootstrap, [pipeline.topics.filtered, pipeline.topics.persist], isolation_level="read_committed") as got:
-                    await publish(pipeline.bootstrap, pipeline.topics.requests, [request(f"warm-{thread}", 0)])
-                    assert await got.wait_for(lambda rs: len(rs) == 2, timeout=120)
-                    cluster.cut_off(master, replica)
-                    try:
-                        await publish(pipeline.bootstrap, pipeline.topics.requests, [request(thread, 0)])
-                        assert await got.wait_for(lambda rs: filtered_of(rs, thread), timeout=60)  # acknowledged: committed downstream
-                        cluster.kill(f"redis-{master}")
-                    finally:
-                        cluster.kill(f"redis-{replica}", signal.SIGCONT)
-                    cluster.take_over(replica)
+                    assert await self.fail_over(pipeline, cluster, got, thread, seconds=60)  # acknowledged: committed downstream
                     # The loss is there, and found: the history rebuilt from persist-messages has what the live one lost.
                     stored = await rows_of(pipeline, thread)
                     rebuilt = await asyncio.to_thread(pipeline.memfilter, "history", "rebuild", "--prefix", f"{pipeline.prefix}-rebuilt")
@@ -182,21 +190,11 @@ class TestWaitForAReplica:
     def test_with_it_nothing_acknowledged_is_lost_the_batch_waits_until_a_replica_has_it(self, cluster_services):
         pipeline, cluster = self.start(cluster_services, MEMFILTER_REDIS_REPLICAS="1", MEMFILTER_REDIS_REPLICA_TIMEOUT="0.5")
         thread = f"kept-{uuid.uuid4().hex[:6]}"
-        master, replica = cluster.shard_of(f"{pipeline.prefix}:t:{{{thread}}}:meta")
         try:
 
             async def run() -> tuple[bool, bool, list, list]:
                 async with Collector(pipeline.bootstrap, [pipeline.topics.filtered, pipeline.topics.persist], isolation_level="read_committed") as got:
-                    await publish(pipeline.bootstrap, pipeline.topics.requests, [request(f"warm-{thread}", 0)])
-                    assert await got.wait_for(lambda rs: len(rs) == 2, timeout=120)
-                    cluster.cut_off(master, replica)
-                    try:
-                        await publish(pipeline.bootstrap, pipeline.topics.requests, [request(thread, 0)])
-                        held = not await got.wait_for(lambda rs: filtered_of(rs, thread), timeout=4)  # on no replica: not committed
-                        cluster.kill(f"redis-{master}")
-                    finally:
-                        cluster.kill(f"redis-{replica}", signal.SIGCONT)
-                    cluster.take_over(replica)
+                    held = not await self.fail_over(pipeline, cluster, got, thread, seconds=4)  # on no replica: not committed
                     # The new master has no replica until the old one comes back: still held.
                     still_held = not await got.wait_for(lambda rs: filtered_of(rs, thread), timeout=3)
                     await asyncio.to_thread(cluster.up)  # the old master rejoins as the replica
@@ -306,8 +304,10 @@ def test_20000_requests_are_answered_once_in_order_and_stored_through_a_broker_k
         answered = [json.loads(r.value)["requestId"] for r in by_thread[thread] if r.topic == t.filtered]
         assert answered == [f"{thread}-r{k}" for k in range(TURNS)], thread  # each once, in order
         assert saved_of(by_thread[thread], thread) == [[f"{thread}-u{k}"] for k in range(TURNS)], thread  # no write lost
+    started = time.monotonic()
     rebuilt = pipeline.memfilter("history", "rebuild", "--prefix", f"{pipeline.prefix}-rebuilt", timeout=600)
     assert rebuilt.returncode == 0, rebuilt.stderr
+    print(f"rebuilt in {time.monotonic() - started:.1f} s: {rebuilt.stdout.strip()}")
     live = asyncio.run(dump(pipeline, pipeline.prefix))
     assert asyncio.run(dump(pipeline, f"{pipeline.prefix}-rebuilt")) == live
     assert all(live[f":t:{{{thread}}}:order"] == [f"{thread}-u{k}".encode() for k in range(TURNS)] for thread in threads)
