@@ -76,6 +76,15 @@ class Cluster:
                 return int(node[1].split(":")[1].split("@")[0]), int(replica[1].split(":")[1].split("@")[0])
         raise AssertionError(f"no master serves slot {slot}")
 
+    def reshard(self, source: str, target: str, slots: int) -> subprocess.Popen:
+        """Move `slots` slots from master `source` to master `target` (node ids): started, not awaited."""
+        port = next(n[1] for n in self.nodes() if n[0] == source).split(":")[1].split("@")[0]
+        return subprocess.Popen(
+            ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{port}", "--cluster-from", source, "--cluster-to", target,
+             "--cluster-slots", str(slots), "--cluster-yes"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+
     def cut_off(self, master: int, replica: int) -> None:
         """The replica stops taking its master's writes: stopped (SIGSTOP), and its link closed
         by the master, so that what the master writes next stays in the master."""
@@ -219,6 +228,11 @@ class TestWaitForAReplica:
         assert audit.returncode == 0 and "replayed 3 requests: 3 identical, 0 different" in audit.stdout, audit.stdout + audit.stderr
         shown = pipeline.memfilter("history", "show", thread)
         assert shown.returncode == 0 and "question 0" in shown.stdout and "question 1" in shown.stdout, shown.stderr
+        listed = pipeline.memfilter("history", "prefixes").stdout
+        assert f"{pipeline.prefix}-rebuilt  " in listed and f"{pipeline.prefix}  " in listed
+        dropped = pipeline.memfilter("history", "drop", "--prefix", f"{pipeline.prefix}-rebuilt")
+        assert dropped.returncode == 0 and "keys deleted" in dropped.stdout, dropped.stderr
+        assert f"{pipeline.prefix}-rebuilt  " not in pipeline.memfilter("history", "prefixes").stdout
 
 
 THREADS, TURNS = 1000, 20
@@ -238,7 +252,8 @@ def test_20000_requests_are_answered_once_in_order_and_stored_through_a_broker_k
     """1,000 threads × 20 turns, two workers. During the run: kill -9 of the broker leading the
     most partitions (started again later), kill -9 of a Redis master (its replica takes over;
     started again later, it rejoins as a replica), and a quarter of the slots moved from one
-    master to another with `redis-cli --cluster reshard`."""
+    master to another with `redis-cli --cluster reshard`. A worker that exits is started again
+    (`orchestrate`)."""
     pipeline = cluster_services.pipeline()
     asyncio.run(pipeline.create_topics())
     for _ in range(2):
@@ -246,6 +261,8 @@ def test_20000_requests_are_answered_once_in_order_and_stored_through_a_broker_k
     cluster, t = Cluster(), pipeline.topics
     threads = [f"chaos-{i}" for i in range(THREADS)]
     reshard: list[subprocess.Popen] = []
+    moved: list[tuple[str, str]] = []  # (from, to) node ids
+    exited: list[subprocess.Popen] = []  # workers that exited during the run (started again)
     events: list[str] = []
 
     async def chaos(turn: int) -> None:
@@ -261,16 +278,25 @@ def test_20000_requests_are_answered_once_in_order_and_stored_through_a_broker_k
             await asyncio.to_thread(cluster.up)
             events.append("restarted them")
         elif turn == 11:
-            masters = [n for n in cluster.nodes() if "master" in n[2]]
-            port = masters[0][1].split(":")[1].split("@")[0]
-            reshard.append(subprocess.Popen(
-                ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{port}", "--cluster-from", masters[0][0], "--cluster-to", masters[1][0],
-                 "--cluster-slots", "4096", "--cluster-yes"],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            ))
+            slots = lambda node: sum(int(r.split("-")[-1]) - int(r.split("-")[0]) + 1 for r in node[8:] if not r.startswith("["))  # noqa: E731
+            masters = sorted((n for n in cluster.nodes() if "master" in n[2]), key=slots, reverse=True)  # from the one with the most
+            moved.append((masters[0][0], masters[1][0]))
+            reshard.append(cluster.reshard(*moved[0], 4096))
             events.append("resharding")
 
+    async def orchestrate() -> None:
+        """Start a worker again when one exits, as an orchestrator would: a worker whose
+        transaction cannot complete (a partition without a leader for longer than the
+        producer's request timeout, while its broker is down) exits rather than stall."""
+        while True:
+            for worker in [w for w in pipeline.workers if w.poll() is not None and w not in exited]:
+                exited.append(worker)
+                events.append(f"a worker exited ({worker.returncode}) and was started again")
+                pipeline.start_worker(MEMFILTER_SESSION_TIMEOUT="6")
+            await asyncio.sleep(0.5)
+
     async def run() -> list:
+        orchestrator = asyncio.create_task(orchestrate())
         async with Collector(pipeline.bootstrap, [t.filtered, t.persist, t.dlq], isolation_level="read_committed") as got:
             for turn in range(TURNS):
                 await publish(pipeline.bootstrap, t.requests, [request(thread, turn) for thread in threads])
@@ -287,15 +313,20 @@ def test_20000_requests_are_answered_once_in_order_and_stored_through_a_broker_k
             assert reshard[0].returncode == 0, out[-2000:]
             print("\n" + "; ".join(events))
             await asyncio.sleep(2)  # a second copy of anything would be here by now
+            orchestrator.cancel()
             return list(got.records)
 
     try:
         records = asyncio.run(run())
-        alive = [w.poll() is None for w in pipeline.workers]
+        alive = [w.poll() is None for w in pipeline.workers if w not in exited]
     finally:
         pipeline.stop_all()
         cluster.up()
-    assert alive == [True, True]
+        for source, target in moved:  # the slots go back: the next run finds the cluster as this one did
+            back = cluster.reshard(target, source, 4096)
+            out, _ = back.communicate(timeout=600)
+            assert back.returncode == 0, out[-2000:]
+    assert alive == [True, True], events
     assert [r for r in records if r.topic == t.dlq] == []
     by_thread = defaultdict(list)
     for r in records:
