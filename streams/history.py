@@ -499,7 +499,10 @@ class HistoryStore:
             for i, command in enumerate(commands):
                 key = command[3] if command[0] == "EVALSHA" else command[1]
                 node = cluster.get_node_from_key(key)
-                groups.setdefault(node.name, (node, cluster.keyslot(key), []))[2].append(i)
+                group = groups.get(node.name)
+                if group is None:  # a slot of the node, for `replicate`: worked out once a node
+                    group = groups[node.name] = (node, cluster.keyslot(key), [])
+                group[2].append(i)
         except SlotNotCoveredError as e:
             self._stale_map = True
             raise Resharded(str(e)) from e

@@ -28,7 +28,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -279,21 +278,23 @@ def _kafka_libs(s: Settings) -> Path:
 
 SERVER_PROPERTIES = """\
 process.roles=broker,controller
-node.id=1
+node.id={node_id}
 listeners=PLAINTEXT://127.0.0.1:{kafka_port},CONTROLLER://127.0.0.1:{controller_port}
 advertised.listeners=PLAINTEXT://127.0.0.1:{kafka_port}
 controller.listener.names=CONTROLLER
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
-controller.quorum.bootstrap.servers=127.0.0.1:{controller_port}
+{quorum}
 log.dirs={data}
 num.partitions=1
 auto.create.topics.enable=false
-offsets.topic.replication.factor=1
+default.replication.factor={replicas}
+min.insync.replicas={isr}
+offsets.topic.replication.factor={replicas}
 offsets.topic.num.partitions=1
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
+transaction.state.log.replication.factor={replicas}
+transaction.state.log.min.isr={isr}
+share.coordinator.state.topic.replication.factor={replicas}
+share.coordinator.state.topic.min.isr={isr}
 group.initial.rebalance.delay.ms=0
 message.max.bytes=8388608
 # Keep every record: audits replay the topics, and records stamped in the past (replays of old
@@ -341,19 +342,16 @@ def _start_redis(s: Settings, name: str, server: str) -> subprocess.Popen:
 
 
 def _kafka_properties(s: Settings, n: int, data: Path) -> str:
-    """Broker n's (from 0) server.properties: one broker, or one of a replicated cluster."""
-    props = SERVER_PROPERTIES.format(kafka_port=s.kafka_ports[n], controller_port=s.controller_ports[n], data=data)
+    """Broker n's (from 0) server.properties: one broker, its own quorum; or one of a replicated
+    cluster, a voter of a static quorum of all of them."""
     if s.brokers == 1:
-        return props
-    voters = ",".join(f"{i + 1}@127.0.0.1:{port}" for i, port in enumerate(s.controller_ports))
-    replicas, isr = s.brokers, min(2, s.brokers)
-    props = props.replace("node.id=1", f"node.id={n + 1}")
-    props = props.replace(f"controller.quorum.bootstrap.servers=127.0.0.1:{s.controller_ports[n]}", f"controller.quorum.voters={voters}")
-    for key, value in (("offsets.topic.replication.factor", replicas), ("transaction.state.log.replication.factor", replicas),
-                       ("transaction.state.log.min.isr", isr), ("share.coordinator.state.topic.replication.factor", replicas),
-                       ("share.coordinator.state.topic.min.isr", isr)):
-        props = re.sub(rf"^{re.escape(key)}=.*$", f"{key}={value}", props, flags=re.M)
-    return props + f"default.replication.factor={replicas}\nmin.insync.replicas={isr}\n"
+        quorum = f"controller.quorum.bootstrap.servers=127.0.0.1:{s.controller_ports[n]}"
+    else:
+        quorum = "controller.quorum.voters=" + ",".join(f"{i + 1}@127.0.0.1:{port}" for i, port in enumerate(s.controller_ports))
+    return SERVER_PROPERTIES.format(
+        node_id=n + 1, kafka_port=s.kafka_ports[n], controller_port=s.controller_ports[n], quorum=quorum, data=data,
+        replicas=s.brokers, isr=min(2, s.brokers),
+    )
 
 
 def _start_kafka(s: Settings, name: str, java: str, libs: Path, cluster_id: str) -> subprocess.Popen:
