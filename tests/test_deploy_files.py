@@ -1,5 +1,6 @@
-"""docker-compose.yml, the Dockerfile and the Kubernetes manifests, checked without Docker or a
-cluster (neither exists here): they parse, and every setting they pass is one the worker reads."""
+"""docker-compose.yml, the Dockerfile and the Kubernetes manifests, read as files: they parse,
+and every setting they pass is one the worker reads. (The compose file and the images also
+run, in tests/test_compose.py and on the container backend; Kubernetes does not run here.)"""
 
 from __future__ import annotations
 
@@ -19,27 +20,27 @@ def test_the_worker_reads_the_settings_the_readme_documents():
         assert f"`{name}`" in readme, f"{name} is read by the worker but missing from the README's settings table"
 
 
-def test_compose_runs_kafka_redis_topics_and_two_workers_with_settings_the_worker_reads():
+def test_compose_runs_kafka_redis_topics_two_workers_and_the_agent_with_settings_they_read():
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"kafka", "redis", "topics", "worker-1", "worker-2"} <= services.keys()
+    assert {"kafka", "redis", "topics", "worker-1", "worker-2", "agent"} <= services.keys()
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
     created = " ".join(services["topics"]["command"]).replace(";", " ").split()
     assert {"chat-requests", "filtered-inputs", "persist-messages", "chat-requests-dlq"} <= set(created)
     read = names_the_worker_reads()
-    for name in ("worker-1", "worker-2"):
+    for name in ("worker-1", "worker-2", "agent"):
         worker = services[name]
-        assert worker["build"] == "." and worker["environment"].keys() <= read
+        assert worker["image"] == "memfilter/worker" and worker["environment"].keys() <= read
         assert worker["environment"]["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:19092"
         assert worker["environment"]["MEMFILTER_SECRET"].startswith("${MEMFILTER_SECRET:?")  # never a fixed one
         assert "/readyz" in " ".join(worker["healthcheck"]["test"])
-    assert services["worker-1"]["ports"] != services["worker-2"]["ports"]
+    assert services["agent"]["command"][:2] == ["memfilter", "agent"]
 
 
 def test_the_image_runs_the_worker_with_its_web_server_reachable():
     dockerfile = (REPO / "Dockerfile").read_text()
     assert 'CMD ["memfilter", "worker"' in dockerfile
-    env_line = next(line for line in dockerfile.splitlines() if line.startswith("ENV "))
+    env_line = next(line for line in dockerfile.splitlines() if line.startswith("ENV MEMFILTER_"))
     names = {pair.split("=")[0] for pair in env_line.removeprefix("ENV ").split()}
     assert names <= names_the_worker_reads() and "MEMFILTER_WEB_BIND=0.0.0.0" in env_line
 

@@ -1,0 +1,159 @@
+"""docker-compose.yml run for real, with `docker compose` (v2) and Debian's `docker-compose`
+1.29, on the images `deploy/images.sh` builds: the whole product comes up (Kafka, Redis, the
+topics, two workers, the agent runner), answers the sample session, and goes away with its
+network. And the networks containers run on, compose's and the container test backend's,
+reach nothing beyond the machine and publish ports on loopback only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import docker
+import pytest
+from testcontainers.core.container import DockerContainer
+from testcontainers.core.network import Network
+
+from containers import NETWORK_OPTIONS
+from pipeline import REPO, free_port, read
+
+TOOLS = {"compose-v2": ["docker", "compose"], "docker-compose-1.29": ["docker-compose"]}
+SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
+SERVICES = {"kafka", "redis", "topics", "worker-1", "worker-2", "agent"}
+
+# Run inside a container: which of the given (host, port) it can open a connection to.
+REACH = """
+import json, socket, sys
+out = {}
+for host, port in json.loads(sys.argv[1]):
+    try:
+        socket.create_connection((host, port), 3).close()
+        out[host] = True
+    except OSError:
+        out[host] = False
+print(json.dumps(out))
+"""
+
+
+def beyond_the_machine() -> tuple[str, int]:
+    """An address past this machine that its containers could reach by default: its name
+    server (TCP 53)."""
+    line = next(line for line in Path("/etc/resolv.conf").read_text().splitlines() if line.startswith("nameserver"))
+    return line.split()[1], 53
+
+
+def reaches(container, targets: list[tuple[str, int]]) -> dict[str, bool]:
+    code, out = container.exec_run(["python3", "-c", REACH, json.dumps(targets)])
+    assert code == 0, out
+    return json.loads(out)
+
+
+def test_a_container_on_dockers_default_network_reaches_past_the_machine():
+    """The control for the tests below: without their networks' options, the same address is
+    reached."""
+    out = docker.from_env().containers.run(
+        "memfilter/worker", ["python3", "-c", REACH, json.dumps([beyond_the_machine()])], remove=True
+    )
+    assert json.loads(out) == {beyond_the_machine()[0]: True}
+
+
+def test_the_container_backends_network_reaches_no_further_than_its_containers_and_publishes_on_loopback():
+    with Network(docker_network_kw={"options": NETWORK_OPTIONS}) as network:
+        peer = DockerContainer("memfilter/redis").with_network(network).with_network_aliases("peer").with_exposed_ports(6379)
+        with peer:
+            client = docker.from_env()
+            container = client.containers.run("memfilter/worker", ["sleep", "60"], network=network.name, detach=True)
+            try:
+                assert reaches(container, [("peer", 6379), beyond_the_machine()]) == {"peer": True, beyond_the_machine()[0]: False}
+            finally:
+                container.remove(force=True)
+            peer.get_wrapped_container().reload()
+            [binding] = peer.get_wrapped_container().ports["6379/tcp"]
+            assert binding["HostIp"] == "127.0.0.1"
+        name = network.name
+    assert not docker.from_env().networks.list(names=[name])
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_compose_brings_up_the_product_it_answers_the_sample_session_and_goes_away(tool):
+    project = f"memfilter-test-{uuid.uuid4().hex[:8]}"
+    kafka_port, redis_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "MEMFILTER_SECRET": secrets.token_hex(32),
+        "MEMFILTER_KAFKA_PORT": str(kafka_port),
+        "MEMFILTER_REDIS_PORT": str(redis_port),
+    }
+
+    def compose(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*TOOLS[tool], "-p", project, "-f", str(REPO / "docker-compose.yml"), *args],
+            env=env, capture_output=True, text=True, timeout=300,
+        )
+
+    client = docker.from_env()
+
+    def containers() -> dict[str, docker.models.containers.Container]:
+        found = client.containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"})
+        return {c.labels["com.docker.compose.service"]: c for c in found}
+
+    try:
+        up = compose("up", "-d")
+        assert up.returncode == 0, up.stderr
+        deadline = time.monotonic() + 180
+        while not all_ready(containers()):
+            assert time.monotonic() < deadline, {name: state(c) for name, c in containers().items()}
+            time.sleep(1)
+        running = containers()
+        assert running.keys() == SERVICES
+
+        bootstrap = f"127.0.0.1:{kafka_port}"
+        published = subprocess.run(
+            [str(REPO / ".venv" / "bin" / "memfilter"), "publish", str(SAMPLE)],
+            env={**env, "KAFKA_BOOTSTRAP_SERVERS": bootstrap}, capture_output=True, text=True, timeout=120,
+        )
+        assert published.returncode == 0, published.stderr
+        requests = [json.loads(line)["requestId"] for line in SAMPLE.read_text().splitlines()]
+        records = asyncio.run(
+            read(bootstrap, ["filtered-inputs", "persist-messages"], until=lambda recs: len(replies(recs)) >= len(requests))
+        )
+        filtered = [json.loads(r.value)["requestId"] for r in records if r.topic == "filtered-inputs"]
+        assert filtered == requests  # one partition (the thread's), in the order sent
+        assert replies(records) == [f"{r}/reply" for r in requests]  # the agent runner answered each, through persist-messages
+
+        assert reaches(running["worker-1"], [("kafka", 19092), ("redis", 6379), beyond_the_machine()]) == {
+            "kafka": True, "redis": True, beyond_the_machine()[0]: False,
+        }
+        for service in ("kafka", "redis", "worker-1", "agent"):
+            assert {b["HostIp"] for bindings in running[service].ports.values() if bindings for b in bindings} == {"127.0.0.1"}
+    finally:
+        down = compose("down", "-v")
+    assert down.returncode == 0, down.stderr
+    assert not containers()
+    assert not client.networks.list(filters={"label": f"com.docker.compose.project={project}"})
+
+
+def replies(records) -> list[str]:
+    """The agent runner's saves, by request id (`<request>/reply`)."""
+    saves = (json.loads(r.value)["requestId"] for r in records if r.topic == "persist-messages")
+    return [request for request in saves if request.endswith("/reply")]
+
+
+def state(container) -> str:
+    container.reload()
+    health = container.attrs["State"].get("Health")
+    return f"{container.status} {container.attrs['State']['ExitCode']}" if health is None else health["Status"]
+
+
+def all_ready(found: dict) -> bool:
+    """Every service healthy, and the topics made (their container exited 0)."""
+    if found.keys() != SERVICES:
+        return False
+    return all(state(c) == ("exited 0" if name == "topics" else "healthy") for name, c in found.items())
