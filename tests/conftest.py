@@ -6,6 +6,11 @@ Otherwise the session starts the project's own stack (`memfilter stack up`) in
 `MEMFILTER_*_PORT` settings), so a developer's `.stack/` on the default ports is left alone,
 and stops it at the end if it started it.
 
+`MEMFILTER_TEST_BACKEND=containers` runs the tests marked `containers` on containers instead
+(`tests/containers.py`: Kafka, Redis and the workers from the images `deploy/images.sh`
+builds, through testcontainers, on a network made for the session); the others are deselected.
+The default, `processes`, runs every test on the process stack above.
+
 Tests of the replicated stack (`cluster_services`) start `memfilter stack up --brokers 3
 --redis-cluster` in `.stack/cluster-tests/`: brokers on 29092, 29094, 29096 (controllers one
 above each), Redis Cluster nodes on 17001-17006.
@@ -23,6 +28,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+BACKENDS = ("processes", "containers")
+BACKEND = os.environ.get("MEMFILTER_TEST_BACKEND", "processes")
+if BACKEND not in BACKENDS:
+    raise pytest.UsageError(f"MEMFILTER_TEST_BACKEND={BACKEND!r} is not a test backend; use one of {', '.join(BACKENDS)}")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "containers: runs on the container backend too (MEMFILTER_TEST_BACKEND=containers)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """On the container backend, only the tests marked `containers`."""
+    if BACKEND == "containers":
+        others = [item for item in items if item.get_closest_marker("containers") is None]
+        if others:
+            config.hook.pytest_deselected(items=others)
+            items[:] = [item for item in items if item.get_closest_marker("containers") is not None]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -45,12 +67,13 @@ class Services:
     redis_url: str
     stack_dir: Path | None  # None when the services were given, not started here
     settings: dict[str, str] = field(default_factory=dict)  # what else the stack exports for workers (MEMFILTER_REDIS_REPLICAS)
+    containers: object | None = None  # the container backend's ContainerStack, whose workers are containers
 
     def pipeline(self):
         """A `Pipeline` on these services (see `pipeline`)."""
         from pipeline import Pipeline
 
-        return Pipeline(self.bootstrap, self.redis_url, settings=self.settings)
+        return Pipeline(self.bootstrap, self.redis_url, settings=self.settings, containers=self.containers)
 
 
 def stack_env(**overrides: str) -> dict[str, str]:
@@ -81,6 +104,14 @@ def pipeline(services):
 
 @pytest.fixture(scope="session")
 def services():
+    if BACKEND == "containers":
+        from containers import ContainerStack
+        from pipeline import free_port
+
+        stack = ContainerStack(free_port()).start()
+        yield Services(stack.bootstrap, stack.redis_url, None, containers=stack)
+        stack.stop()
+        return
     given = os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), os.environ.get("REDIS_URL")
     if all(given):
         yield Services(given[0], given[1], None)

@@ -2,7 +2,8 @@
 
 Each test gets a `Pipeline`: four topics of its own (8 partitions), a consumer group and a
 Redis key prefix of its own, so tests never see each other's records or rows. Workers are
-real `memfilter worker` processes.
+real `memfilter worker` processes, or containers of the worker image on the container backend
+(`tests/containers.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -26,6 +28,9 @@ from aiokafka.structs import ConsumerRecord
 
 from streams.history import HistoryStore, connect
 from streams.processor import Topics
+
+if TYPE_CHECKING:
+    from containers import ContainerStack
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_LOGS = Path("/tmp")  # a worker's output: memfilter-test-<pipeline>-worker<n>.log
@@ -55,6 +60,7 @@ class Pipeline:
     workers: list[subprocess.Popen] = field(default_factory=list)  # and agent runners
     secret: bytes = field(default_factory=lambda: uuid.uuid4().hex.encode())  # the pipeline's MEMFILTER_SECRET
     settings: dict[str, str] = field(default_factory=dict)  # further settings of its workers (the stack's)
+    containers: ContainerStack | None = None  # on the container backend: workers are containers on it
 
     @property
     def topics(self) -> Topics:
@@ -65,9 +71,12 @@ class Pipeline:
         return f"test-{self.name}"
 
     def env(self, **extra: str) -> dict[str, str]:
+        """A worker process's or a command's environment: this one's, the pipeline's settings on top."""
+        return {**os.environ, **self.settings_env(**extra)}
+
+    def settings_env(self, **extra: str) -> dict[str, str]:
         t = self.topics
         return {
-            **os.environ,
             "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap,
             "REDIS_URL": self.redis_url,
             "MEMFILTER_GROUP": f"memfilter-{self.name}",
@@ -111,9 +120,14 @@ class Pipeline:
         return self._start("agent", log, {"MEMFILTER_AGENT_GROUP": f"agent-{self.name}", **extra_env})
 
     def _start(self, command: str, log_path: Path, extra_env: dict[str, str]) -> subprocess.Popen:
+        loglevel = os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")
+        if self.containers:
+            worker = self.containers.worker([command, "--loglevel", loglevel], self.settings_env(MEMFILTER_DATA_DIR="/tmp/memfilter", **extra_env), log_path)
+            self.workers.append(worker)
+            return worker
         port = free_port()
         process = subprocess.Popen(
-            [sys.executable, "-m", "streams", command, "--web-port", str(port), "--loglevel", os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")],
+            [sys.executable, "-m", "streams", command, "--web-port", str(port), "--loglevel", loglevel],
             env=self.env(**extra_env),
             cwd=REPO,
             stdout=open(log_path, "ab"),

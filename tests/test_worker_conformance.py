@@ -8,7 +8,8 @@ to persist, or the dead letter with the same error type. Cases that set the cont
 (`historyMessages`) go to a worker with that MEMFILTER_HISTORY_MESSAGES, and so for `edits`
 (MEMFILTER_EDITS); a case's `superseded` rows are superseded in Redis first, as a regenerate
 would have left them. Each case gets thread and message ids of its own (`c<i>-<id>`). All of it twice: on the
-single-node stack and on three brokers with a Redis Cluster (`cluster_services`).
+single-node stack and on three brokers with a Redis Cluster (`cluster_services`); on the
+container backend, once, with Kafka, Redis and the worker in containers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections import defaultdict
 import msgspec
 import pytest
 
+from conftest import BACKEND
 from pipeline import Pipeline, header, publish, read
 from test_conformance import CASES
 from streams.explain import explain
@@ -97,12 +99,16 @@ def run_cases(services, cases: list[dict], history: int, edits: str) -> tuple:
         pipeline.stop_all()
 
 
-@pytest.fixture(scope="module", params=["one-broker-one-redis", "3-brokers-redis-cluster"])
+pytestmark = pytest.mark.containers
+STACKS = ["one-broker-one-redis", "3-brokers-redis-cluster"] if BACKEND == "processes" else ["containers"]
+
+
+@pytest.fixture(scope="module", params=STACKS)
 def outputs(request):
     """Every case against a worker, one worker per context size and edits setting the cases
     ask for; the worker's records and explain's answers. On the single-node stack, and on the
     replicated one (three brokers, a Redis Cluster, writes on a replica before each commit)."""
-    services = request.getfixturevalue("services" if request.param.startswith("one") else "cluster_services")
+    services = request.getfixturevalue("cluster_services" if request.param.startswith("3-brokers") else "services")
     cases = [renamed(c["case"], f"c{i}-") for i, c in enumerate(CASES)]
     expected: list = [None] * len(cases)
     by_key = defaultdict(dict)

@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections import defaultdict
 
+import pytest
 
 from pipeline import Collector, Pipeline, free_port, publish
 
@@ -122,8 +123,10 @@ def test_two_workers_keep_per_thread_order_and_each_request_sees_the_previous_on
     asyncio.run(check_redis(pipeline))
 
 
+@pytest.mark.containers
 def test_workers_killed_mid_stream_lose_nothing_and_change_nothing(pipeline):
-    """SIGKILL one worker a third of the way, restart it; kill the other at two thirds.
+    """SIGKILL one worker a third of the way, restart it; kill the other at two thirds (on
+    the container backend: SIGKILL to the worker's container, and a new container).
     A consumer reading everything may see an event again (sent in a transaction the crash left
     open, aborted when a worker takes up the partitions), byte-identical; a `read_committed`
     consumer sees every event exactly once."""
