@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 COMPOSE_VERSION=v2.40.3
+mkdir -p build  # the logs of what this runs
 
 missing=()
 command -v dockerd > /dev/null || missing+=(docker.io)
@@ -16,13 +17,12 @@ command -v debootstrap > /dev/null || missing+=(debootstrap)
 if [ ${#missing[@]} -gt 0 ]; then
   [ "$(id -u)" = 0 ] || { echo "docker: ${missing[*]} missing; install them as root: apt-get install ${missing[*]}" >&2; exit 1; }
   echo "docker: installing ${missing[*]} (Debian)"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" > /dev/null
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive NEEDRESTART_SUSPEND=1 apt-get install -y -qq "${missing[@]}"; } > build/apt.log 2>&1 \
+    || { tail -n 5 build/apt.log >&2; exit 1; }
 fi
 
 if ! docker info > /dev/null 2>&1; then
   echo "docker: starting dockerd"
-  mkdir -p build
   setsid dockerd > build/dockerd.log 2>&1 < /dev/null &
   for _ in $(seq 60); do docker info > /dev/null 2>&1 && break; sleep 0.5; done
   docker info > /dev/null 2>&1 || { echo "docker: dockerd did not start; see build/dockerd.log" >&2; exit 1; }
@@ -33,5 +33,5 @@ if ! docker compose version > /dev/null 2>&1; then
   src=$(go mod download -json "github.com/docker/compose/v2@$COMPOSE_VERSION" | sed -n 's/.*"Dir": "\(.*\)",/\1/p')
   mkdir -p /usr/local/lib/docker/cli-plugins
   (cd "$src" && go build -trimpath -ldflags "-X github.com/docker/compose/v2/internal.Version=$COMPOSE_VERSION" \
-    -o /usr/local/lib/docker/cli-plugins/docker-compose ./cmd)
+    -o /usr/local/lib/docker/cli-plugins/docker-compose ./cmd) > build/compose-build.log 2>&1 || { tail -n 5 build/compose-build.log >&2; exit 1; }
 fi

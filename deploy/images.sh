@@ -54,7 +54,7 @@ if ! cmp -s streams/kafka-pom.xml "$cache/kafka/kafka-pom.xml"; then
   echo "images: the Kafka jars (Maven Central)"
   rm -rf "$cache/kafka"
   mvn -B -f streams/kafka-pom.xml dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$PWD/$cache/kafka/libs" \
-    > "$cache/maven.log" || { grep ERROR "$cache/maven.log" >&2; exit 1; }
+    > "$cache/maven.log" 2>&1 || { grep ERROR "$cache/maven.log" >&2; exit 1; }
   cp streams/kafka-pom.xml "$cache/kafka/"
 fi
 cp deploy/images/kafka-start.sh "$cache/kafka/"
