@@ -24,8 +24,12 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from containers import ContainerStack
 
 REPO = Path(__file__).resolve().parent.parent
 BACKENDS = ("processes", "containers")
@@ -67,7 +71,7 @@ class Services:
     redis_url: str
     stack_dir: Path | None  # None when the services were given, not started here
     settings: dict[str, str] = field(default_factory=dict)  # what else the stack exports for workers (MEMFILTER_REDIS_REPLICAS)
-    containers: object | None = None  # the container backend's ContainerStack, whose workers are containers
+    containers: ContainerStack | None = None  # on the container backend: its workers are containers
 
     def pipeline(self):
         """A `Pipeline` on these services (see `pipeline`)."""

@@ -28,6 +28,9 @@ from streams.explain import explain
 from streams.filter import HISTORY_MESSAGES, parse_ms
 from streams.history import Save
 
+pytestmark = pytest.mark.containers
+STACKS = ["one-broker-one-redis", "3-brokers-redis-cluster"] if BACKEND == "processes" else ["containers"]
+
 
 def renamed(value, prefix: str):
     """The case with every thread and message id prefixed, so each case has its own."""
@@ -97,10 +100,6 @@ def run_cases(services, cases: list[dict], history: int, edits: str) -> tuple:
         return pipeline.topics, expected, asyncio.run(run())
     finally:
         pipeline.stop_all()
-
-
-pytestmark = pytest.mark.containers
-STACKS = ["one-broker-one-redis", "3-brokers-redis-cluster"] if BACKEND == "processes" else ["containers"]
 
 
 @pytest.fixture(scope="module", params=STACKS)
