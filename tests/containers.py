@@ -20,6 +20,7 @@ from pathlib import Path
 
 os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")  # its reaper image cannot be pulled here; `stop` removes what this starts
 
+import docker  # noqa: E402
 import redis  # noqa: E402
 import requests  # noqa: E402
 import yaml  # noqa: E402
@@ -68,8 +69,13 @@ class WorkerContainer:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
+        """As Popen's: nothing once it has exited (also when it exits just before the signal)."""
         if self.poll() is None:
-            self.container.get_wrapped_container().kill(signal=signal.Signals(sig).name)
+            try:
+                self.container.get_wrapped_container().kill(signal=signal.Signals(sig).name)
+            except docker.errors.APIError:
+                if self.poll() is None:
+                    raise
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
