@@ -54,11 +54,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed test's report ends with the last lines of every worker log written while it
-    ran: the workers are processes of their own, and on CI their logs are not kept."""
+    ran: the workers are processes (or containers) of their own, and on CI their logs are not kept."""
     from pipeline import WORKER_LOGS
 
     report = (yield).get_result()
     if report.failed:
+        if BACKEND == "containers":
+            from containers import save_logs
+
+            save_logs()
         for log in sorted(WORKER_LOGS.glob("memfilter-test-*-worker*.log")):
             if log.stat().st_mtime >= call.start:
                 tail = log.read_text(errors="replace").splitlines()[-20:]

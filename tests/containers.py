@@ -43,13 +43,18 @@ def published(container: DockerContainer, port: int) -> int:
 
 class WorkerContainer:
     """A `memfilter worker` (or `agent`) container, handled like a process: signals, exit
-    code; its output is written to `log_path` when it has exited, and then it is removed."""
+    code; its output is written to `log_path` when it has exited (or a test fails: see
+    `save_logs`), and then it is removed."""
 
     def __init__(self, container: DockerContainer, log_path: Path):
         self.container = container
         self.log_path = log_path
         self.returncode: int | None = None
         self.web_port = published(container, WEB_PORT)
+        RUNNING.add(self)
+
+    def save_log(self) -> None:
+        self.log_path.write_bytes(self.container.get_wrapped_container().logs())
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -84,9 +89,20 @@ class WorkerContainer:
         self.send_signal(signal.SIGKILL)
 
     def _finished(self, code: int) -> None:
-        self.log_path.write_bytes(self.container.get_wrapped_container().logs())
+        self.save_log()
         self.container.stop()
         self.returncode = code
+        RUNNING.discard(self)
+
+
+RUNNING: set[WorkerContainer] = set()
+
+
+def save_logs() -> None:
+    """Every running worker container's output so far, to its log file (for a failed test's
+    report, made while they still run)."""
+    for worker in RUNNING:
+        worker.save_log()
 
 
 class ContainerStack:
