@@ -9,7 +9,7 @@
 # Where a registry is reachable, the same files build on the official bases instead:
 #   MEMFILTER_IMAGE_BASE=debian:bookworm-slim MEMFILTER_IMAGE_PYTHON=python:3.11-slim deploy/images.sh
 # Images already built are kept (Docker's cache): a second run takes seconds. `--from-nothing`
-# removes the images and the cached root file system first. Prints how long the build took.
+# removes these images and build/images (the collected jars) first. Prints how long it took.
 # Needs a running Docker engine (deploy/docker.sh starts one) and, for the local base, root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,6 @@ build() {  # build TAG ARGS...: one image, quietly but for errors (not the class
 
 if [ "${1:-}" = "--from-nothing" ]; then
   docker image rm -f memfilter/worker memfilter/kafka memfilter/redis memfilter/python:3.11 memfilter/debian:bookworm > /dev/null 2>&1 || true
-  docker image prune -f > /dev/null
   rm -rf "$cache"
 fi
 mkdir -p "$cache"
