@@ -47,12 +47,12 @@ if [ "$python" = memfilter/python:3.11 ]; then
   build "$python" --build-arg BASE="$base" -f deploy/images/python.Dockerfile deploy/images
 fi
 
-# The Kafka jars, collected by Maven as `memfilter stack up` does, are the Kafka image's context
-# (collected again when streams/kafka-pom.xml changes).
+# The Kafka jars, collected by Maven as `memfilter stack up` does (with its MEMFILTER_MAVEN_SETTINGS),
+# are the Kafka image's context (collected again when streams/kafka-pom.xml changes).
 if ! cmp -s streams/kafka-pom.xml "$cache/kafka/kafka-pom.xml"; then
   echo "images: the Kafka jars (Maven Central)"
   rm -rf "$cache/kafka"
-  mvn -B -f streams/kafka-pom.xml dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$PWD/$cache/kafka/libs" \
+  mvn -B ${MEMFILTER_MAVEN_SETTINGS:+-s "$MEMFILTER_MAVEN_SETTINGS"} -f streams/kafka-pom.xml dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$PWD/$cache/kafka/libs" \
     > "$cache/maven.log" 2>&1 || { grep ERROR "$cache/maven.log" >&2; exit 1; }
   cp streams/kafka-pom.xml "$cache/kafka/"
 fi

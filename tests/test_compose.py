@@ -58,20 +58,20 @@ def reaches(container, targets: list[tuple[str, int]]) -> dict[str, bool]:
 def test_a_container_on_dockers_default_network_reaches_past_the_machine():
     """The control for the tests below: without their networks' options, the same address is
     reached."""
-    out = docker.from_env().containers.run(
-        "memfilter/worker", ["python3", "-c", REACH, json.dumps([beyond_the_machine()])], remove=True
-    )
-    assert json.loads(out) == {beyond_the_machine()[0]: True}
+    far = beyond_the_machine()
+    out = docker.from_env().containers.run("memfilter/worker", ["python3", "-c", REACH, json.dumps([far])], remove=True)
+    assert json.loads(out) == {far[0]: True}
 
 
 def test_the_container_backends_network_reaches_no_further_than_its_containers_and_publishes_on_loopback():
+    far = beyond_the_machine()
     with Network(docker_network_kw={"options": NETWORK_OPTIONS}) as network:
         peer = DockerContainer("memfilter/redis").with_network(network).with_network_aliases("peer").with_exposed_ports(6379)
         with peer:
             client = docker.from_env()
             container = client.containers.run("memfilter/worker", ["sleep", "60"], network=network.name, detach=True)
             try:
-                assert reaches(container, [("peer", 6379), beyond_the_machine()]) == {"peer": True, beyond_the_machine()[0]: False}
+                assert reaches(container, [("peer", 6379), far]) == {"peer": True, far[0]: False}
             finally:
                 container.remove(force=True)
             peer.get_wrapped_container().reload()
@@ -128,9 +128,8 @@ def test_compose_brings_up_the_product_it_answers_the_sample_session_and_goes_aw
         assert filtered == requests  # one partition (the thread's), in the order sent
         assert replies(records) == [f"{r}/reply" for r in requests]  # the agent runner answered each, through persist-messages
 
-        assert reaches(running["worker-1"], [("kafka", 19092), ("redis", 6379), beyond_the_machine()]) == {
-            "kafka": True, "redis": True, beyond_the_machine()[0]: False,
-        }
+        far = beyond_the_machine()
+        assert reaches(running["worker-1"], [("kafka", 19092), ("redis", 6379), far]) == {"kafka": True, "redis": True, far[0]: False}
         for service in ("kafka", "redis", "worker-1", "agent"):
             assert {b["HostIp"] for bindings in running[service].ports.values() if bindings for b in bindings} == {"127.0.0.1"}
     finally:
