@@ -5,13 +5,16 @@
 ARG PYTHON=python:3.11-slim
 FROM ${PYTHON}
 WORKDIR /app
-# The dependencies first, from pyproject.toml alone, so a change to the code rebuilds only the last step.
-COPY pyproject.toml README.md ./
-RUN mkdir schemas streams && touch schemas/__init__.py streams/__init__.py && python3 -m venv /opt/memfilter \
-    && /opt/memfilter/bin/pip install --no-cache-dir --disable-pip-version-check -q . && rm -r schemas streams
+# The dependencies first, from pyproject.toml and the constraints alone, so a change to the code
+# rebuilds only the last step.
+COPY pyproject.toml deploy/constraints.txt ./
+RUN python3 -m venv /opt/memfilter && python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+    extras = p['optional-dependencies']; print('\\n'.join(d for d in p['dependencies'] + extras['worker'] + extras['agent'] if not d.startswith('memfilter')))" > requirements.txt \
+    && /opt/memfilter/bin/pip install --no-cache-dir --disable-pip-version-check -q -c constraints.txt -r requirements.txt
+COPY README.md ./
 COPY schemas ./schemas
 COPY streams ./streams
-RUN /opt/memfilter/bin/pip install --no-cache-dir --disable-pip-version-check -q --no-deps --force-reinstall .
+RUN /opt/memfilter/bin/pip install --no-cache-dir --disable-pip-version-check -q --no-deps '.[agent]'
 ENV PATH=/opt/memfilter/bin:$PATH
 USER nobody
 # Settings come from the environment (README: settings); the web server serves

@@ -21,9 +21,9 @@ import time
 import msgspec
 
 from benchmarks.sample_threads import echo_of, stored_thread
-from schemas.wire import FilteredInput, PersistMessages, Source
-from streams.filter import StoredView, decide, decode_request, lookup_ids
-from streams.ui import to_ui
+from memfilter.core.filter import StoredView, decide, decode_request, lookup_ids
+from memfilter.core.ui import to_ui
+from memfilter.schemas.wire import FilteredInput, PersistMessages, Source
 
 THREAD, RESOURCE = "t-bench", "r-bench"
 

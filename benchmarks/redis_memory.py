@@ -110,7 +110,7 @@ async def soak(args, bootstrap: str, redis_url: str, topics: dict[str, str], pre
     await publish(bootstrap, topics["requests"], requests(args.threads, args.turns))
     print(f"workload: {total:,} requests, {args.threads:,} threads of {args.turns} turns, one new user message each")
     env = worker_env(bootstrap, redis_url, topics, prefix)
-    worker = subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(free_port())], env=env, cwd=REPO,
+    worker = subprocess.Popen([sys.executable, "-m", "memfilter", "worker", "--web-port", str(free_port())], env=env, cwd=REPO,
                               stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
     client = aioredis.from_url(redis_url)
     header = f"{'requests':>9} {'used_memory':>12} " + " ".join(f"{k:>8}" for k in KINDS) + f" {'row JSON':>8} {'not rows: keys':>14} {'used':>5}"

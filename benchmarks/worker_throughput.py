@@ -38,8 +38,8 @@ import asyncio
 import contextlib
 import gc
 import os
-import secrets
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -55,8 +55,9 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.sample_threads import echo_of, stored_thread
-from streams.filter import parse_ms
-from streams.history import HistoryStore, Save, connect
+from memfilter.core.filter import parse_ms
+from memfilter.store.history import HistoryStore, Save
+from memfilter.store.redis_driver import connect
 
 REPO = Path(__file__).resolve().parent.parent
 T0 = 1772366400000
@@ -190,7 +191,7 @@ async def baseline(bootstrap: str, source: str, sink: str, n: int) -> tuple[floa
         while done < n:
             batch = await consumer.getmany(timeout_ms=1000, max_records=2000)
             pending = []
-            for tp, records in batch.items():
+            for _tp, records in batch.items():
                 for r in records:
                     if start is None:
                         start, cpu = time.monotonic(), time.process_time()
@@ -425,13 +426,13 @@ async def run_worker(args, bootstrap, redis_url, topics, prefix, history, n_requ
     ports = [free_port() for _ in range(count)]
     env = worker_env(bootstrap, redis_url, {**topics, **{f"{k}{history}": topics[f"{k}{variant}"] for k in ("filtered", "persist", "dlq")}},
                      prefix, history, replicas)
-    workers = [subprocess.Popen([sys.executable, "-m", "streams", "worker", "--web-port", str(port)], env=env, cwd=REPO,
+    workers = [subprocess.Popen([sys.executable, "-m", "memfilter", "worker", "--web-port", str(port)], env=env, cwd=REPO,
                                 stdout=open(f"/tmp/{prefix}-worker{i}.log", "wb"), stderr=subprocess.STDOUT) for i, port in enumerate(ports)]
     try:
-        rss, tenths, cpu, machine, services, profiler, sizes = [], [], [], [], [], [], [0]
+        rss, tenths, cpu, machine, services, profiler, sizes, seen = [], [], [], [], [], [], [0], [0]
         worker = workers[0]
 
-        def note_start(record, seen=[0]):
+        def note_start(record):
             seen[0] += 1
             sizes[0] += len(record.value)
             if seen[0] == 1:

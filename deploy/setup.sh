@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Installs what the product, its tests and its benchmarks need into .venv (Python packages from PyPI).
-# Kafka's jars (Maven Central) and Redis (Debian's redis-server) come with `memfilter stack up`.
+# Installs what the product, its tests and its benchmarks need into .venv (Python packages from
+# PyPI, at the versions deploy/constraints.txt pins). Kafka's jars (Maven Central) and Redis
+# (Debian's redis-server) come with `memfilter stack up`.
 # Needs: python3 >= 3.11, and for the stack Java 17+ and Maven.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,bench]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -c deploy/constraints.txt -e '.[dev]'

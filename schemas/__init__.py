@@ -1,6 +1,6 @@
 """Wire types of the product's topics (see `wire.py`) and their generated JSON Schemas."""
 
-from schemas.wire import (
+from memfilter.schemas.wire import (
     ChatRequest,
     ChatRequestOf,
     Dropped,

@@ -1,9 +1,9 @@
-"""`python -m schemas` writes one JSON Schema per topic value beside this file."""
+"""`python -m memfilter.schemas` writes one JSON Schema per topic value beside this file."""
 
 import json
 from pathlib import Path
 
-from schemas.wire import json_schemas
+from memfilter.schemas.wire import json_schemas
 
 HERE = Path(__file__).parent
 

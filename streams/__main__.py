@@ -1,3 +1,3 @@
-from streams.cli import main
+from memfilter.cli import main
 
 raise SystemExit(main())

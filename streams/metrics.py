@@ -21,6 +21,7 @@ The agent runner's (`memfilter agent`, `AgentMetrics`):
 | `memfilter_agent_inputs_total{result}` | counter | filtered inputs handled: `answered`, `no-reply` (the context asks for none), `dead-letter` |
 | `memfilter_agent_outputs_total{kind}` | counter | records committed: `reply` (persist-messages events), `dead-letter` |
 | `memfilter_agent_model_seconds` | histogram | one model call, retries included |
+| `memfilter_consumer_lag{topic,partition}` | gauge | as the worker's, for `filtered-inputs` |
 | `memfilter_assigned_partitions` | gauge | partitions of `filtered-inputs` this runner holds |
 
 Both add the Prometheus client's standard collectors: `process_*` (CPU, resident memory,
@@ -52,7 +53,17 @@ class _Registry:
         return self.registry.get_sample_value(name, labels) or 0.0
 
 
-class Metrics(_Registry):
+class LoopMetrics(_Registry):
+    """What every transactional task loop reports (`memfilter.runtime.loop`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.lag = Gauge("memfilter_consumer_lag", "Records not yet consumed", ["topic", "partition"], registry=r)
+        self.assigned = Gauge("memfilter_assigned_partitions", "Partitions this process holds", registry=r)
+
+
+class Metrics(LoopMetrics):
     def __init__(self) -> None:
         super().__init__()
         r = self.registry
@@ -65,15 +76,12 @@ class Metrics(_Registry):
         )
         self.batch_size = Histogram("memfilter_batch_size", "Records per batch", buckets=_BATCH_BUCKETS, registry=r)
         self.round_trips = Counter("memfilter_redis_round_trips", "Pipelined Redis round trips", registry=r)
-        self.lag = Gauge("memfilter_consumer_lag", "Records not yet consumed", ["topic", "partition"], registry=r)
-        self.assigned = Gauge("memfilter_assigned_partitions", "Partitions this worker holds", registry=r)
 
 
-class AgentMetrics(_Registry):
+class AgentMetrics(LoopMetrics):
     def __init__(self) -> None:
         super().__init__()
         r = self.registry
         self.inputs = Counter("memfilter_agent_inputs", "Filtered inputs handled, by result", ["result"], registry=r)
         self.outputs = Counter("memfilter_agent_outputs", "Records committed, by kind", ["kind"], registry=r)
         self.model_seconds = Histogram("memfilter_agent_model_seconds", "One model call", buckets=_LATENCY_BUCKETS, registry=r)
-        self.assigned = Gauge("memfilter_assigned_partitions", "Partitions this runner holds", registry=r)

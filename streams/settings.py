@@ -1,14 +1,17 @@
-"""Every setting of the product, from the environment: one typed object, checked when made.
+"""Every setting of the product, from the environment: typed parts, checked when made.
 
-Each environment variable in the README's settings table is one field of `Settings`, with its
-type, bounds and default. `Settings.from_env()` converts and checks them all with msgspec (the
-same library that checks the wire types), so a bad value stops a command before it starts,
-with one line that names the variable and what it takes:
+Each environment variable in `docs/settings.md` is one field of one part: where to reach Kafka
+(`Kafka`) and Redis (`Redis`), the topics' names (`Topics`), how requests are decided
+(`Decisions`, which makes the filter's `Policy`), and what only the worker (`Worker`), the
+agent runner (`Agent`) or `memfilter stack` (`Stack`) reads. `Settings.from_env()` converts
+and checks them all with msgspec (the same library that checks the wire types), so a bad value
+stops a command before it starts, with one line that names the variable and what it takes:
 
     MEMFILTER_MAX_MESSAGES='abc' is not valid: expected `int`, got `str`
 
 Every command reads its settings here and nowhere else; nothing else in the environment
-changes what the product does.
+changes what the product does. Topic names are set here alone: the worker, the agent runner,
+the client and `memfilter stack up` (which makes them) all take `Settings.topics`.
 """
 
 from __future__ import annotations
@@ -17,63 +20,23 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
-from streams.filter import HISTORY_MESSAGES, Limits
-from streams.history import CLUSTER_SCHEMES, PROCESSED_TTL_S, RETRY_WINDOW
-from streams.processor import Topics
+from memfilter.core.filter import HISTORY_MESSAGES, Limits, Policy
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Positive = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(gt=0)]
 
-# Field -> environment variable. The field names are what the code reads.
-VARIABLES = {
-    "bootstrap": "KAFKA_BOOTSTRAP_SERVERS",
-    "redis_url": "REDIS_URL",
-    "group": "MEMFILTER_GROUP",
-    "redis_prefix": "MEMFILTER_REDIS_PREFIX",
-    "redis_replicas": "MEMFILTER_REDIS_REPLICAS",
-    "redis_replica_timeout": "MEMFILTER_REDIS_REPLICA_TIMEOUT",
-    "topic_requests": "MEMFILTER_TOPIC_REQUESTS",
-    "topic_filtered": "MEMFILTER_TOPIC_FILTERED",
-    "topic_persist": "MEMFILTER_TOPIC_PERSIST",
-    "topic_dlq": "MEMFILTER_TOPIC_DLQ",
-    "max_bytes": "MEMFILTER_MAX_BYTES",
-    "max_messages": "MEMFILTER_MAX_MESSAGES",
-    "batch_max": "MEMFILTER_BATCH_MAX",
-    "batch_within": "MEMFILTER_BATCH_WITHIN",
-    "session_timeout": "MEMFILTER_SESSION_TIMEOUT",
-    "processed_ttl": "MEMFILTER_PROCESSED_TTL",
-    "retry_window": "MEMFILTER_RETRY_WINDOW",
-    "history_messages": "MEMFILTER_HISTORY_MESSAGES",
-    "edits": "MEMFILTER_EDITS",
-    "secret_text": "MEMFILTER_SECRET",
-    "web_port": "MEMFILTER_WEB_PORT",
-    "web_bind": "MEMFILTER_WEB_BIND",
-    "data_dir": "MEMFILTER_DATA_DIR",
-    "stack_dir": "MEMFILTER_STACK_DIR",
-    "kafka_port": "MEMFILTER_KAFKA_PORT",
-    "controller_port": "MEMFILTER_CONTROLLER_PORT",
-    "redis_port": "MEMFILTER_REDIS_PORT",
-    "partitions": "MEMFILTER_PARTITIONS",
-    "maven_settings": "MEMFILTER_MAVEN_SETTINGS",
-    "agent_group": "MEMFILTER_AGENT_GROUP",
-    "agent_backend": "MEMFILTER_AGENT_BACKEND",
-    "agent_model": "MEMFILTER_AGENT_MODEL",
-    "agent_base_url": "MEMFILTER_AGENT_BASE_URL",
-    "agent_web_port": "MEMFILTER_AGENT_WEB_PORT",
-    "openai_api_key": "OPENAI_API_KEY",
-}
-
-# Read by `memfilter agent` only
-AGENT_VARIABLES = {"MEMFILTER_AGENT_GROUP", "MEMFILTER_AGENT_BACKEND", "MEMFILTER_AGENT_MODEL", "MEMFILTER_AGENT_BASE_URL", "MEMFILTER_AGENT_WEB_PORT", "OPENAI_API_KEY"}
-# Read by `memfilter stack` only
-STACK_VARIABLES = {"MEMFILTER_STACK_DIR", "MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT", "MEMFILTER_PARTITIONS", "MEMFILTER_MAVEN_SETTINGS"}
-
+# Defaults the store's layout relies on (docs/capacity.md): how long a processed request is
+# kept for retries, and how many of a thread's last requests are retry-checked.
+PROCESSED_TTL_S = 7 * 24 * 3600
+RETRY_WINDOW = 8
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 _BOOTSTRAP = re.compile(r"^[^\s,:]+:\d{1,5}(,[^\s,:]+:\d{1,5})*$")
 
 
@@ -81,82 +44,147 @@ class SettingError(ValueError):
     """A setting that will not do: one line naming the variable and the fix."""
 
 
-class Settings(msgspec.Struct, frozen=True, rename=VARIABLES):
-    # Kafka and Redis: every command
+class Kafka(msgspec.Struct, frozen=True, rename={"bootstrap": "KAFKA_BOOTSTRAP_SERVERS", "batch_max": "MEMFILTER_BATCH_MAX",
+                                                 "batch_within": "MEMFILTER_BATCH_WITHIN", "session_timeout": "MEMFILTER_SESSION_TIMEOUT"}):
+    """Where Kafka is, and how the consumer groups (worker and agent runner) fetch."""
+
     bootstrap: str = "127.0.0.1:9092"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    topic_requests: str = "chat-requests"
-    topic_filtered: str = "filtered-inputs"
-    topic_persist: str = "persist-messages"
-    topic_dlq: str = "chat-requests-dlq"
-    redis_prefix: str = "mf"
-    # a batch commits to Kafka only once its Redis writes are on this many replicas (WAIT)
-    redis_replicas: Annotated[int, Meta(ge=0, le=5)] = 0
-    redis_replica_timeout: Annotated[float, Meta(gt=0, le=5)] = 1.0  # seconds WAIT waits; then the batch is handled again
-    # the worker
-    group: str = "memfilter"  # the Faust app id, and so the consumer group
-    max_bytes: Positive = 1 << 20
-    max_messages: Positive = 1000
     batch_max: Positive = 1500  # records fetched and handled together
     batch_within: Annotated[float, Meta(ge=0)] = 0.05  # seconds a fetch waits to fill a batch
-    session_timeout: Seconds = 10.0  # seconds before a silent worker's partitions go to the others
-    processed_ttl: Positive = PROCESSED_TTL_S  # seconds: a retry later than this after its original is decided again
-    retry_window: Annotated[int, Meta(ge=1, le=1000)] = RETRY_WINDOW  # a thread's last N requests are retry-checked
+    session_timeout: Seconds = 10.0  # seconds before a silent member's partitions go to the others
+
+
+class Redis(msgspec.Struct, frozen=True, rename={"url": "REDIS_URL", "prefix": "MEMFILTER_REDIS_PREFIX", "replicas": "MEMFILTER_REDIS_REPLICAS",
+                                                 "replica_timeout": "MEMFILTER_REDIS_REPLICA_TIMEOUT"}):
+    """Where the history store is."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "mf"
+    # a batch commits to Kafka only once its Redis writes are on this many replicas (WAIT)
+    replicas: Annotated[int, Meta(ge=0, le=5)] = 0
+    replica_timeout: Annotated[float, Meta(gt=0, le=5)] = 1.0  # seconds WAIT waits; then the batch is handled again
+
+
+class Topics(msgspec.Struct, frozen=True, rename={"requests": "MEMFILTER_TOPIC_REQUESTS", "filtered": "MEMFILTER_TOPIC_FILTERED",
+                                                  "persist": "MEMFILTER_TOPIC_PERSIST", "dlq": "MEMFILTER_TOPIC_DLQ"}):
+    """The product's four topics (docs/contracts: what each carries)."""
+
+    requests: str = "chat-requests"
+    filtered: str = "filtered-inputs"
+    persist: str = "persist-messages"
+    dlq: str = "chat-requests-dlq"
+
+    def all(self) -> tuple[str, str, str, str]:
+        return self.requests, self.filtered, self.persist, self.dlq
+
+
+class Decisions(msgspec.Struct, frozen=True, rename={"max_bytes": "MEMFILTER_MAX_BYTES", "max_messages": "MEMFILTER_MAX_MESSAGES",
+                                                     "history_messages": "MEMFILTER_HISTORY_MESSAGES", "edits": "MEMFILTER_EDITS"}):
+    """How requests are decided: made into the filter's `Policy` (`Settings.policy`)."""
+
+    max_bytes: Positive = 1 << 20
+    max_messages: Positive = 1000
     history_messages: Annotated[int, Meta(ge=0, le=1000)] = HISTORY_MESSAGES  # rows of the conversation in each context
     edits: Literal["on", "off"] = "on"  # regenerate and edit supersede rows; off: the stored copy wins (Mastra)
-    secret_text: str = ""  # keys server-assigned message ids and signs the processor's persist events
+
+
+class Worker(msgspec.Struct, frozen=True, rename={"group": "MEMFILTER_GROUP", "processed_ttl": "MEMFILTER_PROCESSED_TTL",
+                                                  "retry_window": "MEMFILTER_RETRY_WINDOW", "web_port": "MEMFILTER_WEB_PORT",
+                                                  "web_bind": "MEMFILTER_WEB_BIND", "data_dir": "MEMFILTER_DATA_DIR"}):
+    """`memfilter worker` (and the commands that read its store: history, replay)."""
+
+    group: str = "memfilter"  # the consumer group, and the Faust app's id
+    processed_ttl: Positive = PROCESSED_TTL_S  # seconds: a retry later than this after its original is decided again
+    retry_window: Annotated[int, Meta(ge=1, le=1000)] = RETRY_WINDOW  # a thread's last N requests are retry-checked
     web_port: Port = 6066
-    web_bind: str = "127.0.0.1"  # 0.0.0.0 in a container
+    web_bind: str = "127.0.0.1"  # 0.0.0.0 in a container; the agent runner's web server binds here too
     data_dir: str = ""  # Faust's data folder; default $TMPDIR/memfilter-<group>
-    # `memfilter stack`
-    stack_dir: str = ""  # default: .stack/ in a checkout, else ~/.local/state/memfilter/stack
+
+
+class Agent(msgspec.Struct, frozen=True, rename={"group": "MEMFILTER_AGENT_GROUP", "backend": "MEMFILTER_AGENT_BACKEND", "model": "MEMFILTER_AGENT_MODEL",
+                                                 "base_url": "MEMFILTER_AGENT_BASE_URL", "web_port": "MEMFILTER_AGENT_WEB_PORT",
+                                                 "openai_api_key": "OPENAI_API_KEY"}):
+    """`memfilter agent`, the reference agent runner."""
+
+    group: str = "memfilter-agent"  # its consumer group on filtered-inputs
+    backend: Literal["echo", "openai"] = "echo"
+    model: str = "gpt-4o-mini"  # for `openai`
+    base_url: str = "https://api.openai.com/v1"  # for `openai`: any OpenAI-compatible endpoint
+    web_port: Port = 6067
+    openai_api_key: str = ""
+
+
+class Stack(msgspec.Struct, frozen=True, rename={"dir": "MEMFILTER_STACK_DIR", "kafka_port": "MEMFILTER_KAFKA_PORT",
+                                                 "controller_port": "MEMFILTER_CONTROLLER_PORT", "redis_port": "MEMFILTER_REDIS_PORT",
+                                                 "partitions": "MEMFILTER_PARTITIONS", "maven_settings": "MEMFILTER_MAVEN_SETTINGS"}):
+    """`memfilter stack`: the local Kafka and Redis."""
+
+    dir: str = ""  # default: .stack/ in a checkout, else ~/.local/state/memfilter/stack
     kafka_port: Port = 9092
     controller_port: Port = 9093
     redis_port: Port = 6379
     partitions: Positive | None = None  # None: 8 for topics `stack up` makes, existing ones as they are
     maven_settings: str = ""
-    # `memfilter agent`
-    agent_group: str = "memfilter-agent"  # its consumer group on filtered-inputs
-    agent_backend: Literal["echo", "openai"] = "echo"
-    agent_model: str = "gpt-4o-mini"  # for `openai`
-    agent_base_url: str = "https://api.openai.com/v1"  # for `openai`: any OpenAI-compatible endpoint
-    agent_web_port: Port = 6067
-    openai_api_key: str = ""
+
+
+PARTS: dict[str, type[msgspec.Struct]] = {
+    "kafka": Kafka, "redis": Redis, "topics": Topics, "decisions": Decisions, "worker": Worker, "agent": Agent, "stack": Stack
+}
+SECRET = "MEMFILTER_SECRET"  # keys server-assigned message ids and signs the processor's persist events
+
+
+def variables(part: type[msgspec.Struct]) -> list[str]:
+    """The environment variables of a part, in field order."""
+    return [f.encode_name for f in msgspec.structs.fields(part)]
+
+
+VARIABLES = [name for part in PARTS.values() for name in variables(part)] + [SECRET]
+
+
+class Settings(msgspec.Struct, frozen=True):
+    kafka: Kafka = Kafka()
+    redis: Redis = Redis()
+    topics: Topics = Topics()
+    decisions: Decisions = Decisions()
+    worker: Worker = Worker()
+    agent: Agent = Agent()
+    stack: Stack = Stack()
+    secret_text: str = ""
 
     @classmethod
-    def from_env(cls, env=os.environ) -> Settings:
+    def from_env(cls, env: Any = os.environ) -> Settings:
         """The settings in `env`; SettingError names the first variable that will not do."""
-        given = {name: env[name] for name in VARIABLES.values() if name in env}
-        try:
-            settings = msgspec.convert(given, cls, strict=False)
-        except msgspec.ValidationError as e:
-            detail, _, where = str(e).partition(" - at `$.")
-            name = where.rstrip("`")
-            raise SettingError(f"{name}={given.get(name)!r} is not valid: {detail[0].lower()}{detail[1:]}") from None
-        if not _BOOTSTRAP.match(settings.bootstrap):
-            raise SettingError(f"KAFKA_BOOTSTRAP_SERVERS={settings.bootstrap!r} is not valid: expected host:port[,host:port...]")
-        if not settings.redis_url.startswith(("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)):
+        parts = {name: _part(part, env) for name, part in PARTS.items()}
+        kafka, redis, worker, stack = parts["kafka"], parts["redis"], parts["worker"], parts["stack"]
+        if not _BOOTSTRAP.match(kafka.bootstrap):
+            raise SettingError(f"KAFKA_BOOTSTRAP_SERVERS={kafka.bootstrap!r} is not valid: expected host:port[,host:port...]")
+        if not redis.url.startswith((*REDIS_SCHEMES, *CLUSTER_SCHEMES)):
             raise SettingError(
-                f"REDIS_URL={settings.redis_url!r} is not valid: expected redis://HOST:PORT/DB (or rediss://, unix://), "
+                f"REDIS_URL={redis.url!r} is not valid: expected redis://HOST:PORT/DB (or rediss://, unix://), "
                 "or redis+cluster://HOST:PORT[,HOST:PORT...] (nodes of a Redis Cluster)"
             )
-        return msgspec.structs.replace(
-            settings,
-            data_dir=settings.data_dir or os.path.join(tempfile.gettempdir(), f"memfilter-{settings.group}"),
-            stack_dir=str(Path(settings.stack_dir or _default_stack_dir()).resolve()),
-        )
+        parts["worker"] = msgspec.structs.replace(worker, data_dir=worker.data_dir or os.path.join(tempfile.gettempdir(), f"memfilter-{worker.group}"))
+        parts["stack"] = msgspec.structs.replace(stack, dir=str(Path(stack.dir or _default_stack_dir()).resolve()))
+        return cls(**parts, secret_text=env.get(SECRET, ""))
 
     @property
-    def topics(self) -> Topics:
-        return Topics(self.topic_requests, self.topic_filtered, self.topic_persist, self.topic_dlq)
-
-    @property
-    def limits(self) -> Limits:
-        return Limits(max_bytes=self.max_bytes, max_messages=self.max_messages)
+    def policy(self) -> Policy:
+        d = self.decisions
+        return Policy(Limits(max_bytes=d.max_bytes, max_messages=d.max_messages), d.history_messages, d.edits == "on")
 
     @property
     def secret(self) -> bytes:
         return self.secret_text.encode()
+
+
+def _part(part: type[msgspec.Struct], env: Any) -> Any:
+    given = {name: env[name] for name in variables(part) if name in env}
+    try:
+        return msgspec.convert(given, part, strict=False)
+    except msgspec.ValidationError as e:
+        detail, _, where = str(e).partition(" - at `$.")
+        name = where.rstrip("`")
+        raise SettingError(f"{name}={given.get(name)!r} is not valid: {detail[0].lower()}{detail[1:]}") from None
 
 
 def _default_stack_dir() -> Path:

@@ -38,10 +38,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from streams import settings as product_settings
+from memfilter import settings as product_settings
 
 POM = Path(__file__).resolve().parent / "kafka-pom.xml"
-TOPICS = ("chat-requests", "filtered-inputs", "persist-messages", "chat-requests-dlq")
 DEFAULT_PARTITIONS = 8
 REDIS_CLUSTER_NODES = 6  # three masters, a replica each
 # A master silent this long is failed over to its replica. Short, for a local stack and its
@@ -55,7 +54,7 @@ class StackError(Exception):
 
 @dataclass(frozen=True)
 class Settings:
-    """The stack's part of the product's settings (`streams/settings.py`)."""
+    """The stack's part of the product's settings (`memfilter.settings`)."""
 
     dir: Path
     kafka_port: int
@@ -65,10 +64,12 @@ class Settings:
     maven_settings: str = ""
     brokers: int = 1
     redis_cluster: bool = False
+    topics: tuple[str, ...] = product_settings.Topics().all()  # the product's topics, as the settings name them
 
     @classmethod
     def of(cls, s: product_settings.Settings, partitions: int | None = None, brokers: int = 1, redis_cluster: bool = False) -> Settings:
-        return cls(Path(s.stack_dir), s.kafka_port, s.controller_port, s.redis_port, partitions or s.partitions, s.maven_settings, brokers, redis_cluster)
+        st = s.stack
+        return cls(Path(st.dir), st.kafka_port, st.controller_port, st.redis_port, partitions or st.partitions, st.maven_settings, brokers, redis_cluster, s.topics.all())
 
     @property
     def kafka_ports(self) -> list[int]:
@@ -111,7 +112,7 @@ class Running:
 
     def settings(self, s: Settings) -> Settings:
         """`s` with this stack's ports and shape."""
-        return Settings(s.dir, self.kafka_port, self.controller_port, self.redis_port, s.partitions, s.maven_settings, self.brokers, self.redis_cluster)
+        return Settings(s.dir, self.kafka_port, self.controller_port, self.redis_port, s.partitions, s.maven_settings, self.brokers, self.redis_cluster, s.topics)
 
     def exports(self, s: Settings, secret: str) -> str:
         """Shell lines for `eval "$(memfilter stack up)"`; `secret` is the stack's (`secret`)."""
@@ -429,10 +430,10 @@ async def _create_topics(s: Settings, deadline: float) -> None:
         admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap, request_timeout_ms=5000)
         try:
             await admin.start()
-            existing = set(await admin.list_topics()) & set(TOPICS)
+            existing = set(await admin.list_topics()) & set(s.topics)
             counts = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(sorted(existing))} if existing else {}
             partitions = s.partitions or next(iter(counts.values()), DEFAULT_PARTITIONS)
-            missing = [NewTopic(t, partitions, s.brokers) for t in TOPICS if t not in existing]
+            missing = [NewTopic(t, partitions, s.brokers) for t in s.topics if t not in existing]
             if not missing:
                 break
             await admin.create_topics(missing)  # refused per topic while brokers are still joining: asked again

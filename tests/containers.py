@@ -24,11 +24,11 @@ import docker  # noqa: E402
 import redis  # noqa: E402
 import requests  # noqa: E402
 import yaml  # noqa: E402
+from pipeline import REPO  # noqa: E402
 from testcontainers.core.container import DockerContainer  # noqa: E402
 from testcontainers.core.network import Network  # noqa: E402
 
-from pipeline import REPO  # noqa: E402
-from streams.stack import broker_answers  # noqa: E402
+from memfilter.stack import broker_answers  # noqa: E402
 
 NETWORK_OPTIONS = {
     "com.docker.network.bridge.enable_ip_masquerade": "false",  # no route beyond the host

@@ -26,8 +26,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
 
-from streams.history import HistoryStore, connect
-from streams.processor import Topics
+from memfilter.settings import Topics
+from memfilter.store.history import HistoryStore
+from memfilter.store.redis_driver import connect
 
 if TYPE_CHECKING:
     from containers import ContainerStack
@@ -96,14 +97,14 @@ class Pipeline:
         await admin.start()
         replicas = min(3, len(self.bootstrap.split(",")))  # each broker of a replicated stack holds a copy
         try:
-            await admin.create_topics([NewTopic(t, self.partitions, replicas) for t in self.topics.__dict__.values()])
+            await admin.create_topics([NewTopic(t, self.partitions, replicas) for t in self.topics.all()])
         finally:
             await admin.close()
 
     def memfilter(self, *argv: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
         """Run the command line with this pipeline's settings (and `env` on top); text output."""
         return subprocess.run(
-            [sys.executable, "-m", "streams", *argv], capture_output=True, text=True, env=self.env(**env), cwd=REPO, timeout=timeout
+            [sys.executable, "-m", "memfilter", *argv], capture_output=True, text=True, env=self.env(**env), cwd=REPO, timeout=timeout
         )
 
     def log_path(self, n: int) -> Path:
@@ -127,7 +128,7 @@ class Pipeline:
             return worker
         port = free_port()
         process = subprocess.Popen(
-            [sys.executable, "-m", "streams", command, "--web-port", str(port), "--loglevel", loglevel],
+            [sys.executable, "-m", "memfilter", command, "--web-port", str(port), "--loglevel", loglevel],
             env=self.env(**extra_env),
             cwd=REPO,
             stdout=open(log_path, "ab"),

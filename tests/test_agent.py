@@ -13,12 +13,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import msgspec
 import pytest
 import redis.asyncio as aioredis
-
 from pipeline import Pipeline, free_port, header, publish, read
-from schemas.wire import FilteredInput, Source
-from streams import replies
-from streams.client import Client
-from streams.history import HistoryStore
+
+from memfilter.client import Client
+from memfilter.core import replies
+from memfilter.schemas.wire import FilteredInput, Source
+from memfilter.store.history import HistoryStore
 
 SECRET = b"the-tests-secret-0123456789"
 

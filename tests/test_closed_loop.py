@@ -16,10 +16,10 @@ import json
 import time
 
 import redis.asyncio as aioredis
-
 from pipeline import Pipeline
-from streams.conversations import Conversation, Driver
-from streams.history import HistoryStore
+
+from memfilter.client.conversations import Conversation, Driver
+from memfilter.store.history import HistoryStore
 
 HISTORY = 10
 THREADS, TURNS = 200, 10

@@ -20,10 +20,9 @@ from collections import Counter, defaultdict
 
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from redis.crc import key_slot
-
 from conftest import cluster_env, memfilter
 from pipeline import Collector, Pipeline, dump, publish
+from redis.crc import key_slot
 
 T0 = 1772366400000
 
@@ -267,7 +266,7 @@ def test_20000_requests_are_answered_once_in_order_and_stored_through_a_broker_k
 
     async def chaos(turn: int) -> None:
         if turn == 2:
-            broker = (await leaders(pipeline.bootstrap, list(t.__dict__.values()))).most_common(1)[0][0]
+            broker = (await leaders(pipeline.bootstrap, list(t.all()))).most_common(1)[0][0]
             cluster.kill(f"kafka-{broker}")
             events.append(f"killed kafka-{broker}")
         elif turn == 5:

@@ -1,5 +1,5 @@
 """The command line as a user and an operator meet it: settings, the worker's start, publish,
-tail, history and replay, each through the real command (`python -m streams`), on the
+tail, history and replay, each through the real command (`python -m memfilter`), on the
 session's Kafka and Redis where it needs them."""
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-
 from conftest import memfilter
 from pipeline import REPO, Pipeline, free_port, read, redis_config
-from streams.client import Client, InvalidRequest
-from streams.logs import Repeats
+
+from memfilter.client import Client, InvalidRequest
+from memfilter.runtime.logs import Repeats
 
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
 
@@ -226,7 +226,7 @@ class TestTail:
 
     def test_a_reader_that_goes_away_ends_it_without_a_traceback(self, pipeline):
         asyncio.run(self._publish(pipeline, 1000))  # more than a pipe holds: tail writes into a closed one
-        command = f"{sys.executable} -m streams tail {pipeline.topics.requests} --from-beginning --json --idle-ms 5000 | head -1"
+        command = f"{sys.executable} -m memfilter tail {pipeline.topics.requests} --from-beginning --json --idle-ms 5000 | head -1"
         result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=pipeline.env(), cwd=REPO, timeout=60)
         assert len(result.stdout.splitlines()) == 1 and "Traceback" not in result.stderr and result.stderr == ""
 

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import docker
 import pytest
-from testcontainers.core.container import DockerContainer
-from testcontainers.core.network import Network
-
 from containers import NETWORK_OPTIONS
 from pipeline import REPO, free_port, read
+from testcontainers.core.container import DockerContainer
+from testcontainers.core.network import Network
 
 TOOLS = {"compose-v2": ["docker", "compose"], "docker-compose-1.29": ["docker-compose"]}
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"

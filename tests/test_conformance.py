@@ -24,7 +24,7 @@ ASSIGNED = "<assigned>"
 
 def run_explain(payload: bytes) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "streams", "explain"], input=payload, capture_output=True, check=False
+        [sys.executable, "-m", "memfilter", "explain"], input=payload, capture_output=True, check=False
     )
 
 

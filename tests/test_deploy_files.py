@@ -5,9 +5,9 @@ run, in tests/test_compose.py and on the container backend; Kubernetes does not 
 from __future__ import annotations
 
 import yaml
-
 from pipeline import REPO
-from streams.settings import VARIABLES
+
+from memfilter.settings import VARIABLES
 
 
 def names_the_worker_reads() -> set[str]:

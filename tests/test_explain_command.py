@@ -9,7 +9,7 @@ import pytest
 
 
 def explain(payload: bytes, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streams", "explain", *argv], input=payload, capture_output=True)
+    return subprocess.run([sys.executable, "-m", "memfilter", "explain", *argv], input=payload, capture_output=True)
 
 
 def case(**request):

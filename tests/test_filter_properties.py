@@ -15,8 +15,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streams.filter import Request
-from streams.filter import TERMINAL_STATES, Decision, StoredView, advances, decide, decode_request, lookup_ids, parse_ms
+from memfilter.core.filter import TERMINAL_STATES, Decision, Request, StoredView, advances, decide, decode_request, lookup_ids, parse_ms
 
 EXAMPLES = settings(max_examples=2000, deadline=None)
 STATES = ["partial-call", "call", "approval-requested", "approval-responded", "result", "output-error", "output-denied"]

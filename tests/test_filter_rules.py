@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from streams.filter import Limits, Rejected, StoredView, advances, check_key, decide, decode_request, iso_ms, parse_ms
+from memfilter.core.filter import Limits, Rejected, StoredView, advances, check_key, decide, decode_request, iso_ms, parse_ms
 
 T0 = 1772366400000  # 2026-03-01T12:00:00Z
 

@@ -17,10 +17,14 @@ import redis.asyncio as aioredis
 from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from streams import origin
-from streams.history import WINDOW_ENTRY, HistoryStore, Save, save_identity
-from streams.persister import Persister
-from streams.processor import Processor, Record, Topics
+from memfilter.core import origin
+from memfilter.core.filter import Policy
+from memfilter.runtime.persister import Persister
+from memfilter.runtime.processor import Processor
+from memfilter.runtime.records import Record
+from memfilter.settings import Topics
+from memfilter.store.history import HistoryStore, Save
+from memfilter.store.layout import WINDOW_ENTRY, save_identity
 
 T0 = 1772366400000
 SECRET = b"the-tests-secret-0123456789"
@@ -503,16 +507,16 @@ class TestPersister:
 
 class TestAnUnexpectedErrorStopsOneRecordOnly:
     def test_a_record_whose_decision_raises_is_an_internal_dead_letter_and_the_rest_go_on(self, with_store, monkeypatch):
-        import streams.processor
+        import memfilter.runtime.processor
 
-        decide = streams.processor.decide
+        decide = memfilter.runtime.processor.decide
 
         def fails_for_q1(request, view, ts, *settings):
             if request.request_id == "q1":
                 raise KeyError("a bug")
             return decide(request, view, ts, *settings)
 
-        monkeypatch.setattr(streams.processor, "decide", fails_for_q1)
+        monkeypatch.setattr(memfilter.runtime.processor, "decide", fails_for_q1)
         batch = [record("t", [msg("u0")], 0, "q0"), record("t", [msg("u1")], 1, "q1"), record("t", [msg("u2")], 2, "q2")]
 
         async def go(store):
@@ -554,7 +558,7 @@ class TestContext:
     def test_rows_the_client_did_not_send_are_read_in_one_round_trip_more(self, with_store):
         async def go(store):
             await self.stored(store, self.conversation(4))
-            p = Processor(store, history=3)
+            p = Processor(store, policy=Policy(history=3))
             before = p.metrics.value("memfilter_redis_round_trips_total")
             outs = await p.process([record("t", [msg("u4")], 0, "q0")])
             return outs, p.metrics.value("memfilter_redis_round_trips_total") - before
@@ -567,14 +571,14 @@ class TestContext:
 
     def test_the_second_request_of_a_thread_in_a_batch_has_the_firsts_rows_in_its_context(self, with_store):
         async def go(store):
-            return await Processor(store, history=2).process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u1")], 1, "q1")])
+            return await Processor(store, policy=Policy(history=2)).process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u1")], 1, "q1")])
 
         assert self.context_ids(with_store(go)) == [["u0"], ["u0", "u1"]]
 
     def test_a_stored_row_kept_from_before_the_last_n_rows_starts_the_window(self, with_store):
         async def go(store):
             await self.stored(store, self.conversation(8))
-            return await Processor(store, history=2).process([record("t", [*self.conversation(8)[2:4], msg("u8")], 0, "q0", retainFullInput=True)])
+            return await Processor(store, policy=Policy(history=2)).process([record("t", [*self.conversation(8)[2:4], msg("u8")], 0, "q0", retainFullInput=True)])
 
         assert self.context_ids(with_store(go)) == [["u2", "a3", "u4", "a5", "u6", "a7", "u8"]]
 

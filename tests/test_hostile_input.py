@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
-from streams import origin
-from streams.filter import Rejected, StoredView, check_key, decide, decode_request, lookup_ids
-from streams.history import HistoryStore, record_field
-from streams.persister import Persister
-from streams.processor import Record
+from memfilter.core import origin
+from memfilter.core.filter import Rejected, StoredView, check_key, decide, decode_request, lookup_ids
+from memfilter.runtime.persister import Persister
+from memfilter.runtime.records import Record
+from memfilter.store.history import HistoryStore
+from memfilter.store.layout import record_field
 
 
 def request(parts: list | None = None, **fields) -> dict:

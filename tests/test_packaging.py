@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from pipeline import REPO, Pipeline, free_port
 
 

@@ -15,7 +15,7 @@ import time
 from pipeline import REPO, end_offsets, publish
 
 THREADS, TURNS = 12_000, 10
-PEAK = "import resource, sys; from streams.cli import main; rc = main(sys.argv[1:]); print(f'peak_kb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}', file=sys.stderr); sys.exit(rc)"
+PEAK = "import resource, sys; from memfilter.cli import main; rc = main(sys.argv[1:]); print(f'peak_kb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}', file=sys.stderr); sys.exit(rc)"
 
 
 def requests():

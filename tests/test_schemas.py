@@ -1,18 +1,18 @@
-"""The committed JSON Schemas are the ones the Structs generate (`python -m schemas`)."""
+"""The committed JSON Schemas are the ones the Structs generate (`python -m memfilter.schemas`)."""
 
 import json
 
 import msgspec
 import pytest
 
+from memfilter.schemas.wire import TOPIC_VALUES, ChatRequest, FilteredInput, json_schemas
 from schemas.__main__ import render, schema_path
-from schemas.wire import TOPIC_VALUES, ChatRequest, FilteredInput, json_schemas
 
 
 @pytest.mark.parametrize("topic", sorted(TOPIC_VALUES))
 def test_committed_schema_matches_the_structs(topic):
     committed = schema_path(topic).read_text()
-    assert committed == render(json_schemas()[topic]), f"{schema_path(topic)} is stale: run `python -m schemas`"
+    assert committed == render(json_schemas()[topic]), f"{schema_path(topic)} is stale: run `python -m memfilter.schemas`"
 
 
 def test_every_schema_defines_the_message_it_references():

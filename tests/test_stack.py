@@ -23,11 +23,13 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
-
 from conftest import memfilter, stack_env
 from pipeline import REPO, free_port, read
-from streams.client import Client
-from streams.stack import TOPICS
+
+from memfilter.client import Client
+from memfilter.settings import Topics
+
+TOPICS = Topics().all()
 
 
 def processes_of(folder: Path) -> list[str]:
@@ -222,7 +224,7 @@ class TestStackUpIsIdempotent:
         log = tmp_path / "worker.log"
         with open(log, "wb") as out:
             worker = subprocess.Popen(
-                [sys.executable, "-m", "streams", "worker", "--web-port", str(free_port())],
+                [sys.executable, "-m", "memfilter", "worker", "--web-port", str(free_port())],
                 env={**env, **exports, "MEMFILTER_GROUP": f"restart-{uuid.uuid4().hex[:6]}"}, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
             )
         try:

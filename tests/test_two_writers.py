@@ -20,12 +20,14 @@ from aiokafka.structs import ConsumerRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streams import origin
-from streams.app import in_order
-from streams.history import Fenced, HistoryStore, Save
-from streams.persister import Persister
-from streams.processor import Processor, Record, Topics
-from streams.recorded import Recorded
+from memfilter.audit.recorded import Recorded
+from memfilter.core import origin
+from memfilter.runtime.persister import Persister
+from memfilter.runtime.processor import Processor
+from memfilter.runtime.records import Record
+from memfilter.runtime.worker import in_order
+from memfilter.settings import Topics
+from memfilter.store.history import Fenced, HistoryStore, Save
 
 T0 = 1772366400000
 SECRET = b"the-tests-secret-0123456789"

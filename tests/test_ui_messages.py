@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streams.filter import Rejected, StoredView, decide, decode_request
-from streams.ui import NotConvertible, is_ui, to_stored, to_ui
+from memfilter.core.filter import Rejected, StoredView, decide, decode_request
+from memfilter.core.ui import NotConvertible, is_ui, to_stored, to_ui
 
 T0 = 1772366400000
 json_values = st.recursive(

@@ -20,13 +20,13 @@ from collections import defaultdict
 
 import msgspec
 import pytest
-
 from conftest import BACKEND
 from pipeline import Pipeline, header, publish, read
 from test_conformance import CASES
-from streams.explain import explain
-from streams.filter import HISTORY_MESSAGES, parse_ms
-from streams.history import Save
+
+from memfilter.core.explain import explain
+from memfilter.core.filter import HISTORY_MESSAGES, parse_ms
+from memfilter.store.history import Save
 
 pytestmark = pytest.mark.containers
 STACKS = ["one-broker-one-redis", "3-brokers-redis-cluster"] if BACKEND == "processes" else ["containers"]

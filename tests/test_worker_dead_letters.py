@@ -9,9 +9,9 @@ import random
 
 import msgspec
 import pytest
-
 from pipeline import Pipeline, header, publish, read
-from streams.history import Save
+
+from memfilter.store.history import Save
 
 T0 = 1772366400000
 

@@ -14,10 +14,10 @@ import json
 
 import pytest
 from aiokafka.partitioner import murmur2
+from pipeline import Pipeline, dump, header, publish, read
 from redis.crc import key_slot
 
-from pipeline import Pipeline, dump, header, publish, read
-from streams import origin
+from memfilter.core import origin
 
 T0 = 1772366400000
 SECRET_A = "resA's words, which resB must never see"
@@ -116,7 +116,7 @@ def run(services):
         first = 1 + max(r.offset for r in on_a if r.partition == a_partition)
         derived = f"{t.requests}-{a_partition}-{first + 4}"  # resA's id-less request's id
         # resB stores the id resA's id-less message would get were ids not keyed by the secret.
-        from streams.filter import decode_request
+        from memfilter.core.filter import decode_request
 
         guessed = decode_request(raw(req("own-A", "resA", a_next, derived)), "x").ids[3]
         await requests([(b"own-B", raw(req("own-B", "resB", [msg("B-u1"), msg("B-a1", role="assistant"), msg(guessed)], "B-r2")), T0 + 1)],

@@ -9,7 +9,9 @@ import asyncio
 import json
 
 from pipeline import Collector, header, publish, read
-from streams.processor import Processor, Record
+
+from memfilter.runtime.processor import Processor
+from memfilter.runtime.records import Record
 
 T0 = 1772366400000
 

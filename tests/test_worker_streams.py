@@ -17,7 +17,6 @@ import time
 from collections import defaultdict
 
 import pytest
-
 from pipeline import Collector, Pipeline, free_port, publish
 
 THREADS, TURNS = 1000, 10

@@ -15,9 +15,9 @@ import json
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-
 from pipeline import Collector, publish
-from streams.app import transactional_id
+
+from memfilter.runtime.worker import transactional_id
 
 T0 = 1772366400000
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.partitioner import murmur2
-
 from pipeline import Collector, Pipeline, dump, end_offsets, header, publish
 
 T0 = 1772366400000
@@ -149,7 +148,7 @@ async def load(pipeline: Pipeline, stop: asyncio.Event, tag: str) -> int:
     n = 0
     while not stop.is_set():
         batch = []
-        for i in range(200):
+        for _i in range(200):
             thread = f"{tag}-load{n % 500}"
             value = {"requestId": f"{thread}-{n}", "threadId": thread, "resourceId": "r1", "messages": [user(thread, n)]}
             batch.append((thread.encode(), json.dumps(value).encode(), int(time.time() * 1000)))
@@ -381,7 +380,7 @@ def test_a_worker_refuses_topics_whose_partitions_do_not_pair_up(services):
         admin = AIOKafkaAdminClient(bootstrap_servers=pipeline.bootstrap)
         await admin.start()
         try:
-            await admin.create_topics([NewTopic(name, 4 if name == t.persist else 8, 1) for name in t.__dict__.values()])
+            await admin.create_topics([NewTopic(name, 4 if name == t.persist else 8, 1) for name in t.all()])
         finally:
             await admin.close()
 

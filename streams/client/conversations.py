@@ -26,11 +26,11 @@ from typing import Any
 import msgspec
 from aiokafka import AIOKafkaConsumer
 
-from schemas.wire import FilteredInput, PersistMessages
-from streams import ui
-from streams.client import Client
-from streams.processor import Topics
-from streams.replies import PENDING_STATES, wants_reply
+from memfilter.client import Client
+from memfilter.core import ui
+from memfilter.core.replies import PENDING_STATES, wants_reply
+from memfilter.schemas.wire import FilteredInput, PersistMessages
+from memfilter.settings import Topics
 
 Msg = dict[str, Any]
 

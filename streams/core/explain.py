@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from schemas.wire import Dropped
-from streams.filter import HISTORY_MESSAGES, Limits, Rejected, Rejection, StoredView, decide, decode_request, parse_ms
+from memfilter.core.filter import HISTORY_MESSAGES, Limits, Policy, Rejected, Rejection, StoredView, decide, decode_request, parse_ms
+from memfilter.schemas.wire import Dropped
 
 
 class StoredRow(msgspec.Struct):
@@ -72,13 +72,19 @@ def view_of(thread_id: str, case: Case) -> StoredView:
     )
 
 
+def policy_of(case: Case) -> Policy:
+    """The case's policy: its context size and edits setting, the default limits."""
+    return Policy(Limits(), case.historyMessages, case.edits == "on")
+
+
 def explain_case(case: Case, position: int = 0, id_key: bytes = b"") -> Explanation:
+    policy = policy_of(case)
     try:
-        request = decode_request(bytes(case.request), f"explain-0-{position}", Limits(), id_key)
+        request = decode_request(bytes(case.request), f"explain-0-{position}", policy.limits, id_key)
     except Rejected as e:
         return Explanation("rejected", [], [], [], [], [], error=Rejection(e.type, e.message))
     view = view_of(request.shape.threadId, case)
-    d = decide(request, view, case.timestamp, case.historyMessages, case.edits == "on")
+    d = decide(request, view, case.timestamp, policy.history, policy.edits)
     return Explanation(d.outcome, d.messages, d.dropped, d.persist, d.context if d.error is None else [], d.superseded, error=d.error)
 
 

@@ -32,10 +32,11 @@ from pathlib import Path
 import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from schemas.wire import FilteredInput
-from streams import origin
-from streams.history import WINDOW_ENTRY, record_field, window_key
-from streams.processor import Record, Topics
+from memfilter.core import origin
+from memfilter.runtime.records import Record
+from memfilter.schemas.wire import FilteredInput
+from memfilter.settings import Topics
+from memfilter.store.layout import WINDOW_ENTRY, record_field, window_key
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 

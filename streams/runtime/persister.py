@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import msgspec
 
-from schemas.wire import Message, PersistMessagesOf
-from streams import origin
-from streams.filter import Rejected, Rejection, check_key, decode_json, parse_ms
-from streams.history import HistoryStore, Save, save_identity, thread_tag
-from streams.processor import Out, Record, dead_letter, internal_error
+from memfilter.core import origin
+from memfilter.core.filter import Rejected, Rejection, check_key, decode_json, parse_ms
+from memfilter.runtime.records import Out, Record, dead_letter, internal_error
+from memfilter.schemas.wire import Message, PersistMessagesOf
+from memfilter.store.history import HistoryStore, Save
+from memfilter.store.layout import save_identity, thread_tag
 
 # The value is decoded twice, as the filter does a request: typed to validate and read it,
 # raw to save each row byte for byte, as the processor saves its own.

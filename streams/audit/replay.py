@@ -42,12 +42,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from schemas.wire import FilteredInput
-from streams.filter import HISTORY_MESSAGES, Limits
-from streams.history import HistoryStore
-from streams.persister import Persister
-from streams.processor import ELSEWHERE_HEADER, VERSION_HEADER, Processor, Record, Topics
-from streams.recorded import Progress, Recorded, ThreadLog, read_topic
+from memfilter.audit.recorded import Progress, Recorded, ThreadLog, read_topic
+from memfilter.core.filter import Policy
+from memfilter.runtime.persister import Persister
+from memfilter.runtime.processor import ELSEWHERE_HEADER, VERSION_HEADER, Processor
+from memfilter.runtime.records import Record
+from memfilter.schemas.wire import FilteredInput
+from memfilter.settings import Topics
+from memfilter.store.history import HistoryStore
 
 
 async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: bytes, progress: Progress | None = None) -> tuple[int, int]:
@@ -112,20 +114,17 @@ async def replay(
     secret: bytes,
     start=None,
     end=None,
-    limits: Limits = Limits(),
+    policy: Policy = Policy(),
     progress: Progress | None = None,
-    history: int = HISTORY_MESSAGES,
-    edits: bool = True,
 ) -> Report:
     """Decide the range's requests again on rebuilt history; compare with what was recorded.
-    `store_of(prefix)` gives the isolated store; its keys are deleted afterwards. `limits` and
-    `history` and `edits` are the deployment's (MEMFILTER_MAX_*, MEMFILTER_HISTORY_MESSAGES,
-    MEMFILTER_EDITS)."""
+    `store_of(prefix)` gives the isolated store; its keys are deleted afterwards. `policy` is
+    the deployment's (`Settings.policy`)."""
     with Recorded.temporary(topics, secret) as recorded:
         await recorded.load(bootstrap, [topics.filtered, topics.persist, topics.dlq], progress)
         store = store_of(f"replay-{uuid.uuid4().hex[:12]}")
         try:
-            return await _replay_range(bootstrap, topics, store, recorded, start, end, limits, history, edits, progress)
+            return await _replay_range(bootstrap, topics, store, recorded, start, end, policy, progress)
         finally:
             await store.drop()
 
@@ -146,8 +145,8 @@ class _Seen:
         return self.recorded.window(thread, record.partition, record.offset, self.retry_window)
 
 
-async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded: Recorded, start, end, limits, history, edits, progress) -> Report:
-    processor = Processor(store, topics, limits, secret=recorded.secret, seen=_Seen(recorded, store.retry_window), history=history, edits=edits)
+async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded: Recorded, start, end, policy: Policy, progress) -> Report:
+    processor = Processor(store, topics, policy, secret=recorded.secret, seen=_Seen(recorded, store.retry_window))
     persister = Persister(store, topics.dlq, recorded.secret)
     logs: dict[bytes | None, ThreadLog] = {}  # of the threads met so far: where each is in its log
     report = Report()

@@ -43,14 +43,14 @@ import re
 import sys
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 from msgspec import UNSET
 
-from schemas.wire import ChatRequestOf, Content, Dropped, EitherMessage, Message, Part
-from streams import ui
+from memfilter.core import ui
+from memfilter.schemas.wire import ChatRequestOf, Content, Dropped, EitherMessage, Message, Part
 
 Msg = dict[str, Any]
 
@@ -86,6 +86,16 @@ class Rejection(msgspec.Struct):
 class Limits(msgspec.Struct, frozen=True):
     max_bytes: int = 1 << 20
     max_messages: int = 1000
+
+
+class Policy(msgspec.Struct, frozen=True):
+    """How requests are decided, the same wherever they are (the worker, `replay`, `explain`):
+    what a request may be (`limits`), how many rows of the conversation the model's context
+    carries (`history`), and whether a regenerate or an edit supersedes stored rows (`edits`)."""
+
+    limits: Limits = Limits()
+    history: int = HISTORY_MESSAGES
+    edits: bool = True
 
 
 class Request(msgspec.Struct):
@@ -658,5 +668,5 @@ def parse_ms(created_at: Any) -> int | None:
     except ValueError:
         return None
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     return int(dt.timestamp() * 1000)

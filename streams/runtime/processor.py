@@ -1,7 +1,7 @@
 """The processor: a batch of `chat-requests` records in, the records to emit out.
 
-This is the imperative shell around the filter (`streams/filter.py`), without Kafka: the record
-loop in `streams/app.py` (and the audit replay) hands it batches of records and sends what it returns. For a batch:
+This is the imperative shell around the filter (`memfilter.core.filter`), without Kafka: the record
+loop in `memfilter.runtime.worker` (and the audit replay) hands it batches of records and sends what it returns. For a batch:
 
 1. decode every record (a record that does not decode, or is keyed by another thread, is
    rejected here and goes to the dead-letter topic);
@@ -28,7 +28,7 @@ A request processed before (by the same resource: see `record_field`) is not dec
   nothing. The worker drops those records once the outputs are committed (`take_recorded`);
 - published again (a client's retry) while in its thread's retry window, it is a `duplicate`
   dead letter naming where it was processed: no second, different filtered input. Later
-  than that it is decided again (`streams/history.py` says how long the window is).
+  than that it is decided again (`memfilter.store` says how long the window is).
 A rejection is not recorded and writes nothing. A thread whose stored version moved under
 the batch (another writer) or whose new id was claimed meanwhile by another thread is read
 and decided again from that request on.
@@ -53,11 +53,9 @@ from typing import Protocol
 import msgspec
 from msgspec import UNSET
 
-from schemas.wire import FilteredInput, PersistMessages, Source
-from streams import origin
-from streams.filter import (
-    HISTORY_MESSAGES,
-    Limits,
+from memfilter.core import origin
+from memfilter.core.filter import (
+    Policy,
     Rejected,
     Rejection,
     Request,
@@ -69,20 +67,12 @@ from streams.filter import (
     parse_ms,
     window_reach,
 )
-from streams.history import (
-    WINDOW_ENTRY,
-    HistoryStore,
-    Recorded,
-    ThreadState,
-    Write,
-    encode_recorded,
-    in_window,
-    pack_rows,
-    record_field,
-    thread_tag,
-    window_key,
-)
-from streams.metrics import Metrics
+from memfilter.metrics import Metrics
+from memfilter.runtime.records import MAX_OUTPUT_BYTES, Out, Record, dead_letter, internal_error
+from memfilter.schemas.wire import FilteredInput, PersistMessages, Source
+from memfilter.settings import Topics
+from memfilter.store.history import HistoryStore, ThreadState, Write
+from memfilter.store.layout import WINDOW_ENTRY, Recorded, encode_recorded, in_window, pack_rows, record_field, thread_tag, window_key
 
 log = logging.getLogger("memfilter")
 
@@ -94,47 +84,6 @@ log = logging.getLogger("memfilter")
 # one lane: its round trips stay few).
 LANE_RECORDS = 100
 MAX_LANES = 6
-# Largest record fetched or sent: a request is at most MEMFILTER_MAX_BYTES (1 MiB), and its
-# filtered input adds the context's stored rows and server fields. The stack's broker accepts
-# this much. An output that would be larger (a context of very large rows) is refused before
-# anything is written, with room left for the key, headers and the record batch's framing.
-MAX_RECORD_BYTES = 8 << 20
-MAX_OUTPUT_BYTES = MAX_RECORD_BYTES - (64 << 10)
-
-
-class Record(msgspec.Struct, frozen=True, gc=False):
-    """A consumed Kafka record, as the processor needs it."""
-
-    topic: str
-    partition: int
-    offset: int
-    timestamp_ms: int
-    key: bytes | None
-    value: bytes | None  # None: a tombstone, which a client can publish
-    headers: tuple[tuple[str, bytes], ...] = ()
-
-    @classmethod
-    def of(cls, r) -> Record:
-        """From an aiokafka `ConsumerRecord`."""
-        return cls(r.topic, r.partition, r.offset, r.timestamp, r.key, r.value, tuple(r.headers or ()))
-
-
-class Out(msgspec.Struct, frozen=True, gc=False):
-    """A record to produce."""
-
-    topic: str
-    key: bytes | None
-    value: bytes
-    timestamp_ms: int
-    headers: tuple[tuple[str, bytes], ...] = ()
-
-
-@dataclass(frozen=True)
-class Topics:
-    requests: str = "chat-requests"
-    filtered: str = "filtered-inputs"
-    persist: str = "persist-messages"
-    dlq: str = "chat-requests-dlq"
 
 
 # Headers of a dead letter that say what a rejection decided against stored history saw, so
@@ -144,20 +93,6 @@ VERSION_HEADER = "memfilter.history-version"
 ELSEWHERE_HEADER = "memfilter.ids-elsewhere"
 # The header of a `duplicate` dead letter naming where the request was processed (topic-partition-offset).
 ORIGINAL_HEADER = "memfilter.duplicate-of"
-
-
-def dead_letter(record: Record, dlq_topic: str, error: Rejection, seen: tuple[tuple[str, bytes], ...] = ()) -> Out:
-    """The rejected record, bytes unchanged, with the reason, its source and `seen` in headers."""
-    headers = (
-        *record.headers,
-        ("error.type", error.type.encode()),
-        ("error.message", error.message.encode()),
-        ("source.topic", record.topic.encode()),
-        ("source.partition", str(record.partition).encode()),
-        ("source.offset", str(record.offset).encode()),
-        *seen,
-    )
-    return Out(dlq_topic, record.key, record.value, record.timestamp_ms, headers)
 
 
 @dataclass
@@ -183,13 +118,6 @@ class _Thread:
     planned: list[tuple[_Pending, Write | None, Recorded]] = field(default_factory=list)
 
 
-def internal_error(record: Record, e: Exception) -> Rejection:
-    """An unexpected error while handling one record: logged with the record's position."""
-    where = f"{record.topic}-{record.partition}-{record.offset}"
-    log.error("record %s: unexpected %s; dead-lettered", where, type(e).__name__, exc_info=e)
-    return Rejection("internal", f"unexpected {type(e).__name__} while handling record {where}: {str(e)[:200]}; report it")
-
-
 class Seen(Protocol):
     """What a decision saw that no topic holds as it was then, as an audit replay finds it in
     what was recorded (its batches are one record each)."""
@@ -199,7 +127,7 @@ class Seen(Protocol):
         no topic): id -> the other thread."""
 
     def window(self, record: Record) -> bytes:
-        """The thread's retry window before the request (`streams/history.py`)."""
+        """The thread's retry window before the request (`memfilter.store`)."""
 
 
 class _Source(msgspec.Struct):
@@ -228,23 +156,22 @@ class Processor:
         self,
         store: HistoryStore,
         topics: Topics = Topics(),
-        limits: Limits = Limits(),
+        policy: Policy = Policy(),
         metrics: Metrics | None = None,
         secret: bytes = b"",
         seen: Seen | None = None,
-        history: int = HISTORY_MESSAGES,
-        edits: bool = True,
     ):
         self.store = store
         self.topics = topics
-        self.limits = limits
+        self.policy = policy  # how requests are decided (MEMFILTER_MAX_*, _HISTORY_MESSAGES, _EDITS)
+        self.limits = policy.limits
         self.metrics = metrics or store.metrics
         self.secret = secret  # MEMFILTER_SECRET: server-assigned message ids, and the signature of persist events
         # What a decision sees beside the thread: Redis's message-id index and retry window as
         # they are now (None, live), or as an audit replay recorded them.
         self.seen = seen
-        self.history = history  # MEMFILTER_HISTORY_MESSAGES: the rows of the conversation in each context
-        self.edits = edits  # MEMFILTER_EDITS: regenerate and edit supersede rows
+        self.history = policy.history  # the rows of the conversation in each context
+        self.edits = policy.edits  # regenerate and edit supersede rows
         self._recorded: list[tuple[str, bytes]] = []  # `take_recorded`
 
     def take_recorded(self) -> list[tuple[str, bytes]]:

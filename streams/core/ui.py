@@ -25,7 +25,7 @@ from typing import Any
 
 from msgspec import UNSET
 
-from schemas.wire import Content, EitherMessage, Message, Part, ToolInvocation
+from memfilter.schemas.wire import Content, EitherMessage, Message, Part, ToolInvocation
 
 Msg = dict[str, Any]
 

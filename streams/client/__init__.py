@@ -32,10 +32,10 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from schemas.wire import ChatRequest, FilteredInput
-from streams.filter import Limits, Rejected, decode_request
-from streams.processor import Topics
-from streams.replies import reply_event
+from memfilter.core.filter import Limits, Rejected, decode_request
+from memfilter.core.replies import reply_event
+from memfilter.schemas.wire import ChatRequest, FilteredInput
+from memfilter.settings import Topics
 
 
 class InvalidRequest(ValueError):

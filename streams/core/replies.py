@@ -38,8 +38,8 @@ from typing import Any
 
 import msgspec
 
-from schemas.wire import FilteredInput, PersistMessages
-from streams.filter import CLIENT_OUTCOME_STATES, iso_ms, parse_ms
+from memfilter.core.filter import CLIENT_OUTCOME_STATES, iso_ms, parse_ms
+from memfilter.schemas.wire import FilteredInput, PersistMessages
 
 Msg = dict[str, Any]
 Parts = list[Msg]

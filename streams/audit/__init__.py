@@ -1,0 +1,1 @@
+"""Audits and recovery: what the topics recorded, the replay and the rebuild."""

@@ -1,0 +1,44 @@
+"""The `memfilter` command line: one entry point, a subcommand per thing a user does, each in a
+module of its own here (`add` makes its parser, `run` runs it)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+import os
+import sys
+
+from memfilter.cli import agent, converse, explain, history, publish, replay, stack, tail, worker
+from memfilter.settings import SettingError
+
+COMMANDS = (explain, worker, agent, converse, publish, tail, history, replay, stack)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memfilter", description="Chat memory as a Kafka stream processor: requests filtered against stored history.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('memfilter')}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand's own usage, not the top level's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command != "worker":
+        # A command says in one line when Kafka does not answer; aiokafka's own lines would
+        # come first (the worker logs them: it keeps running through an outage).
+        logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    try:
+        return args.run(args)
+    except SettingError as e:
+        print(f"memfilter {args.command}: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`memfilter tail | head -1`): stop quietly, as Python's docs advise.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

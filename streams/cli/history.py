@@ -1,0 +1,83 @@
+"""`memfilter history show|rebuild|prefixes|drop`: the stored history."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memfilter.cli.common import history_store, no_secret, plural, progress_bar, refuse_live, run_or_explain
+from memfilter.settings import Settings
+
+
+def run(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from memfilter.audit.replay import rebuild
+    from memfilter.store.history import prefixes
+
+    settings = Settings.from_env()
+    url, prefix = args.redis_url or settings.redis.url, getattr(args, "prefix", None) or settings.redis.prefix
+
+    async def show() -> int:
+        store = history_store(url, prefix, settings)
+        rows, superseded = await store.thread_rows(args.thread), await store.superseded_rows(args.thread)
+        if not rows and not superseded:
+            print(f"memfilter history show: thread {args.thread} has no stored messages under prefix {prefix}", file=sys.stderr)
+            return 1
+        for by, row in [(None, row) for row in rows] + sorted(superseded, key=lambda s: msgspec.json.decode(s[1]).get("createdAt") or ""):
+            if args.json:
+                print(row.decode() if by is None else msgspec.json.encode({"supersededBy": by, "row": msgspec.Raw(row)}).decode())
+                continue
+            m = msgspec.json.decode(row)
+            parts = (m.get("content") or {}).get("parts") or [] if isinstance(m.get("content"), dict) else []
+            text = " ".join(str(p.get("text", f"[{p.get('type')}]")) for p in parts if isinstance(p, dict)) or str(m.get("content"))[:80]
+            mark = "" if by is None else f"  (superseded by request {by})"
+            print(f"{m.get('createdAt', ''):24}  {m.get('id', ''):20}  {m.get('role', ''):9}  {text[:100]}{mark}")
+        return 0
+
+    async def rebuild_all() -> int:
+        if reason := await refuse_live(settings, url, prefix, "rebuild"):
+            print(f"memfilter history rebuild: {reason}", file=sys.stderr)
+            return 1
+        print(f"memfilter history rebuild: replacing the history under prefix {prefix} with {settings.topics.persist}", file=sys.stderr)
+        applied, refused = await rebuild(settings.kafka.bootstrap, settings.topics, history_store(url, prefix, settings), settings.secret, progress_bar("applied"))
+        print(f"rebuilt history under prefix {prefix} from {applied + refused:,} events of {settings.topics.persist} ({refused:,} refused)")
+        return 0
+
+    async def list_prefixes() -> int:
+        found = await prefixes(history_store(url, prefix, settings).redis)
+        for name, keys in sorted(found.items()):
+            print(f"{name}  {plural(keys, 'key')}{'  (the workers’ prefix: MEMFILTER_REDIS_PREFIX)' if name == settings.redis.prefix else ''}")
+        return 0
+
+    async def drop() -> int:
+        if reason := await refuse_live(settings, url, prefix, "drop"):
+            print(f"memfilter history drop: {reason}", file=sys.stderr)
+            return 1
+        print(f"dropped prefix {prefix}: {plural(await history_store(url, prefix, settings).drop(), 'key')} deleted")
+        return 0
+
+    if args.action == "rebuild" and (reason := no_secret(settings)):
+        print(f"memfilter history rebuild: {reason}", file=sys.stderr)
+        return 2
+    run = {"show": show, "rebuild": rebuild_all, "prefixes": list_prefixes, "drop": drop}[args.action]
+    return run_or_explain(f"history {args.action}", settings, run())
+
+
+def add(sub) -> None:
+    p = sub.add_parser("history", help="show a stored thread, rebuild history from persist-messages, list or drop key prefixes")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = actions.add_parser("show", help="a stored thread: its conversation in save order, then its superseded rows, marked")
+    show.add_argument("thread", help="thread id")
+    show.add_argument("--json", action="store_true", help="each stored row as one line of JSON, as stored; a superseded one as {\"supersededBy\": REQUEST, \"row\": ROW}")
+    rebuild = actions.add_parser(
+        "rebuild", help="replace the history under a prefix with persist-messages applied as it was live (refused while workers run on it)"
+    )
+    listed = actions.add_parser("prefixes", help="the key prefixes holding a history in Redis (leftovers of rebuilds and replays too)")
+    drop = actions.add_parser("drop", help="delete every key under a prefix (refused while workers run on it)")
+    drop.add_argument("--prefix", required=True, help="the prefix to delete (never a default)")
+    for q in (show, rebuild, listed, drop):
+        q.add_argument("--redis-url", help="Redis to use (default REDIS_URL)")
+        if q is not drop:
+            q.add_argument("--prefix", help="key prefix (default MEMFILTER_REDIS_PREFIX or mf)")
+        q.set_defaults(parser=q, run=run)

@@ -1,0 +1,1 @@
+"""The pure core: the filter, UI messages, the model's context and replies; no I/O."""

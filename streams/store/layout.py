@@ -1,0 +1,137 @@
+"""The history store's layout in Redis: its keys and the bytes it keeps.
+
+Layout (prefix `MEMFILTER_REDIS_PREFIX`, default `mf`; every key of a thread shares the hash
+tag `{<thread id>}`, so a thread's keys sit in one slot of a Redis Cluster; in the tag, `%`,
+`{` and `}` of the thread id are written `%25`, `%7B`, `%7D`, so that every thread id, one
+with braces too, is one whole tag and no two thread ids share keys):
+
+| key | type | holds |
+|---|---|---|
+| `mf:t:{T}:rows` | hash | message id -> the stored row (JSON), as saved |
+| `mf:t:{T}:order` | list | message ids in save order: the thread's order |
+| `mf:t:{T}:meta` | hash | `owner` (resourceId), `version` (writes so far), `newest` (newest createdAt, epoch ms), `epoch` (of the last worker that wrote it) |
+| `mf:t:{T}:saved` | string | the identity (`save_identity`, 8 bytes) of every other service's save applied |
+| `mf:t:{T}:superseded` | hash | message id -> the request id that superseded it: rows a regenerate or an edit took out of the conversation (out of `order`, still in `rows`) |
+| `mf:t:{T}:recent` | string | the retry window: the thread's last `retry_window` processed requests, a `WINDOW_ENTRY` each |
+| `mf:t:{T}:pending:<K>` | string | what was emitted for processed request K (`window_key`, hex), as `Recorded` JSON, until its batch's Kafka transaction commits |
+| `mf:idx:{B}` | hash | message id digest -> digest of the thread that owns it (`id_key`, `thread_tag`), in 4,096 buckets |
+| `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
+| `mf:sync:{S}` | string | a marker `replicate` writes before WAIT, one per cluster node (`mf:sync` on one Redis); expires after a minute |
+
+Only rows and order lists grow with the conversation (and `superseded`, with regenerates and
+edits); everything else is a few bytes per message or save, or per thread (README, "Capacity").
+
+Everything here is pure: key names, digests and encodings, shared by the store
+(`memfilter.store.history`), the processor and the audit's recorded log. No I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from memfilter.core.filter import STATE_RANKS, Rejection
+from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
+
+__all__ = ["PROCESSED_TTL_S", "RETRY_WINDOW"]  # the defaults, where the layout is documented
+
+# The message-id index's buckets: at Redis's default of 128 fields a compact hash, compact up
+# to ~500,000 ids (README, "Capacity").
+ID_BUCKETS = 4096
+# A request in its thread's retry window: digest of its `record_field`, its position
+# (partition, offset) and its record time (epoch ms).
+WINDOW_ENTRY = struct.Struct(">8sIqq")
+pack = msgspec.msgpack.encode
+STATE_RANKS_PACKED = pack(STATE_RANKS)
+
+
+def _digest(text: str, size: int) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=size).digest()
+
+
+def pack_rows(rows: list[tuple[str, bytes]]) -> bytes:
+    """Rows as a script's argument (see the scripts' comment)."""
+    return pack([x for mid, row in rows for x in (mid, row.decode())])
+
+
+def record_field(resource: str, request_id: str) -> str:
+    """What names a processed request in its thread (digested: `window_key`)."""
+    return msgspec.json.encode([resource, request_id]).decode()  # '["r1","req-1"]': unambiguous
+
+
+def window_key(field: str) -> bytes:
+    """A request's digest in the retry window (8 bytes: two requests of a thread's window
+    collide with odds of 2**-64)."""
+    return _digest(field, 8)
+
+
+def in_window(window: bytes, key: bytes) -> tuple[int, int, int] | None:
+    """The newest entry of the request `key` in a thread's window: (partition, offset, record
+    time), or None."""
+    at = window.rfind(key)
+    while at >= 0:
+        if at % WINDOW_ENTRY.size == 0:
+            return WINDOW_ENTRY.unpack_from(window, at)[1:]
+        at = window.rfind(key, 0, at + len(key) - 1)
+    return None
+
+
+def thread_tag(thread: str) -> bytes:
+    """What the message-id index holds for the thread that owns an id: 8 bytes of digest (it
+    only has to tell this thread from the others, and names no thread to anyone)."""
+    return _digest(thread, 8)
+
+
+def save_identity(resource: str, request_id: str) -> bytes:
+    """What names another service's save in its thread's `saved`: 8 bytes of digest of the
+    resource and the event's `requestId`. A save of the same identity again (a re-delivery,
+    or the same event published twice) changes nothing."""
+    return _digest(msgspec.json.encode(["service", resource, request_id]).decode(), 8)
+
+
+class Recorded(msgspec.Struct, omit_defaults=True):
+    """What was emitted for a processed request, to emit again byte for byte on re-delivery
+    (kept in `pending` until its batch's Kafka transaction commits)."""
+
+    filtered: msgspec.Raw | UnsetType = UNSET  # the FilteredInput value, as sent
+    persist: msgspec.Raw | UnsetType = UNSET  # the PersistMessages value, as sent
+    error: Rejection | UnsetType = UNSET
+
+
+RECORDED = msgspec.json.Decoder(Recorded)
+
+
+def encode_recorded(r: Recorded) -> bytes:
+    return msgspec.json.encode(r)
+
+
+
+
+class Keys:
+    """A store's key names, under its prefix."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def _tag(self, thread: str) -> str:
+        if "{" in thread or "}" in thread or "%" in thread:  # one whole hash tag (see the layout)
+            thread = thread.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+        return f"{self.prefix}:t:{{{thread}}}"
+
+    def keys(self, thread: str) -> list[str]:
+        """The thread's keys: rows, order, meta, saved, recent, superseded."""
+        base = self._tag(thread)
+        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:saved", f"{base}:recent", f"{base}:superseded"]
+
+    def pending_key(self, thread: str, key: bytes) -> str:
+        """Where the record of a processed request (`window_key`) waits for its batch's Kafka commit."""
+        return f"{self._tag(thread)}:pending:{key.hex()}"
+
+    def id_key(self, mid: str) -> tuple[str, bytes]:
+        """Where the message-id index keeps an id: its bucket, and its field there (8 bytes of
+        digest beside the bucket's 12 bits: ids collide with odds of 2**-76 a pair)."""
+        digest = _digest(mid, 10)
+        return f"{self.prefix}:idx:{{{int.from_bytes(digest[:2], 'big') % ID_BUCKETS}}}", digest[2:]

@@ -1,0 +1,100 @@
+-- APPLY: one `persist-messages` event's rows (other services' saves; the processor's own in a
+-- rebuild or replay), under the same rules as the filter's base layer where they touch a
+-- stored row (memfilter.store.history, `apply`):
+-- - another service's save is applied once: its identity (`save_identity`, 8 bytes) is
+--   appended to the thread's `saved`, and a save found there is a re-delivery or a repeat and
+--   changes nothing (the processor's own events have none: memfilter.store.history);
+-- - a row equal to the stored one changes nothing;
+-- - a row that would move any stored tool invocation back (to a lower state rank, or away from
+--   a terminal state, or drop it) is not saved: the stored row stays, as it does against an
+--   echo. So a late or repeated copy of a pending call never undoes the client's result;
+-- - no row changes the role of a stored row (`role`, refused before any write);
+-- - only the processor's own events (`may_own`) save in a thread that has no owner yet;
+-- - a superseded id of the event that is a row of this thread, still in its conversation,
+--   leaves the conversation (its row stays, marked with the event's request id); a later save
+--   of a superseded row updates the row and leaves it out.
+-- KEYS: rows_key order_key meta_key saved_key superseded_key
+-- ARGV: epoch resource newest_ms packed_rows packed_roles may_own identity packed_ranks packed_superseded request_id
+local rows_key, order_key, meta_key, saved_key, superseded_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local epoch, resource, newest_ms, packed_rows, packed_roles, may_own, identity, packed_ranks, packed_superseded, request_id = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+-- The owner epoch fences: a worker takes one each time it is given partitions, and every
+-- write stamps the thread's meta with it; an older one than the thread's is refused.
+local stored = tonumber(redis.call('HGET', meta_key, 'epoch') or '0')
+local mine = tonumber(epoch)
+if mine < stored then return {'fenced', tostring(stored)} end
+local owner = redis.call('HGET', meta_key, 'owner')
+if owner and owner ~= resource then return {'ownership', owner} end
+if not owner and may_own ~= '1' then return {'unowned', ''} end
+local version = redis.call('HGET', meta_key, 'version') or '0'
+local saved = identity ~= '' and (redis.call('GET', saved_key) or '')
+if saved then
+  local at = string.find(saved, identity, 1, true)
+  while at do
+    if at % 8 == 1 then return {'ok', version} end
+    at = string.find(saved, identity, at + 1, true)
+  end
+end
+local rows = cmsgpack.unpack(packed_rows)
+local roles = cmsgpack.unpack(packed_roles)
+local ranks = cmsgpack.unpack(packed_ranks)
+local terminal = ranks['result']
+local function tools(message)
+  local out = {}
+  local content = type(message) == 'table' and message['content']
+  local parts = type(content) == 'table' and content['parts']
+  if type(parts) ~= 'table' then return out end
+  for _, part in ipairs(parts) do
+    local inv = type(part) == 'table' and part['type'] == 'tool-invocation' and part['toolInvocation']
+    if type(inv) == 'table' and type(inv['toolCallId']) == 'string' then
+      out[inv['toolCallId']] = {ranks[inv['state']] or -1, inv['state']}
+    end
+  end
+  return out
+end
+local function moves_back(old, new)
+  local before, after = tools(old), tools(new)
+  for id, was in pairs(before) do
+    local now = after[id]
+    if now == nil or now[1] < was[1] or (was[1] == terminal and now[2] ~= was[2]) then return true end
+  end
+  return false
+end
+local keep = {}
+for i = 1, #rows, 2 do
+  local old = redis.call('HGET', rows_key, rows[i])
+  if old and old ~= rows[i + 1] then
+    local ok, stored = pcall(cjson.decode, old)
+    if not ok or stored['role'] ~= roles[(i + 1) / 2] then return {'role', rows[i]} end
+    local fine, incoming = pcall(cjson.decode, rows[i + 1])
+    keep[i] = not fine or moves_back(stored, incoming)
+  end
+end
+if mine > stored then redis.call('HSET', meta_key, 'epoch', epoch) end
+
+if saved then redis.call('SET', saved_key, saved .. identity) end
+local changed = false
+for i = 1, #rows, 2 do
+  local old = redis.call('HGET', rows_key, rows[i])
+  if not old then
+    redis.call('HSET', rows_key, rows[i], rows[i + 1])
+    redis.call('RPUSH', order_key, rows[i])
+    changed = true
+  elseif old ~= rows[i + 1] and not keep[i] then
+    redis.call('HSET', rows_key, rows[i], rows[i + 1])
+    changed = true
+  end
+end
+for _, id in ipairs(cmsgpack.unpack(packed_superseded)) do
+  if redis.call('HEXISTS', rows_key, id) == 1 and redis.call('HEXISTS', superseded_key, id) == 0 then
+    redis.call('LREM', order_key, 1, id)
+    redis.call('HSET', superseded_key, id, request_id)
+    changed = true
+  end
+end
+if changed then
+  redis.call('HSETNX', meta_key, 'owner', resource)
+  local newest = tonumber(redis.call('HGET', meta_key, 'newest') or '-1')
+  if tonumber(newest_ms) > newest then redis.call('HSET', meta_key, 'newest', newest_ms) end
+  version = redis.call('HINCRBY', meta_key, 'version', 1)
+end
+return {'ok', tostring(version)}

@@ -1,0 +1,42 @@
+-- COMMIT: one request's effect on its thread, atomically (memfilter.store.history, `commit`).
+-- Refuses a decision made on a version that has since moved (`stale`), and a write of a
+-- worker whose partitions were given to another that has written this thread since (`fenced`).
+-- KEYS: rows_key order_key meta_key recent_key pending_key after_key superseded_key
+-- ARGV: epoch record seen_version resource newest_ms packed_rows ttl entry window_bytes packed_superseded request_id
+local rows_key, order_key, meta_key, recent_key, pending_key, after_key, superseded_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local epoch, record, seen_version, resource, newest_ms, packed_rows, ttl, entry, window_bytes, packed_superseded, request_id = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+-- The owner epoch fences: a worker takes one each time it is given partitions, and every
+-- write stamps the thread's meta with it; an older one than the thread's is refused.
+local stored = tonumber(redis.call('HGET', meta_key, 'epoch') or '0')
+local mine = tonumber(epoch)
+if mine < stored then return {'fenced', tostring(stored)} end
+local version = tonumber(redis.call('HGET', meta_key, 'version') or '0')
+if version ~= tonumber(seen_version) then return {'stale', tostring(version)} end
+if after_key ~= pending_key and redis.call('EXISTS', after_key) == 0 then return {'stale', tostring(version)} end
+if mine > stored then redis.call('HSET', meta_key, 'epoch', epoch) end
+
+local rows = cmsgpack.unpack(packed_rows)
+local gone = cmsgpack.unpack(packed_superseded)
+if #rows > 0 or #gone > 0 then
+  redis.call('HSETNX', meta_key, 'owner', resource)
+  for i = 1, #rows, 2 do
+    if redis.call('HSETNX', rows_key, rows[i], rows[i + 1]) == 1 then
+      redis.call('RPUSH', order_key, rows[i])
+    else
+      redis.call('HSET', rows_key, rows[i], rows[i + 1])
+    end
+  end
+  for _, id in ipairs(gone) do
+    if redis.call('LREM', order_key, 1, id) > 0 then redis.call('HSET', superseded_key, id, request_id) end
+  end
+  local newest = tonumber(redis.call('HGET', meta_key, 'newest') or '-1')
+  if tonumber(newest_ms) > newest then redis.call('HSET', meta_key, 'newest', newest_ms) end
+  version = version + 1
+  redis.call('HSET', meta_key, 'version', version)
+end
+redis.call('SET', pending_key, record, 'EX', ttl)
+local window = (redis.call('GET', recent_key) or '') .. entry
+local size = tonumber(window_bytes)
+if #window > size then window = string.sub(window, #window - size + 1) end
+redis.call('SET', recent_key, window, 'EX', ttl)
+return {'ok', tostring(version)}
