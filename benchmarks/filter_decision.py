@@ -73,8 +73,10 @@ def main() -> None:
     cases = {form: (raw_request, raw_rows, len(raw_rows)) for form, (raw_request, raw_rows) in cases.items()}
     for form, (raw_request, raw_rows, _) in cases.items():
         filtered, persisted = decision(*cases[form])
-        print(f"case ({form} form): {args.turns} turns, request {len(raw_request)} B, {len(raw_rows)} stored rows {sum(map(len, raw_rows.values()))} B, "
-              f"outcome {msgspec.json.decode(filtered)['outcome']}, filtered-input {len(filtered)} B, persist {len(persisted)} B")
+        print(
+            f"case ({form} form): {args.turns} turns, request {len(raw_request)} B, {len(raw_rows)} stored rows {sum(map(len, raw_rows.values()))} B, "
+            f"outcome {msgspec.json.decode(filtered)['outcome']}, filtered-input {len(filtered)} B, persist {len(persisted)} B"
+        )
     best = dict.fromkeys(["floor", "stored", "UI"], 0.0)
     for _ in range(3):  # interleaved, so all see the same machine state
         best["floor"] = max(best["floor"], rate(floor, cases["stored"], args.seconds))

@@ -110,8 +110,13 @@ async def soak(args, bootstrap: str, redis_url: str, topics: dict[str, str], pre
     await publish(bootstrap, topics["requests"], requests(args.threads, args.turns))
     print(f"workload: {total:,} requests, {args.threads:,} threads of {args.turns} turns, one new user message each")
     env = worker_env(bootstrap, redis_url, topics, prefix)
-    worker = subprocess.Popen([sys.executable, "-m", "memfilter", "worker", "--web-port", str(free_port())], env=env, cwd=REPO,
-                              stdout=open(f"/tmp/{prefix}-worker.log", "wb"), stderr=subprocess.STDOUT)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "memfilter", "worker", "--web-port", str(free_port())],
+        env=env,
+        cwd=REPO,
+        stdout=open(f"/tmp/{prefix}-worker.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     client = aioredis.from_url(redis_url)
     header = f"{'requests':>9} {'used_memory':>12} " + " ".join(f"{k:>8}" for k in KINDS) + f" {'row JSON':>8} {'not rows: keys':>14} {'used':>5}"
     print("Redis bytes of the run's keys, by kind (MB), after each tenth:")
@@ -136,16 +141,24 @@ async def soak(args, bootstrap: str, redis_url: str, topics: dict[str, str], pre
             cpu_before += await redis_cpu(client) - measuring  # not the worker's
             whole = sum(by_kind.values())
             history = by_kind["rows"] + by_kind["order"]
-            print(f"{done:>9,} {used / 1e6:>12.1f} " + " ".join(f"{by_kind[k] / 1e6:>8.2f}" for k in KINDS)
-                  + f" {row_bytes / 1e6:>8.1f} {(whole - history) / max(whole, 1):>14.1%} {(used - history) / max(used, 1):>5.1%}", flush=True)
+            print(
+                f"{done:>9,} {used / 1e6:>12.1f} "
+                + " ".join(f"{by_kind[k] / 1e6:>8.2f}" for k in KINDS)
+                + f" {row_bytes / 1e6:>8.1f} {(whole - history) / max(whole, 1):>14.1%} {(used - history) / max(used, 1):>5.1%}",
+                flush=True,
+            )
         first, last = await reading
         redis_cpu_s = await redis_cpu(client) - cpu_before
         worker_cpu_s = process_cpu(worker.pid)
-        print(f"worker: {total / (last - first):,.0f} requests/s over the run ({last - first:.0f} s); "
-              f"per request: {whole / total:,.0f} bytes of Redis keys, {row_bytes / total:,.0f} of them row JSON, "
-              f"{(whole - history) / total:,.1f} beyond rows and order lists")
-        print(f"CPU a request: worker {worker_cpu_s / total * 1e6:.0f} µs, Redis {redis_cpu_s / total * 1e6:.0f} µs "
-              f"(one Redis core: {total / max(redis_cpu_s, 1e-9):,.0f} requests/s)")
+        print(
+            f"worker: {total / (last - first):,.0f} requests/s over the run ({last - first:.0f} s); "
+            f"per request: {whole / total:,.0f} bytes of Redis keys, {row_bytes / total:,.0f} of them row JSON, "
+            f"{(whole - history) / total:,.1f} beyond rows and order lists"
+        )
+        print(
+            f"CPU a request: worker {worker_cpu_s / total * 1e6:.0f} µs, Redis {redis_cpu_s / total * 1e6:.0f} µs "
+            f"(one Redis core: {total / max(redis_cpu_s, 1e-9):,.0f} requests/s)"
+        )
     finally:
         await client.aclose()
         worker.terminate()

@@ -16,24 +16,50 @@ def stored_thread(thread: str, resource: str, turns: int, pending: bool = True) 
     for t in range(turns):
         stamp = f"2026-03-01T10:{t // 60:02d}:{t % 60:02d}.000Z"
         rows.append(
-            {"id": f"{thread}-u{t}", "role": "user", "createdAt": stamp, "threadId": thread, "resourceId": resource,
-             "type": "v2", "content": {"format": 2, "parts": [{"type": "text", "text": f"Question {t}: what about city {t}?"}]}}
+            {
+                "id": f"{thread}-u{t}",
+                "role": "user",
+                "createdAt": stamp,
+                "threadId": thread,
+                "resourceId": resource,
+                "type": "v2",
+                "content": {"format": 2, "parts": [{"type": "text", "text": f"Question {t}: what about city {t}?"}]},
+            }
         )
         last = pending and t == turns - 1
-        call = {"state": "call" if last else "result", "toolCallId": f"call_{thread}_{t}", "toolName": "getWeather",
-                "args": {"city": f"City {t}", "day": "tomorrow"}}
+        call = {
+            "state": "call" if last else "result",
+            "toolCallId": f"call_{thread}_{t}",
+            "toolName": "getWeather",
+            "args": {"city": f"City {t}", "day": "tomorrow"},
+        }
         if not last:
             call["result"] = {"tempC": 10 + t % 15, "sky": "sunny", "wind": {"kmh": 12, "dir": "NW"}}
         rows.append(
-            {"id": f"{thread}-a{t}", "role": "assistant", "createdAt": stamp, "threadId": thread, "resourceId": resource,
-             "type": "v2", "content": {"format": 2, "content": f"In City {t}: mild.", "parts": [
-                 {"type": "step-start"},
-                 {"type": "reasoning", "reasoning": "", "details": [{"type": "text", "text": "Look up the forecast."}],
-                  "providerMetadata": {"openai": {"itemId": f"rs_{t}", "reasoningEncryptedContent": None}}},
-                 {"type": "tool-invocation", "toolInvocation": call, "providerMetadata": {"openai": {"itemId": f"fc_{t}"}}},
-                 {"type": "step-start"},
-                 {"type": "text", "text": f"In City {t}: mild.", "providerMetadata": {"openai": {"itemId": f"msg_{t}"}}},
-             ]}}
+            {
+                "id": f"{thread}-a{t}",
+                "role": "assistant",
+                "createdAt": stamp,
+                "threadId": thread,
+                "resourceId": resource,
+                "type": "v2",
+                "content": {
+                    "format": 2,
+                    "content": f"In City {t}: mild.",
+                    "parts": [
+                        {"type": "step-start"},
+                        {
+                            "type": "reasoning",
+                            "reasoning": "",
+                            "details": [{"type": "text", "text": "Look up the forecast."}],
+                            "providerMetadata": {"openai": {"itemId": f"rs_{t}", "reasoningEncryptedContent": None}},
+                        },
+                        {"type": "tool-invocation", "toolInvocation": call, "providerMetadata": {"openai": {"itemId": f"fc_{t}"}}},
+                        {"type": "step-start"},
+                        {"type": "text", "text": f"In City {t}: mild.", "providerMetadata": {"openai": {"itemId": f"msg_{t}"}}},
+                    ],
+                },
+            }
         )
     return rows
 
@@ -51,7 +77,6 @@ def echo_of(rows: list[dict[str, Any]], new_text: str = "And next week?") -> lis
             if part["type"] == "text":
                 part["text"] = part["text"] + " "
             parts.append(part)
-        echo.append({"id": row["id"], "role": row["role"], "createdAt": row["createdAt"],
-                     "content": {"format": 2, "parts": parts}})
+        echo.append({"id": row["id"], "role": row["role"], "createdAt": row["createdAt"], "content": {"format": 2, "parts": parts}})
     echo.append({"role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": new_text}]}})
     return echo

@@ -147,11 +147,22 @@ async def seed(redis_url: str, prefix: str, history: dict) -> None:
     try:
         threads = [(thread, rows) for thread, rows in history.items() if rows]
         for start in range(0, len(threads), 500):
-            chunk = threads[start:start + 500]
+            chunk = threads[start : start + 500]
             await store.claim([(r["id"], thread) for thread, rows in chunk for r in rows])
-            await store.apply([Save(thread, "r-bench", max(parse_ms(r["createdAt"]) for r in rows),
-                                    [(r["id"], msgspec.json.encode(r)) for r in rows], [r["role"] for r in rows], b"", may_own=True)
-                               for thread, rows in chunk])
+            await store.apply(
+                [
+                    Save(
+                        thread,
+                        "r-bench",
+                        max(parse_ms(r["createdAt"]) for r in rows),
+                        [(r["id"], msgspec.json.encode(r)) for r in rows],
+                        [r["role"] for r in rows],
+                        b"",
+                        may_own=True,
+                    )
+                    for thread, rows in chunk
+                ]
+            )
     finally:
         await client.aclose()
 
@@ -181,8 +192,14 @@ async def clean_up(bootstrap: str, redis_url: str, topics: list[str], prefix: st
 
 async def baseline(bootstrap: str, source: str, sink: str, n: int) -> tuple[float, float]:
     """(a) plain aiokafka: consume every record and produce its value; (records/s, CPU seconds per record)."""
-    consumer = AIOKafkaConsumer(source, bootstrap_servers=bootstrap, group_id=f"baseline-{uuid.uuid4().hex[:6]}",
-                                auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20, fetch_max_bytes=64 << 20)
+    consumer = AIOKafkaConsumer(
+        source,
+        bootstrap_servers=bootstrap,
+        group_id=f"baseline-{uuid.uuid4().hex[:6]}",
+        auto_offset_reset="earliest",
+        max_partition_fetch_bytes=8 << 20,
+        fetch_max_bytes=64 << 20,
+    )
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, max_batch_size=1 << 20, max_request_size=4 << 20, acks=-1)
     await consumer.start()
     await producer.start()
@@ -206,16 +223,20 @@ async def baseline(bootstrap: str, source: str, sink: str, n: int) -> tuple[floa
         await producer.stop()
 
 
-async def count_until(bootstrap: str, topic: str, n: int, on_record=None, timeout: float = 900,
-                      from_end: asyncio.Event | None = None) -> tuple[float, float]:
+async def count_until(bootstrap: str, topic: str, n: int, on_record=None, timeout: float = 900, from_end: asyncio.Event | None = None) -> tuple[float, float]:
     """Read `topic` until n records arrived; (first arrival, last arrival) monotonic times.
     From the topic's start, or, given `from_end`, from its end: the event is set once the
     reader holds its position there, so that what is published after arrives at a reader
     that is not still working through the backlog."""
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None,
-                                auto_offset_reset="latest" if from_end else "earliest",
-                                fetch_max_wait_ms=10, max_partition_fetch_bytes=8 << 20,
-                                isolation_level="read_committed")  # as downstream reads: once committed
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        auto_offset_reset="latest" if from_end else "earliest",
+        fetch_max_wait_ms=10,
+        max_partition_fetch_bytes=8 << 20,
+        isolation_level="read_committed",
+    )  # as downstream reads: once committed
     await consumer.start()
     seen, first, deadline = 0, None, time.monotonic() + timeout
     try:
@@ -244,12 +265,21 @@ async def count_until(bootstrap: str, topic: str, n: int, on_record=None, timeou
 def worker_env(bootstrap: str, redis_url: str, topics: dict[str, str], prefix: str, history: int, replicas: int = 0) -> dict[str, str]:
     """A benchmark worker's settings: the run's topics for its context size, and its prefix
     as group and key prefix."""
-    return {**os.environ, "MEMFILTER_REDIS_REPLICAS": str(replicas), "KAFKA_BOOTSTRAP_SERVERS": bootstrap, "REDIS_URL": redis_url, "MEMFILTER_GROUP": prefix,
-            "MEMFILTER_REDIS_PREFIX": prefix, "MEMFILTER_TOPIC_REQUESTS": topics["requests"],
-            "MEMFILTER_TOPIC_FILTERED": topics[f"filtered{history}"], "MEMFILTER_TOPIC_PERSIST": topics[f"persist{history}"],
-            "MEMFILTER_TOPIC_DLQ": topics[f"dlq{history}"], "MEMFILTER_DATA_DIR": f"/tmp/{prefix}",
-            "MEMFILTER_HISTORY_MESSAGES": str(history),
-            "MEMFILTER_SECRET": os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32)}
+    return {
+        **os.environ,
+        "MEMFILTER_REDIS_REPLICAS": str(replicas),
+        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "REDIS_URL": redis_url,
+        "MEMFILTER_GROUP": prefix,
+        "MEMFILTER_REDIS_PREFIX": prefix,
+        "MEMFILTER_TOPIC_REQUESTS": topics["requests"],
+        "MEMFILTER_TOPIC_FILTERED": topics[f"filtered{history}"],
+        "MEMFILTER_TOPIC_PERSIST": topics[f"persist{history}"],
+        "MEMFILTER_TOPIC_DLQ": topics[f"dlq{history}"],
+        "MEMFILTER_DATA_DIR": f"/tmp/{prefix}",
+        "MEMFILTER_HISTORY_MESSAGES": str(history),
+        "MEMFILTER_SECRET": os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32),
+    }
 
 
 def rss_mb(pid: int) -> float:
@@ -338,10 +368,14 @@ async def main() -> None:
     parser.add_argument("--latency-seconds", type=float, default=10)
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--history", default="0,10", help="context sizes to run (b) with, in order (MEMFILTER_HISTORY_MESSAGES)")
-    parser.add_argument("--profile", metavar="FILE", help="sample the worker with py-spy during (b), write the samples "
-                        "to FILE and print where its time went (py-spy takes CPU too: the run's figures drop)")
-    parser.add_argument("--cluster", nargs=2, metavar=("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL"),
-                        help="a replicated stack to run the same requests through as well")
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="sample the worker with py-spy during (b), write the samples to FILE and print where its time went (py-spy takes CPU too: the run's figures drop)",
+    )
+    parser.add_argument(
+        "--cluster", nargs=2, metavar=("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL"), help="a replicated stack to run the same requests through as well"
+    )
     args = parser.parse_args()
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -371,8 +405,10 @@ async def measure(args: argparse.Namespace, stacks: list[tuple[str, str]], topic
     with kept_from_collector():
         history, requests = make_workload(args.threads, args.requests)
     sizes = sorted(len(v) for _, v in requests)
-    print(f"workload: {len(requests):,} requests over {args.threads:,} threads, "
-          f"{sum(sizes) / len(sizes) / 1024:.1f} KiB mean, {sizes[len(sizes) // 2] / 1024:.1f} KiB median")
+    print(
+        f"workload: {len(requests):,} requests over {args.threads:,} threads, "
+        f"{sum(sizes) / len(sizes) / 1024:.1f} KiB mean, {sizes[len(sizes) // 2] / 1024:.1f} KiB median"
+    )
     (bootstrap, redis_url), cluster = stacks[0], stacks[1:]
     for n in histories:
         await seed(redis_url, f"{prefix}-h{n}", history)
@@ -399,8 +435,22 @@ async def measure(args: argparse.Namespace, stacks: list[tuple[str, str]], topic
     for i, (variant, (count, replicas)) in enumerate(CLUSTER_RUNS.items()):
         rates = [single]
         label = f"{'s' if count > 1 else ''} x{count}, MEMFILTER_REDIS_REPLICAS={replicas}"
-        workers = await run_worker(args, bootstrap, redis_url, topics, f"{prefix}-{variant}", n, len(requests), rate_a, rates,
-                                   variant=variant, label=label, count=count, replicas=replicas, against="one broker, one Redis")
+        workers = await run_worker(
+            args,
+            bootstrap,
+            redis_url,
+            topics,
+            f"{prefix}-{variant}",
+            n,
+            len(requests),
+            rate_a,
+            rates,
+            variant=variant,
+            label=label,
+            count=count,
+            replicas=replicas,
+            against="one broker, one Redis",
+        )
         try:
             if i == len(CLUSTER_RUNS) - 1:
                 await latency(args, bootstrap, topics[f"filtered{variant}"], topics["requests"])
@@ -415,19 +465,41 @@ def stop(workers: list[subprocess.Popen]) -> None:
         worker.wait(30)
 
 
-async def run_worker(args, bootstrap, redis_url, topics, prefix, history, n_requests, rate_a, rates,
-                     variant: str | None = None, label: str = "", count: int = 1, replicas: int = 0,
-                     against: str = "the first (b)") -> list[subprocess.Popen]:
+async def run_worker(
+    args,
+    bootstrap,
+    redis_url,
+    topics,
+    prefix,
+    history,
+    n_requests,
+    rate_a,
+    rates,
+    variant: str | None = None,
+    label: str = "",
+    count: int = 1,
+    replicas: int = 0,
+    against: str = "the first (b)",
+) -> list[subprocess.Popen]:
     """(b) with contexts of `history` rows, by `count` workers of one group: the workers, still
     running, once they have caught up. Their output topics are `variant`'s (default: the
     context size's)."""
     variant = variant if variant is not None else str(history)
     label = label or f", MEMFILTER_HISTORY_MESSAGES={history}"
     ports = [free_port() for _ in range(count)]
-    env = worker_env(bootstrap, redis_url, {**topics, **{f"{k}{history}": topics[f"{k}{variant}"] for k in ("filtered", "persist", "dlq")}},
-                     prefix, history, replicas)
-    workers = [subprocess.Popen([sys.executable, "-m", "memfilter", "worker", "--web-port", str(port)], env=env, cwd=REPO,
-                                stdout=open(f"/tmp/{prefix}-worker{i}.log", "wb"), stderr=subprocess.STDOUT) for i, port in enumerate(ports)]
+    env = worker_env(
+        bootstrap, redis_url, {**topics, **{f"{k}{history}": topics[f"{k}{variant}"] for k in ("filtered", "persist", "dlq")}}, prefix, history, replicas
+    )
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "memfilter", "worker", "--web-port", str(port)],
+            env=env,
+            cwd=REPO,
+            stdout=open(f"/tmp/{prefix}-worker{i}.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
+        for i, port in enumerate(ports)
+    ]
     try:
         rss, tenths, cpu, machine, services, profiler, sizes, seen = [], [], [], [], [], [], [0], [0]
         worker = workers[0]
@@ -440,9 +512,24 @@ async def run_worker(args, bootstrap, redis_url, topics, prefix, history, n_requ
                 machine.append(machine_busy_seconds())
                 services.append(service_cpu_seconds())
                 if args.profile:
-                    profiler.append(subprocess.Popen(
-                        [Path(sys.executable).parent / "py-spy", "record", "--pid", str(worker.pid), "--rate", "200",
-                         "--format", "raw", "--output", f"{args.profile}.{variant}", "--nonblocking"], stdout=subprocess.DEVNULL))
+                    profiler.append(
+                        subprocess.Popen(
+                            [
+                                Path(sys.executable).parent / "py-spy",
+                                "record",
+                                "--pid",
+                                str(worker.pid),
+                                "--rate",
+                                "200",
+                                "--format",
+                                "raw",
+                                "--output",
+                                f"{args.profile}.{variant}",
+                                "--nonblocking",
+                            ],
+                            stdout=subprocess.DEVNULL,
+                        )
+                    )
             if seen[0] == 2000:
                 rss.append(rss_mb(worker.pid))
             if seen[0] % max(1, n_requests // 10) == 0:
@@ -458,19 +545,27 @@ async def run_worker(args, bootstrap, redis_url, topics, prefix, history, n_requ
             p.send_signal(signal.SIGINT)  # py-spy writes its samples when interrupted
             p.wait(30)
         m = [worker_metrics(port) for port in ports]
-        print(f"(b) memfilter worker{label}: {rate_b:9,.0f} requests/s   (b)/(a) = {rate_b / rate_a:.2f}"
-              + (f"   against {against}: {rate_b / rates[0]:.2f}" if len(rates) > 1 else ""))
+        print(
+            f"(b) memfilter worker{label}: {rate_b:9,.0f} requests/s   (b)/(a) = {rate_b / rate_a:.2f}"
+            + (f"   against {against}: {rate_b / rates[0]:.2f}" if len(rates) > 1 else "")
+        )
         trips, handled = (sum(x[name] for x in m) for name in ("memfilter_redis_round_trips_total", "memfilter_requests_total"))
         print(f"    Redis round trips/request:  {trips / handled:.4f}")
         print(f"    filtered input: {sizes[0] / n_requests:,.0f} bytes mean")
-        print(f"    worker CPU: {(cpu[1] - cpu[0]) / (n_requests - 1) * 1e6:.0f} µs per request, "
-              f"busy {(cpu[1] - cpu[0]) / (last - first):.0%} of the time" + (f" (the {count} together)" if count > 1 else ""))
-        print(f"    machine: {(machine[1] - machine[0]) / (last - first):.2f} of its {os.cpu_count()} cores busy, "
-              f"{((machine[1] - machine[0]) - (cpu[1] - cpu[0])) / (n_requests - 1) * 1e6:.0f} µs per request "
-              f"outside the worker (broker, Redis, this benchmark's reader): "
-              + ", ".join(f"{name} {(services[1][name] - services[0][name]) / (n_requests - 1) * 1e6:.0f} µs" for name in services[0]))
-        print(f"    worker RSS: {rss[0]:.0f} MiB after 2,000 requests, {tenths[-1]:.0f} MiB after {n_requests:,} "
-              f"(after each tenth: {' '.join(f'{r:.0f}' for r in tenths)})")
+        print(
+            f"    worker CPU: {(cpu[1] - cpu[0]) / (n_requests - 1) * 1e6:.0f} µs per request, "
+            f"busy {(cpu[1] - cpu[0]) / (last - first):.0%} of the time" + (f" (the {count} together)" if count > 1 else "")
+        )
+        print(
+            f"    machine: {(machine[1] - machine[0]) / (last - first):.2f} of its {os.cpu_count()} cores busy, "
+            f"{((machine[1] - machine[0]) - (cpu[1] - cpu[0])) / (n_requests - 1) * 1e6:.0f} µs per request "
+            f"outside the worker (broker, Redis, this benchmark's reader): "
+            + ", ".join(f"{name} {(services[1][name] - services[0][name]) / (n_requests - 1) * 1e6:.0f} µs" for name in services[0])
+        )
+        print(
+            f"    worker RSS: {rss[0]:.0f} MiB after 2,000 requests, {tenths[-1]:.0f} MiB after {n_requests:,} "
+            f"(after each tenth: {' '.join(f'{r:.0f}' for r in tenths)})"
+        )
         if args.profile:
             print_profile(f"{args.profile}.{variant}")
         return workers
@@ -486,16 +581,17 @@ async def latency(args, bootstrap: str, filtered: str, requests: str) -> None:
     with kept_from_collector():
         _, paced = make_workload(args.threads, n_latency, seed=2, tag="lat")
     positioned = asyncio.Event()
-    reader = asyncio.create_task(count_until(
-        bootstrap, filtered, n_latency, from_end=positioned,
-        on_record=lambda r: latencies.append(time.time() * 1000 - r.timestamp)))
+    reader = asyncio.create_task(
+        count_until(bootstrap, filtered, n_latency, from_end=positioned, on_record=lambda r: latencies.append(time.time() * 1000 - r.timestamp))
+    )
     await positioned.wait()
     await publish(bootstrap, requests, paced, rate=args.latency_rate)
     await reader
     latencies.sort()
-    print(f"(c) publish -> filtered input at {args.latency_rate:,.0f} requests/s: "
-          f"p50 {latencies[len(latencies) // 2]:.0f} ms, p99 {latencies[int(len(latencies) * 0.99)]:.0f} ms")
-
+    print(
+        f"(c) publish -> filtered input at {args.latency_rate:,.0f} requests/s: "
+        f"p50 {latencies[len(latencies) // 2]:.0f} ms, p99 {latencies[int(len(latencies) * 0.99)]:.0f} ms"
+    )
 
 
 if __name__ == "__main__":

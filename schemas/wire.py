@@ -246,6 +246,7 @@ TOPIC_VALUES: dict[str, type] = {
     "persist-messages": PersistMessages,
 }
 
+
 def json_schemas() -> dict[str, dict[str, Any]]:
     """One self-contained JSON Schema per topic value, keyed by topic name."""
     out = {}

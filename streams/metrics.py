@@ -71,9 +71,7 @@ class Metrics(LoopMetrics):
         self.dead_letters = Counter("memfilter_dead_letters", "Records sent to the dead-letter topic", ["error_type"], registry=r)
         self.persisted = Counter("memfilter_persisted", "persist-messages events of other services applied", registry=r)
         self.decision = Histogram("memfilter_decision_seconds", "One request's filter decision", buckets=_DECISION_BUCKETS, registry=r)
-        self.end_to_end = Histogram(
-            "memfilter_end_to_end_seconds", "Record timestamp to outputs committed", buckets=_LATENCY_BUCKETS, registry=r
-        )
+        self.end_to_end = Histogram("memfilter_end_to_end_seconds", "Record timestamp to outputs committed", buckets=_LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("memfilter_batch_size", "Records per batch", buckets=_BATCH_BUCKETS, registry=r)
         self.round_trips = Counter("memfilter_redis_round_trips", "Pipelined Redis round trips", registry=r)
 

@@ -44,8 +44,16 @@ class SettingError(ValueError):
     """A setting that will not do: one line naming the variable and the fix."""
 
 
-class Kafka(msgspec.Struct, frozen=True, rename={"bootstrap": "KAFKA_BOOTSTRAP_SERVERS", "batch_max": "MEMFILTER_BATCH_MAX",
-                                                 "batch_within": "MEMFILTER_BATCH_WITHIN", "session_timeout": "MEMFILTER_SESSION_TIMEOUT"}):
+class Kafka(
+    msgspec.Struct,
+    frozen=True,
+    rename={
+        "bootstrap": "KAFKA_BOOTSTRAP_SERVERS",
+        "batch_max": "MEMFILTER_BATCH_MAX",
+        "batch_within": "MEMFILTER_BATCH_WITHIN",
+        "session_timeout": "MEMFILTER_SESSION_TIMEOUT",
+    },
+):
     """Where Kafka is, and how the consumer groups (worker and agent runner) fetch."""
 
     bootstrap: str = "127.0.0.1:9092"
@@ -54,8 +62,16 @@ class Kafka(msgspec.Struct, frozen=True, rename={"bootstrap": "KAFKA_BOOTSTRAP_S
     session_timeout: Seconds = 10.0  # seconds before a silent member's partitions go to the others
 
 
-class Redis(msgspec.Struct, frozen=True, rename={"url": "REDIS_URL", "prefix": "MEMFILTER_REDIS_PREFIX", "replicas": "MEMFILTER_REDIS_REPLICAS",
-                                                 "replica_timeout": "MEMFILTER_REDIS_REPLICA_TIMEOUT"}):
+class Redis(
+    msgspec.Struct,
+    frozen=True,
+    rename={
+        "url": "REDIS_URL",
+        "prefix": "MEMFILTER_REDIS_PREFIX",
+        "replicas": "MEMFILTER_REDIS_REPLICAS",
+        "replica_timeout": "MEMFILTER_REDIS_REPLICA_TIMEOUT",
+    },
+):
     """Where the history store is."""
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -65,8 +81,11 @@ class Redis(msgspec.Struct, frozen=True, rename={"url": "REDIS_URL", "prefix": "
     replica_timeout: Annotated[float, Meta(gt=0, le=5)] = 1.0  # seconds WAIT waits; then the batch is handled again
 
 
-class Topics(msgspec.Struct, frozen=True, rename={"requests": "MEMFILTER_TOPIC_REQUESTS", "filtered": "MEMFILTER_TOPIC_FILTERED",
-                                                  "persist": "MEMFILTER_TOPIC_PERSIST", "dlq": "MEMFILTER_TOPIC_DLQ"}):
+class Topics(
+    msgspec.Struct,
+    frozen=True,
+    rename={"requests": "MEMFILTER_TOPIC_REQUESTS", "filtered": "MEMFILTER_TOPIC_FILTERED", "persist": "MEMFILTER_TOPIC_PERSIST", "dlq": "MEMFILTER_TOPIC_DLQ"},
+):
     """The product's four topics (docs/contracts: what each carries)."""
 
     requests: str = "chat-requests"
@@ -78,8 +97,16 @@ class Topics(msgspec.Struct, frozen=True, rename={"requests": "MEMFILTER_TOPIC_R
         return self.requests, self.filtered, self.persist, self.dlq
 
 
-class Decisions(msgspec.Struct, frozen=True, rename={"max_bytes": "MEMFILTER_MAX_BYTES", "max_messages": "MEMFILTER_MAX_MESSAGES",
-                                                     "history_messages": "MEMFILTER_HISTORY_MESSAGES", "edits": "MEMFILTER_EDITS"}):
+class Decisions(
+    msgspec.Struct,
+    frozen=True,
+    rename={
+        "max_bytes": "MEMFILTER_MAX_BYTES",
+        "max_messages": "MEMFILTER_MAX_MESSAGES",
+        "history_messages": "MEMFILTER_HISTORY_MESSAGES",
+        "edits": "MEMFILTER_EDITS",
+    },
+):
     """How requests are decided: made into the filter's `Policy` (`Settings.policy`)."""
 
     max_bytes: Positive = 1 << 20
@@ -88,9 +115,18 @@ class Decisions(msgspec.Struct, frozen=True, rename={"max_bytes": "MEMFILTER_MAX
     edits: Literal["on", "off"] = "on"  # regenerate and edit supersede rows; off: the stored copy wins (Mastra)
 
 
-class Worker(msgspec.Struct, frozen=True, rename={"group": "MEMFILTER_GROUP", "processed_ttl": "MEMFILTER_PROCESSED_TTL",
-                                                  "retry_window": "MEMFILTER_RETRY_WINDOW", "web_port": "MEMFILTER_WEB_PORT",
-                                                  "web_bind": "MEMFILTER_WEB_BIND", "data_dir": "MEMFILTER_DATA_DIR"}):
+class Worker(
+    msgspec.Struct,
+    frozen=True,
+    rename={
+        "group": "MEMFILTER_GROUP",
+        "processed_ttl": "MEMFILTER_PROCESSED_TTL",
+        "retry_window": "MEMFILTER_RETRY_WINDOW",
+        "web_port": "MEMFILTER_WEB_PORT",
+        "web_bind": "MEMFILTER_WEB_BIND",
+        "data_dir": "MEMFILTER_DATA_DIR",
+    },
+):
     """`memfilter worker` (and the commands that read its store: history, replay)."""
 
     group: str = "memfilter"  # the consumer group, and the Faust app's id
@@ -101,9 +137,18 @@ class Worker(msgspec.Struct, frozen=True, rename={"group": "MEMFILTER_GROUP", "p
     data_dir: str = ""  # Faust's data folder; default $TMPDIR/memfilter-<group>
 
 
-class Agent(msgspec.Struct, frozen=True, rename={"group": "MEMFILTER_AGENT_GROUP", "backend": "MEMFILTER_AGENT_BACKEND", "model": "MEMFILTER_AGENT_MODEL",
-                                                 "base_url": "MEMFILTER_AGENT_BASE_URL", "web_port": "MEMFILTER_AGENT_WEB_PORT",
-                                                 "openai_api_key": "OPENAI_API_KEY"}):
+class Agent(
+    msgspec.Struct,
+    frozen=True,
+    rename={
+        "group": "MEMFILTER_AGENT_GROUP",
+        "backend": "MEMFILTER_AGENT_BACKEND",
+        "model": "MEMFILTER_AGENT_MODEL",
+        "base_url": "MEMFILTER_AGENT_BASE_URL",
+        "web_port": "MEMFILTER_AGENT_WEB_PORT",
+        "openai_api_key": "OPENAI_API_KEY",
+    },
+):
     """`memfilter agent`, the reference agent runner."""
 
     group: str = "memfilter-agent"  # its consumer group on filtered-inputs
@@ -114,9 +159,18 @@ class Agent(msgspec.Struct, frozen=True, rename={"group": "MEMFILTER_AGENT_GROUP
     openai_api_key: str = ""
 
 
-class Stack(msgspec.Struct, frozen=True, rename={"dir": "MEMFILTER_STACK_DIR", "kafka_port": "MEMFILTER_KAFKA_PORT",
-                                                 "controller_port": "MEMFILTER_CONTROLLER_PORT", "redis_port": "MEMFILTER_REDIS_PORT",
-                                                 "partitions": "MEMFILTER_PARTITIONS", "maven_settings": "MEMFILTER_MAVEN_SETTINGS"}):
+class Stack(
+    msgspec.Struct,
+    frozen=True,
+    rename={
+        "dir": "MEMFILTER_STACK_DIR",
+        "kafka_port": "MEMFILTER_KAFKA_PORT",
+        "controller_port": "MEMFILTER_CONTROLLER_PORT",
+        "redis_port": "MEMFILTER_REDIS_PORT",
+        "partitions": "MEMFILTER_PARTITIONS",
+        "maven_settings": "MEMFILTER_MAVEN_SETTINGS",
+    },
+):
     """`memfilter stack`: the local Kafka and Redis."""
 
     dir: str = ""  # default: .stack/ in a checkout, else ~/.local/state/memfilter/stack
@@ -128,7 +182,13 @@ class Stack(msgspec.Struct, frozen=True, rename={"dir": "MEMFILTER_STACK_DIR", "
 
 
 PARTS: dict[str, type[msgspec.Struct]] = {
-    "kafka": Kafka, "redis": Redis, "topics": Topics, "decisions": Decisions, "worker": Worker, "agent": Agent, "stack": Stack
+    "kafka": Kafka,
+    "redis": Redis,
+    "topics": Topics,
+    "decisions": Decisions,
+    "worker": Worker,
+    "agent": Agent,
+    "stack": Stack,
 }
 SECRET = "MEMFILTER_SECRET"  # keys server-assigned message ids and signs the processor's persist events
 

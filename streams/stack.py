@@ -69,7 +69,17 @@ class Settings:
     @classmethod
     def of(cls, s: product_settings.Settings, partitions: int | None = None, brokers: int = 1, redis_cluster: bool = False) -> Settings:
         st = s.stack
-        return cls(Path(st.dir), st.kafka_port, st.controller_port, st.redis_port, partitions or st.partitions, st.maven_settings, brokers, redis_cluster, s.topics.all())
+        return cls(
+            Path(st.dir),
+            st.kafka_port,
+            st.controller_port,
+            st.redis_port,
+            partitions or st.partitions,
+            st.maven_settings,
+            brokers,
+            redis_cluster,
+            s.topics.all(),
+        )
 
     @property
     def kafka_ports(self) -> list[int]:
@@ -112,7 +122,9 @@ class Running:
 
     def settings(self, s: Settings) -> Settings:
         """`s` with this stack's ports and shape."""
-        return Settings(s.dir, self.kafka_port, self.controller_port, self.redis_port, s.partitions, s.maven_settings, self.brokers, self.redis_cluster, s.topics)
+        return Settings(
+            s.dir, self.kafka_port, self.controller_port, self.redis_port, s.partitions, s.maven_settings, self.brokers, self.redis_cluster, s.topics
+        )
 
     def exports(self, s: Settings, secret: str) -> str:
         """Shell lines for `eval "$(memfilter stack up)"`; `secret` is the stack's (`secret`)."""
@@ -350,8 +362,13 @@ def _kafka_properties(s: Settings, n: int, data: Path) -> str:
     else:
         quorum = "controller.quorum.voters=" + ",".join(f"{i + 1}@127.0.0.1:{port}" for i, port in enumerate(s.controller_ports))
     return SERVER_PROPERTIES.format(
-        node_id=n + 1, kafka_port=s.kafka_ports[n], controller_port=s.controller_ports[n], quorum=quorum, data=data,
-        replicas=s.brokers, isr=min(2, s.brokers),
+        node_id=n + 1,
+        kafka_port=s.kafka_ports[n],
+        controller_port=s.controller_ports[n],
+        quorum=quorum,
+        data=data,
+        replicas=s.brokers,
+        isr=min(2, s.brokers),
     )
 
 

@@ -48,7 +48,7 @@ def redis_config(folder: Path) -> tuple[Path, str]:
     tests that stop, hang or restart their Redis: `redis-server CONFIG` starts it."""
     port = free_port()
     conf = folder / "redis.conf"
-    conf.write_text(f"bind 127.0.0.1\nport {port}\ndir {folder}\nsave \"\"\n")
+    conf.write_text(f'bind 127.0.0.1\nport {port}\ndir {folder}\nsave ""\n')
     return conf, f"redis://127.0.0.1:{port}/0"
 
 
@@ -103,9 +103,7 @@ class Pipeline:
 
     def memfilter(self, *argv: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
         """Run the command line with this pipeline's settings (and `env` on top); text output."""
-        return subprocess.run(
-            [sys.executable, "-m", "memfilter", *argv], capture_output=True, text=True, env=self.env(**env), cwd=REPO, timeout=timeout
-        )
+        return subprocess.run([sys.executable, "-m", "memfilter", *argv], capture_output=True, text=True, env=self.env(**env), cwd=REPO, timeout=timeout)
 
     def log_path(self, n: int) -> Path:
         return WORKER_LOGS / f"memfilter-test-{self.name}-worker{n}.log"
@@ -208,9 +206,7 @@ class Collector:
     """Reads topics from the beginning in the background, while a test does other things."""
 
     def __init__(self, bootstrap: str, topics: list[str], isolation_level: str = "read_uncommitted"):
-        self.consumer = AIOKafkaConsumer(
-            *topics, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None, isolation_level=isolation_level
-        )
+        self.consumer = AIOKafkaConsumer(*topics, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None, isolation_level=isolation_level)
         self.records: list[ConsumerRecord] = []
         self._task: asyncio.Task | None = None
 
@@ -248,7 +244,9 @@ async def dump(pipeline: Pipeline, prefix: str, url: str | None = None) -> dict:
     async for key in client.scan_iter(match=f"{prefix}:*"):
         name = key.decode().removeprefix(prefix)
         kind = await client.type(key)
-        if ":pending:" in name or name.endswith(":recent") or name == ":epoch" or name.startswith(":sync"):  # not history: retries, re-delivery, fencing, replication markers
+        if (
+            ":pending:" in name or name.endswith(":recent") or name == ":epoch" or name.startswith(":sync")
+        ):  # not history: retries, re-delivery, fencing, replication markers
             continue
         if kind == b"list":
             out[name] = await client.lrange(key, 0, -1)

@@ -28,8 +28,17 @@ def text(mid, role, words, **extra):
 
 
 def tool(mid, state, **inv):
-    return {"id": mid, "role": "assistant", "content": {"format": 2, "parts": [
-        {"type": "step-start"}, {"type": "tool-invocation", "toolInvocation": {"state": state, "toolCallId": "c1", "toolName": "lookup", "args": {"q": 1}, **inv}}]}}
+    return {
+        "id": mid,
+        "role": "assistant",
+        "content": {
+            "format": 2,
+            "parts": [
+                {"type": "step-start"},
+                {"type": "tool-invocation", "toolInvocation": {"state": state, "toolCallId": "c1", "toolName": "lookup", "args": {"q": 1}, **inv}},
+            ],
+        },
+    }
 
 
 def filtered(context, request_id="q1", thread="t1"):
@@ -65,7 +74,9 @@ class TestWhatTheModelIsGiven:
 
     def test_a_call_still_pending_is_left_out(self):
         assert replies.chat_messages([text("u1", "user", "find"), tool("a1", "call"), text("u2", "user", "never mind")]) == [
-            {"role": "user", "content": "find"}, {"role": "user", "content": "never mind"}]
+            {"role": "user", "content": "find"},
+            {"role": "user", "content": "never mind"},
+        ]
 
 
 class TestTheEchoModel:
@@ -121,10 +132,16 @@ class FakeOpenAI:
                     return self.answer(400, {"error": {"message": "context too long", "type": "invalid_request_error"}})
                 if "flaky" in last and sum("flaky" in (r["messages"][-1].get("content") or "") for r in fake.received) == 1:
                     return self.answer(500, {"error": {"message": "overloaded", "type": "server_error"}})
-                return self.answer(200, {
-                    "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
-                    "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": f"model says {len(body['messages'])}"}}],
-                })
+                return self.answer(
+                    200,
+                    {
+                        "id": "chatcmpl-1",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": body["model"],
+                        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": f"model says {len(body['messages'])}"}}],
+                    },
+                )
 
             def answer(self, status, value):
                 raw = json.dumps(value).encode()
@@ -161,13 +178,24 @@ def test_the_openai_backend_answers_with_the_endpoints_reply_retries_an_outage_a
     ui_user = lambda mid, words: {"id": mid, "role": "user", "parts": [{"type": "text", "text": words}]}  # noqa: E731
     t = pipeline.topics
     try:
-        asyncio.run(publish(services.bootstrap, t.requests, [
-            request("oa-1", "q1", {"role": "system", "parts": [{"type": "text", "text": "be brief"}], "id": "s"}, ui_user("oa-1-u1", "hello")),
-            request("oa-2", "q2", ui_user("oa-2-u1", "flaky")),
-            request("oa-3", "q3", ui_user("oa-3-u1", "refuse")),
-        ]))
-        records = asyncio.run(read(services.bootstrap, [t.persist, t.dlq], until=lambda rs: sum(
-            r.topic == t.dlq or json.loads(r.value)["requestId"].endswith("/reply") for r in rs) >= 3))
+        asyncio.run(
+            publish(
+                services.bootstrap,
+                t.requests,
+                [
+                    request("oa-1", "q1", {"role": "system", "parts": [{"type": "text", "text": "be brief"}], "id": "s"}, ui_user("oa-1-u1", "hello")),
+                    request("oa-2", "q2", ui_user("oa-2-u1", "flaky")),
+                    request("oa-3", "q3", ui_user("oa-3-u1", "refuse")),
+                ],
+            )
+        )
+        records = asyncio.run(
+            read(
+                services.bootstrap,
+                [t.persist, t.dlq],
+                until=lambda rs: sum(r.topic == t.dlq or json.loads(r.value)["requestId"].endswith("/reply") for r in rs) >= 3,
+            )
+        )
     finally:
         pipeline.stop_all()
     saved = {r.key.decode(): json.loads(r.value) for r in records if r.topic == t.persist and json.loads(r.value)["requestId"].endswith("/reply")}
@@ -210,8 +238,9 @@ def test_a_runner_built_on_the_client_consumes_as_a_group_and_its_replies_are_st
 
     async def go():
         async with Client(services.bootstrap, pipeline.topics) as client:
-            await client.publish([{"requestId": f"c{i}", "threadId": f"own-{i}", "resourceId": "r1",
-                                   "messages": [text(f"own-{i}-u", "user", f"hi {i}")]} for i in range(2)])
+            await client.publish(
+                [{"requestId": f"c{i}", "threadId": f"own-{i}", "resourceId": "r1", "messages": [text(f"own-{i}-u", "user", f"hi {i}")]} for i in range(2)]
+            )
             handled = []
             async for delivery in client.consume("my-agent"):
                 answer = text(f"{delivery.event.threadId}-a", "assistant", "hello")

@@ -65,7 +65,7 @@ def check(pipeline: Pipeline, conversations: list[Conversation]) -> None:
             # the window is the last rows before the request, less what it supersedes (after its last message)
             gone = len(turn.superseded)
             assert len(turn.context) == min(len(turn.view) + gone, HISTORY + turn.new) - gone, turn.request_id
-            assert [essentials(m) for m in turn.context] == [essentials(m) for m in turn.view[-len(turn.context):]], turn.request_id
+            assert [essentials(m) for m in turn.context] == [essentials(m) for m in turn.view[-len(turn.context) :]], turn.request_id
 
 
 def converse(pipeline: Pipeline, conversations: list[Conversation], during=None) -> None:

@@ -79,9 +79,22 @@ class Cluster:
         """Move `slots` slots from master `source` to master `target` (node ids): started, not awaited."""
         port = next(n[1] for n in self.nodes() if n[0] == source).split(":")[1].split("@")[0]
         return subprocess.Popen(
-            ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{port}", "--cluster-from", source, "--cluster-to", target,
-             "--cluster-slots", str(slots), "--cluster-yes"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                "redis-cli",
+                "--cluster",
+                "reshard",
+                f"127.0.0.1:{port}",
+                "--cluster-from",
+                source,
+                "--cluster-to",
+                target,
+                "--cluster-slots",
+                str(slots),
+                "--cluster-yes",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
 
     def cut_off(self, master: int, replica: int) -> None:

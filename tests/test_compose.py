@@ -94,7 +94,10 @@ def test_compose_brings_up_the_product_it_answers_the_sample_session_and_goes_aw
     def compose(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [*TOOLS[tool], "-p", project, "-f", str(REPO / "docker-compose.yml"), *args],
-            env=env, capture_output=True, text=True, timeout=300,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
 
     client = docker.from_env()
@@ -116,13 +119,14 @@ def test_compose_brings_up_the_product_it_answers_the_sample_session_and_goes_aw
         bootstrap = f"127.0.0.1:{kafka_port}"
         published = subprocess.run(
             [str(REPO / ".venv" / "bin" / "memfilter"), "publish", str(SAMPLE)],
-            env={**env, "KAFKA_BOOTSTRAP_SERVERS": bootstrap}, capture_output=True, text=True, timeout=120,
+            env={**env, "KAFKA_BOOTSTRAP_SERVERS": bootstrap},
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert published.returncode == 0, published.stderr
         requests = [json.loads(line)["requestId"] for line in SAMPLE.read_text().splitlines()]
-        records = asyncio.run(
-            read(bootstrap, ["filtered-inputs", "persist-messages"], until=lambda recs: len(replies(recs)) >= len(requests))
-        )
+        records = asyncio.run(read(bootstrap, ["filtered-inputs", "persist-messages"], until=lambda recs: len(replies(recs)) >= len(requests)))
         filtered = [json.loads(r.value)["requestId"] for r in records if r.topic == "filtered-inputs"]
         assert filtered == requests  # one partition (the thread's), in the order sent
         assert replies(records) == [f"{r}/reply" for r in requests]  # the agent runner answered each, through persist-messages

@@ -23,9 +23,7 @@ ASSIGNED = "<assigned>"
 
 
 def run_explain(payload: bytes) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "memfilter", "explain"], input=payload, capture_output=True, check=False
-    )
+    return subprocess.run([sys.executable, "-m", "memfilter", "explain"], input=payload, capture_output=True, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +58,10 @@ def matches(expected, actual, assigned: dict, path: str = "$") -> None:
 
 def assigned_ids_agree(expect: dict, got: dict) -> None:
     """A message with an assigned id carries the same id in `messages` and `persist`."""
+
     def assigned(messages, expected):
         return [a["id"] for e, a in zip(expected, messages) if e.get("id") == ASSIGNED]
+
     from_messages = assigned(got["messages"], expect["messages"])
     from_persist = assigned(got["persist"], expect["persist"])
     assert set(from_persist) <= set(from_messages), (from_persist, from_messages)

@@ -56,7 +56,16 @@ class TestRequestsTheProcessorWouldRejectAreDecisions:
             ({"messages": [user(str(i)) for i in range(1001)]}, "too-large"),
             ({"messages": [user("u1", text="x" * (1 << 20))]}, "too-large"),
         ],
-        ids=["threadId not a string", "empty threadId", "role tool", "format 1", "duplicate ids", "message of another thread", "too many messages", "too many bytes"],
+        ids=[
+            "threadId not a string",
+            "empty threadId",
+            "role tool",
+            "format 1",
+            "duplicate ids",
+            "message of another thread",
+            "too many messages",
+            "too many bytes",
+        ],
     )
     def test_rejected_with_the_error_type_of_the_contract(self, request_, error_type):
         result = explain(json.dumps(case(**request_)).encode())

@@ -156,9 +156,7 @@ def changed_only_by_advancing_outcomes(before: dict, after: dict) -> bool:
     if len(before["content"]["parts"]) != len(after["content"]["parts"]):
         calls = {p["toolInvocation"]["toolCallId"] for p in after["content"]["parts"] if "toolInvocation" in p}
         parts = [
-            p
-            for p in before["content"]["parts"]
-            if p.get("toolInvocation", {}).get("state") != "partial-call" or p["toolInvocation"]["toolCallId"] in calls
+            p for p in before["content"]["parts"] if p.get("toolInvocation", {}).get("state") != "partial-call" or p["toolInvocation"]["toolCallId"] in calls
         ]
         before = {**before, "content": {**before["content"], "parts": parts}}
     if {k: v for k, v in before.items() if k != "content"} != {k: v for k, v in after.items() if k != "content"}:
@@ -171,9 +169,7 @@ def changed_only_by_advancing_outcomes(before: dict, after: dict) -> bool:
     for b, a in zip(bc["parts"], ac["parts"]):
         if b == a:
             continue
-        if b.get("type") != "tool-invocation" or {k: v for k, v in b.items() if k != "toolInvocation"} != {
-            k: v for k, v in a.items() if k != "toolInvocation"
-        }:
+        if b.get("type") != "tool-invocation" or {k: v for k, v in b.items() if k != "toolInvocation"} != {k: v for k, v in a.items() if k != "toolInvocation"}:
             return False
         bi, ai = b["toolInvocation"], a["toolInvocation"]
         if any(bi.get(k) != ai.get(k) for k in bi.keys() | ai.keys() if k not in OUTCOME_KEYS):
@@ -279,6 +275,8 @@ class TestLossless:
                 if key not in ("parts", "content", "providerMetadata"):
                     assert out["content"][key] == value
             for part in out["content"]["parts"]:
-                assert any({k: v for k, v in part.items() if k not in ("providerMetadata", "providerOptions")}
-                           == {k: v for k, v in p.items() if k not in ("providerMetadata", "providerOptions")}
-                           for p in source["content"]["parts"])
+                assert any(
+                    {k: v for k, v in part.items() if k not in ("providerMetadata", "providerOptions")}
+                    == {k: v for k, v in p.items() if k not in ("providerMetadata", "providerOptions")}
+                    for p in source["content"]["parts"]
+                )

@@ -254,9 +254,7 @@ class TestLanes:
         are decided in offset order, each seeing what the one before saved."""
         threads = [f"lane-t{i}" for i in range(40)]
         batch = [
-            record(thread, [msg(f"{thread}-u{j}") for j in range(k + 1)], 40 * k + n, f"{thread}-q{k}")
-            for k in range(15)
-            for n, thread in enumerate(threads)
+            record(thread, [msg(f"{thread}-u{j}") for j in range(k + 1)], 40 * k + n, f"{thread}-q{k}") for k in range(15) for n, thread in enumerate(threads)
         ]
 
         async def go(store):
@@ -578,7 +576,9 @@ class TestContext:
     def test_a_stored_row_kept_from_before_the_last_n_rows_starts_the_window(self, with_store):
         async def go(store):
             await self.stored(store, self.conversation(8))
-            return await Processor(store, policy=Policy(history=2)).process([record("t", [*self.conversation(8)[2:4], msg("u8")], 0, "q0", retainFullInput=True)])
+            return await Processor(store, policy=Policy(history=2)).process(
+                [record("t", [*self.conversation(8)[2:4], msg("u8")], 0, "q0", retainFullInput=True)]
+            )
 
         assert self.context_ids(with_store(go)) == [["u2", "a3", "u4", "a5", "u6", "a7", "u8"]]
 

@@ -111,21 +111,37 @@ message_like = st.fixed_dictionaries(
     optional={
         "id": st.text(max_size=4) | json_values,
         "content": st.fixed_dictionaries(
-            {"format": st.sampled_from([2, 2, 1]), "parts": st.lists(
-                st.fixed_dictionaries(
-                    {"type": st.sampled_from(["text", "tool-invocation", "data-x", "step-start"])},
-                    optional={"text": json_values, "toolInvocation": st.fixed_dictionaries(
-                        {"state": st.sampled_from(["call", "result", "approval-responded", "partial-call", "bogus"]),
-                         "toolCallId": st.sampled_from(["c1", "c2"])}, optional={"result": json_values}),
-                              "providerMetadata": json_values},
-                ), max_size=4)},
+            {
+                "format": st.sampled_from([2, 2, 1]),
+                "parts": st.lists(
+                    st.fixed_dictionaries(
+                        {"type": st.sampled_from(["text", "tool-invocation", "data-x", "step-start"])},
+                        optional={
+                            "text": json_values,
+                            "toolInvocation": st.fixed_dictionaries(
+                                {
+                                    "state": st.sampled_from(["call", "result", "approval-responded", "partial-call", "bogus"]),
+                                    "toolCallId": st.sampled_from(["c1", "c2"]),
+                                },
+                                optional={"result": json_values},
+                            ),
+                            "providerMetadata": json_values,
+                        },
+                    ),
+                    max_size=4,
+                ),
+            },
             optional={"metadata": json_values},
-        ) | json_values,
+        )
+        | json_values,
     },
 )
 request_like = st.fixed_dictionaries(
-    {"threadId": st.sampled_from(["t", "t", ""]) | json_values, "resourceId": st.sampled_from(["r", "r2"]) | json_values,
-     "messages": st.lists(message_like, max_size=5) | json_values},
+    {
+        "threadId": st.sampled_from(["t", "t", ""]) | json_values,
+        "resourceId": st.sampled_from(["r", "r2"]) | json_values,
+        "messages": st.lists(message_like, max_size=5) | json_values,
+    },
     optional={"requestId": st.text(max_size=4) | json_values, "retainFullInput": st.booleans() | json_values},
 )
 
@@ -144,8 +160,16 @@ def mangle(raw: bytes, how: int, where: int) -> bytes:
 
 
 STORED = {
-    "m": json.dumps({"id": "m", "role": "assistant", "content": {"format": 2, "parts": [
-        {"type": "tool-invocation", "toolInvocation": {"state": "call", "toolCallId": "c1", "toolName": "f", "args": {}}}]}}).encode(),
+    "m": json.dumps(
+        {
+            "id": "m",
+            "role": "assistant",
+            "content": {
+                "format": 2,
+                "parts": [{"type": "tool-invocation", "toolInvocation": {"state": "call", "toolCallId": "c1", "toolName": "f", "args": {}}}],
+            },
+        }
+    ).encode(),
 }
 
 
@@ -174,9 +198,19 @@ class TestNothingADecodeMeetsRaises:
         assert decide_or_reject(mangle(json.dumps(value).encode(), how, where))
 
     @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(st.fixed_dictionaries({"requestId": st.text(max_size=3) | json_values, "threadId": st.just("t") | json_values,
-                                  "resourceId": st.just("r") | json_values, "messages": st.lists(message_like, max_size=3) | json_values}),
-           st.integers(0, 3), st.integers(0, 10_000), st.booleans())
+    @given(
+        st.fixed_dictionaries(
+            {
+                "requestId": st.text(max_size=3) | json_values,
+                "threadId": st.just("t") | json_values,
+                "resourceId": st.just("r") | json_values,
+                "messages": st.lists(message_like, max_size=3) | json_values,
+            }
+        ),
+        st.integers(0, 3),
+        st.integers(0, 10_000),
+        st.booleans(),
+    )
     def test_arbitrary_persist_events_decode_to_an_event_or_a_rejection(self, value, how, where, claims_origin):
         raw = mangle(json.dumps(value).encode(), how, where)
         headers = (origin.ORIGIN,) if claims_origin else ()

@@ -139,9 +139,7 @@ class TestReplay:
         assert header(letter, "memfilter.duplicate-of")
         partition, offset = int(header(letter, "source.partition")), int(header(letter, "source.offset"))
         only_it = {p: (offset if p == partition else 10**9) for p in range(pipeline.partitions)}
-        result = pipeline.memfilter(
-            "replay", "--strict", "--from", ",".join(f"{p}:{o}" for p, o in only_it.items()), "--to", f"{offset + 1}"
-        )
+        result = pipeline.memfilter("replay", "--strict", "--from", ",".join(f"{p}:{o}" for p, o in only_it.items()), "--to", f"{offset + 1}")
         assert result.returncode == 0, result.stdout + result.stderr
         assert "replayed 1 requests: 1 identical, 0 different" in result.stdout
 
@@ -243,7 +241,9 @@ class TestMetricsAndHealth:
                 await admin.close()
             ends = {}
             for topic in (t.requests, t.persist):
-                ends.update({TopicPartition(topic, int(p)): int(o) for p, o in (x.split(":") for x in (await end_offsets(pipeline.bootstrap, topic)).split(","))})
+                ends.update(
+                    {TopicPartition(topic, int(p)): int(o) for p, o in (x.split(":") for x in (await end_offsets(pipeline.bootstrap, topic)).split(","))}
+                )
             return {f"{tp.topic}-{tp.partition}": end - committed[tp].offset for tp, end in ends.items() if end != committed[tp].offset}
 
         assert asyncio.run(group_lag()) == {}

@@ -26,7 +26,9 @@ def installed(tmp_path_factory) -> Path:
     assert built.returncode == 0, built.stderr
     [wheel] = (folder / "dist").glob("memfilter-*.whl")
     subprocess.run([sys.executable, "-m", "venv", str(folder / "venv")], check=True, timeout=300)
-    pip = subprocess.run([str(folder / "venv" / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", str(wheel)], capture_output=True, text=True, timeout=900)
+    pip = subprocess.run(
+        [str(folder / "venv" / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", str(wheel)], capture_output=True, text=True, timeout=900
+    )
     assert pip.returncode == 0, pip.stderr
     return folder / "venv" / "bin"
 

@@ -25,9 +25,18 @@ def test_every_schema_defines_the_message_it_references():
 
 def test_a_filtered_input_round_trips_through_its_struct():
     raw = msgspec.json.encode(
-        {"requestId": "q", "threadId": "t", "resourceId": "r", "outcome": "seeded", "messages": [{"role": "user", "x": 1}],
-         "context": [{"role": "user", "x": 1}], "dropped": [{"id": "a", "reason": "r"}], "source": {"topic": "chat-requests", "partition": 0, "offset": 3},
-         "historyVersion": 2, "superseded": ["a0"]}
+        {
+            "requestId": "q",
+            "threadId": "t",
+            "resourceId": "r",
+            "outcome": "seeded",
+            "messages": [{"role": "user", "x": 1}],
+            "context": [{"role": "user", "x": 1}],
+            "dropped": [{"id": "a", "reason": "r"}],
+            "source": {"topic": "chat-requests", "partition": 0, "offset": 3},
+            "historyVersion": 2,
+            "superseded": ["a0"],
+        }
     )
     assert msgspec.json.encode(msgspec.json.decode(raw, type=FilteredInput)) == raw
 

@@ -105,7 +105,8 @@ class TestTheStackAnswers:
     def test_a_faust_worker_joins_a_group_and_consumes_one_event(self, services, tmp_path):
         """A Faust worker on the real broker: it joins its group and its agent gets an event."""
         app = tmp_path / "smoke_app.py"
-        app.write_text(textwrap.dedent(f"""
+        app.write_text(
+            textwrap.dedent(f"""
             import faust, redis
             app = faust.App("smoke-{uuid.uuid4().hex[:8]}", broker="kafka://{services.bootstrap}",
                             web_enabled=False, store="memory://", datadir="{tmp_path}/data")
@@ -118,7 +119,8 @@ class TestTheStackAnswers:
                     store.set(b"faust-smoke:" + event.key, event.value)
             if __name__ == "__main__":
                 app.main()
-        """))
+        """)
+        )
         key = uuid.uuid4().hex.encode()
         worker = subprocess.Popen(
             [sys.executable, str(app), "worker", "-l", "warn", "--without-web"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -225,7 +227,10 @@ class TestStackUpIsIdempotent:
         with open(log, "wb") as out:
             worker = subprocess.Popen(
                 [sys.executable, "-m", "memfilter", "worker", "--web-port", str(free_port())],
-                env={**env, **exports, "MEMFILTER_GROUP": f"restart-{uuid.uuid4().hex[:6]}"}, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                env={**env, **exports, "MEMFILTER_GROUP": f"restart-{uuid.uuid4().hex[:6]}"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
             )
         try:
             self._wait_for(log, "memfilter worker ready", 1)
@@ -286,12 +291,14 @@ class TestFailuresAreOneLineAndLeaveNothingRunning:
 
     def test_maven_unreachable(self, tmp_path):
         settings = tmp_path / "settings.xml"
-        settings.write_text(textwrap.dedent(f"""
+        settings.write_text(
+            textwrap.dedent(f"""
             <settings>
               <localRepository>{tmp_path}/m2</localRepository>
               <mirrors><mirror><id>nowhere</id><mirrorOf>*</mirrorOf><url>http://127.0.0.1:9/</url></mirror></mirrors>
             </settings>
-        """))
+        """)
+        )
         ports = {k: str(free_port()) for k in ("MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT")}
         env = stack_env(MEMFILTER_STACK_DIR=str(tmp_path / "stack"), MEMFILTER_MAVEN_SETTINGS=str(settings), **ports)
         line = one_line_failure(memfilter("stack", "up", env=env))

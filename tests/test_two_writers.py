@@ -260,7 +260,9 @@ class TestRebuildOrder:
     def test_the_processors_save_goes_where_its_decision_was_made_among_other_writers(self, tmp_path):
         recorded = Recorded(tmp_path, TOPICS, SECRET)
         for offset, version in ((0, None), (1, None), (2, 1), (3, None)):
-            value = json.dumps({"requestId": str(offset), "threadId": "t", "resourceId": "r", "messages": [], **({"historyVersion": version} if version is not None else {})}).encode()
+            value = json.dumps(
+                {"requestId": str(offset), "threadId": "t", "resourceId": "r", "messages": [], **({"historyVersion": version} if version is not None else {})}
+            ).encode()
             headers = origin.headers(value, SECRET) if version is not None else ()
             recorded.add_persisted([Record(TOPICS.persist, 0, offset, 0, b"t", value, headers)])
         log = recorded.log(b"t")

@@ -15,7 +15,7 @@ from memfilter.core.ui import NotConvertible, is_ui, to_stored, to_ui
 
 T0 = 1772366400000
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
 )
@@ -29,12 +29,20 @@ def optional(**fields) -> st.SearchStrategy[dict]:
 
 
 def tool_part(dynamic: bool) -> st.SearchStrategy[dict]:
-    state = st.sampled_from(["input-streaming", "input-available", "output-available", "output-error",
-                             "approval-requested", "approval-responded", "output-denied"])
-    extra = optional(input=json_values, output=json_values, errorText=st.text(max_size=8), providerExecuted=st.booleans(),
-                     callProviderMetadata=metadata, preliminary=st.booleans(), rawInput=json_values,
-                     approval=st.fixed_dictionaries({"id": ids}, optional={"approved": st.booleans(), "reason": st.text(max_size=5)}),
-                     title=st.text(max_size=8))
+    state = st.sampled_from(
+        ["input-streaming", "input-available", "output-available", "output-error", "approval-requested", "approval-responded", "output-denied"]
+    )
+    extra = optional(
+        input=json_values,
+        output=json_values,
+        errorText=st.text(max_size=8),
+        providerExecuted=st.booleans(),
+        callProviderMetadata=metadata,
+        preliminary=st.booleans(),
+        rawInput=json_values,
+        approval=st.fixed_dictionaries({"id": ids}, optional={"approved": st.booleans(), "reason": st.text(max_size=5)}),
+        title=st.text(max_size=8),
+    )
     if dynamic:
         head = st.fixed_dictionaries({"type": st.just("dynamic-tool"), "toolName": st.text(max_size=10), "toolCallId": ids, "state": state})
     else:
@@ -44,19 +52,30 @@ def tool_part(dynamic: bool) -> st.SearchStrategy[dict]:
 
 # Every part type of AI SDK v5 UI messages, with the keys each may carry.
 parts = st.one_of(
-    st.tuples(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}),
-              optional(state=st.sampled_from(["streaming", "done"]), providerMetadata=metadata)).map(lambda t: {**t[1], **t[0]}),
-    st.tuples(st.fixed_dictionaries({"type": st.just("reasoning"), "text": st.text(max_size=20)}),
-              optional(state=st.sampled_from(["streaming", "done"]), providerMetadata=metadata)).map(lambda t: {**t[1], **t[0]}),
-    st.tuples(st.fixed_dictionaries({"type": st.just("file"), "mediaType": st.sampled_from(["image/png", "application/pdf"]), "url": st.text(max_size=20)}),
-              optional(filename=st.text(max_size=8), providerMetadata=metadata)).map(lambda t: {**t[1], **t[0]}),
-    st.tuples(st.fixed_dictionaries({"type": st.just("source-url"), "sourceId": ids, "url": st.text(max_size=20)}),
-              optional(title=st.text(max_size=8), providerMetadata=metadata)).map(lambda t: {**t[1], **t[0]}),
-    st.tuples(st.fixed_dictionaries({"type": st.just("source-document"), "sourceId": ids, "mediaType": st.just("text/plain"), "title": st.text(max_size=8)}),
-              optional(filename=st.text(max_size=8), providerMetadata=metadata)).map(lambda t: {**t[1], **t[0]}),
+    st.tuples(
+        st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}),
+        optional(state=st.sampled_from(["streaming", "done"]), providerMetadata=metadata),
+    ).map(lambda t: {**t[1], **t[0]}),
+    st.tuples(
+        st.fixed_dictionaries({"type": st.just("reasoning"), "text": st.text(max_size=20)}),
+        optional(state=st.sampled_from(["streaming", "done"]), providerMetadata=metadata),
+    ).map(lambda t: {**t[1], **t[0]}),
+    st.tuples(
+        st.fixed_dictionaries({"type": st.just("file"), "mediaType": st.sampled_from(["image/png", "application/pdf"]), "url": st.text(max_size=20)}),
+        optional(filename=st.text(max_size=8), providerMetadata=metadata),
+    ).map(lambda t: {**t[1], **t[0]}),
+    st.tuples(
+        st.fixed_dictionaries({"type": st.just("source-url"), "sourceId": ids, "url": st.text(max_size=20)}),
+        optional(title=st.text(max_size=8), providerMetadata=metadata),
+    ).map(lambda t: {**t[1], **t[0]}),
+    st.tuples(
+        st.fixed_dictionaries({"type": st.just("source-document"), "sourceId": ids, "mediaType": st.just("text/plain"), "title": st.text(max_size=8)}),
+        optional(filename=st.text(max_size=8), providerMetadata=metadata),
+    ).map(lambda t: {**t[1], **t[0]}),
     st.just({"type": "step-start"}),
-    st.tuples(st.fixed_dictionaries({"type": st.sampled_from(["data-weather", "data-trip"]), "data": json_values}), optional(id=ids))
-    .map(lambda t: {**t[1], **t[0]}),
+    st.tuples(st.fixed_dictionaries({"type": st.sampled_from(["data-weather", "data-trip"]), "data": json_values}), optional(id=ids)).map(
+        lambda t: {**t[1], **t[0]}
+    ),
     tool_part(dynamic=False),
     tool_part(dynamic=True),
 )
@@ -75,10 +94,27 @@ class TestTheRoundTrip:
         assert to_ui(json.loads(json.dumps(stored))) == m
 
     def test_a_stored_v4_row_converts_to_v5_tool_parts(self):
-        row = {"id": "a1", "role": "assistant", "content": {"format": 2, "parts": [
-            {"type": "tool-invocation", "toolInvocation": {"state": "result", "toolCallId": "c1", "toolName": "weather", "args": {"city": "Oslo"}, "result": {"c": 4}, "step": 0}},
-            {"type": "tool-invocation", "toolInvocation": {"state": "partial-call", "toolCallId": "c2", "toolName": "map"}},
-        ]}}
+        row = {
+            "id": "a1",
+            "role": "assistant",
+            "content": {
+                "format": 2,
+                "parts": [
+                    {
+                        "type": "tool-invocation",
+                        "toolInvocation": {
+                            "state": "result",
+                            "toolCallId": "c1",
+                            "toolName": "weather",
+                            "args": {"city": "Oslo"},
+                            "result": {"c": 4},
+                            "step": 0,
+                        },
+                    },
+                    {"type": "tool-invocation", "toolInvocation": {"state": "partial-call", "toolCallId": "c2", "toolName": "map"}},
+                ],
+            },
+        }
         assert to_ui(row)["parts"] == [
             {"type": "tool-weather", "toolCallId": "c1", "state": "output-available", "input": {"city": "Oslo"}, "output": {"c": 4}, "step": 0},
             {"type": "tool-map", "toolCallId": "c2", "state": "input-streaming"},
@@ -104,11 +140,20 @@ class TestInFrontOfTheFilter:
         assert as_json[0] == as_json[1] == as_json[2]
 
     @settings(max_examples=400, deadline=None)
-    @given(st.dictionaries(st.sampled_from(["id", "role", "content", "metadata", "createdAt", "x"]), json_values, max_size=5),
-           st.lists(json_values | st.dictionaries(st.sampled_from(["type", "state", "toolCallId", "text", "url", "mediaType", "sourceId", "input",
-                                                                   "toolName", "reasoning", "toolInvocation", "output"]),
-                                                 json_values | st.sampled_from(["tool-x", "dynamic-tool", "file", "reasoning", "source-url", "input-available"]),
-                                                 max_size=5), max_size=4))
+    @given(
+        st.dictionaries(st.sampled_from(["id", "role", "content", "metadata", "createdAt", "x"]), json_values, max_size=5),
+        st.lists(
+            json_values
+            | st.dictionaries(
+                st.sampled_from(
+                    ["type", "state", "toolCallId", "text", "url", "mediaType", "sourceId", "input", "toolName", "reasoning", "toolInvocation", "output"]
+                ),
+                json_values | st.sampled_from(["tool-x", "dynamic-tool", "file", "reasoning", "source-url", "input-available"]),
+                max_size=5,
+            ),
+            max_size=4,
+        ),
+    )
     def test_any_object_with_a_parts_array_converts_or_is_a_schema_rejection(self, fields, message_parts):
         message = {**fields, "parts": message_parts}
         try:
@@ -128,17 +173,21 @@ class TestInFrontOfTheFilter:
                 whole = None
             assert (accepted is None) == (whole is None)
             if accepted is not None:  # what the filter reads of a part: its type, and a tool invocation's
+
                 def read(r):
                     return [(p.type, p.toolInvocation if p.type == "tool-invocation" else None) for p in r.shape.messages[0].content.parts]
 
                 assert read(accepted) == read(whole)
 
-    @pytest.mark.parametrize("part, path", [
-        ({"type": "tool-weather", "toolCallId": "c1", "state": "done"}, "messages[0].parts[0].state"),
-        ({"type": "file", "url": "https://x"}, "messages[0].parts[0].mediaType"),
-        ({"type": "text", "text": 5}, "messages[0].parts[0].text"),
-        ("hello", "messages[0].parts[0]"),
-    ])
+    @pytest.mark.parametrize(
+        "part, path",
+        [
+            ({"type": "tool-weather", "toolCallId": "c1", "state": "done"}, "messages[0].parts[0].state"),
+            ({"type": "file", "url": "https://x"}, "messages[0].parts[0].mediaType"),
+            ({"type": "text", "text": 5}, "messages[0].parts[0].text"),
+            ("hello", "messages[0].parts[0]"),
+        ],
+    )
     def test_a_bad_part_is_named_by_where_the_client_sent_it(self, part, path):
         with pytest.raises(Rejected) as e:
             decode_request(request([{"id": "u1", "role": "user", "parts": [part]}]), "q")

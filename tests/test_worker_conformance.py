@@ -37,8 +37,10 @@ def renamed(value, prefix: str):
     if isinstance(value, dict):
         return {
             k: (
-                f"{prefix}{v}" if k in ("threadId", "id", "messageId") and isinstance(v, str)
-                else [f"{prefix}{i}" for i in v] if k == "superseded"
+                f"{prefix}{v}"
+                if k in ("threadId", "id", "messageId") and isinstance(v, str)
+                else [f"{prefix}{i}" for i in v]
+                if k == "superseded"
                 else renamed(v, prefix)
             )
             for k, v in value.items()
@@ -92,8 +94,7 @@ def run_cases(services, cases: list[dict], history: int, edits: str) -> tuple:
         return await read(
             services.bootstrap,
             [t.filtered, t.persist, t.dlq],
-            until=lambda recs: sum(r.topic in (t.filtered, t.dlq) for r in recs) >= len(cases)
-            and sum(r.topic == t.persist for r in recs) >= saving,
+            until=lambda recs: sum(r.topic in (t.filtered, t.dlq) for r in recs) >= len(cases) and sum(r.topic == t.persist for r in recs) >= saving,
         )
 
     try:

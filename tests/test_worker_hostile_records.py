@@ -54,7 +54,10 @@ def bad_requests() -> list[tuple[str, str, bytes | None, bytes | None]]:
     top = b'{"threadId": "h-deep-top", "resourceId": "r", "messages": [], "x": ' + deep(10_000) + b"}"
     part = raw(req("h-deep-part", "r", [msg("dp")])).replace(b'"hi"', b'"hi", "x": ' + deep(10_000))
     metadata = raw(req("h-deep-meta", "r", [msg("dm")])).replace(b'"format": 2', b'"format": 2, "metadata": {"a": ' + deep(2_000) + b"}")
-    wrong = lambda name, field, value: raw(req(f"h-{name}", "r", [{"id": name, "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": "x", field: value}]}}]))  # noqa: E731
+
+    def wrong(name, field, value):
+        return raw(req(f"h-{name}", "r", [{"id": name, "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": "x", field: value}]}}]))  # noqa: E731
+
     return [
         ("ff", "decode", b"h-ff", text),
         ("surrogate", "decode", b"h-surrogate", surrogate),
@@ -65,7 +68,12 @@ def bad_requests() -> list[tuple[str, str, bytes | None, bytes | None]]:
         ("null-value", "decode", b"h-null-value", None),
         ("provider-metadata", "schema", b"h-provider-metadata", wrong("provider-metadata", "providerMetadata", "x")),
         ("provider-options", "schema", b"h-provider-options", wrong("provider-options", "providerOptions", [1])),
-        ("text-number", "schema", b"h-text-number", raw(req("h-text-number", "r", [msg("tn") | {"content": {"format": 2, "parts": [{"type": "text", "text": 5}]}}]))),
+        (
+            "text-number",
+            "schema",
+            b"h-text-number",
+            raw(req("h-text-number", "r", [msg("tn") | {"content": {"format": 2, "parts": [{"type": "text", "text": 5}]}}])),
+        ),
         ("null-key", "key-mismatch", None, raw(req("h-null-key", "r", [msg("nk")]))),
         ("key-not-utf8", "key-mismatch", b"h-key-not-utf8\xff", raw(req("h-key-not-utf8", "r", [msg("ku")]))),
     ]
@@ -109,8 +117,10 @@ def run(services):
                 await read(pipeline.bootstrap, [t.filtered, t.dlq], until=lambda recs: len(recs) >= sent)
 
         # resA starts its thread, resB its own.
-        await requests([(b"own-A", raw(req("own-A", "resA", [msg("A-u1", text=SECRET_A)], "A-r1")), T0),
-                        (b"own-B", raw(req("own-B", "resB", [msg("B-u1")], "B-r1")), T0)], outputs_before=True)
+        await requests(
+            [(b"own-A", raw(req("own-A", "resA", [msg("A-u1", text=SECRET_A)], "A-r1")), T0), (b"own-B", raw(req("own-B", "resB", [msg("B-u1")], "B-r1")), T0)],
+            outputs_before=True,
+        )
         # Where resA's next requests will land: resB's three come first on that partition.
         on_a = await read(pipeline.bootstrap, [t.requests], until=lambda recs: len(recs) >= sent)
         first = 1 + max(r.offset for r in on_a if r.partition == a_partition)
@@ -119,29 +129,34 @@ def run(services):
         from memfilter.core.filter import decode_request
 
         guessed = decode_request(raw(req("own-A", "resA", a_next, derived)), "x").ids[3]
-        await requests([(b"own-B", raw(req("own-B", "resB", [msg("B-u1"), msg("B-a1", role="assistant"), msg(guessed)], "B-r2")), T0 + 1)],
-                       outputs_before=True)
+        await requests([(b"own-B", raw(req("own-B", "resB", [msg("B-u1"), msg("B-a1", role="assistant"), msg(guessed)], "B-r2")), T0 + 1)], outputs_before=True)
         # resB replays resA's request id, then poisons resA's next ones (given and derived);
         # then resA goes on, with its own A-r3 and an id-less request at the derived position.
-        await requests([
-            (b"own-A", raw(req("own-A", "resB", [msg("A-u1")], "A-r1")), T0 + 1),
-            (b"own-A", raw(req("own-A", "resB", [msg("B-x1")], "A-r3")), T0 + 1),
-            (b"own-A", raw(req("own-A", "resB", [msg("B-x2")], derived)), T0 + 1),
-            (b"own-A", raw(req("own-A", "resA", [msg("A-u1", text=SECRET_A), msg("A-a1", role="assistant"), msg("A-u3")], "A-r3")), T0 + 2),
-            (b"own-A", raw(req("own-A", "resA", a_next)), T0 + 3),
-        ], outputs_before=True)
+        await requests(
+            [
+                (b"own-A", raw(req("own-A", "resB", [msg("A-u1")], "A-r1")), T0 + 1),
+                (b"own-A", raw(req("own-A", "resB", [msg("B-x1")], "A-r3")), T0 + 1),
+                (b"own-A", raw(req("own-A", "resB", [msg("B-x2")], derived)), T0 + 1),
+                (b"own-A", raw(req("own-A", "resA", [msg("A-u1", text=SECRET_A), msg("A-a1", role="assistant"), msg("A-u3")], "A-r3")), T0 + 2),
+                (b"own-A", raw(req("own-A", "resA", a_next)), T0 + 3),
+            ],
+            outputs_before=True,
+        )
         # resB's rejections in threads that have nothing, the hostile records, and after them
         # the same threads' good requests.
-        await requests([
-            (b"empty-1", raw(req("empty-1", "resB", [msg("x", threadId="elsewhere")])), T0),  # thread-mismatch
-            (b"empty-2", raw(req("empty-2", "resB", [msg("A-u1")])), T0),  # foreign-message-id
-            *[(key, value, T0) for _, _, key, value in bad_requests()],
-            *[(f"h-{name}".encode(), raw(req(f"h-{name}", "r", [msg(f"{name}-good")], f"{name}-good")), T0 + 1) for name, *_ in bad_requests()],
-            (b"}brace{", raw(req("}brace{", "resC", [msg("br-1")])), T0),
-        ])
+        await requests(
+            [
+                (b"empty-1", raw(req("empty-1", "resB", [msg("x", threadId="elsewhere")])), T0),  # thread-mismatch
+                (b"empty-2", raw(req("empty-2", "resB", [msg("A-u1")])), T0),  # foreign-message-id
+                *[(key, value, T0) for _, _, key, value in bad_requests()],
+                *[(f"h-{name}".encode(), raw(req(f"h-{name}", "r", [msg(f"{name}-good")], f"{name}-good")), T0 + 1) for name, *_ in bad_requests()],
+                (b"}brace{", raw(req("}brace{", "resC", [msg("br-1")])), T0),
+            ]
+        )
         await publish(pipeline.bootstrap, t.persist, [(key, value, T0, headers) for _, _, key, value, headers in bad_events()])
-        await requests([(b"own-A", raw(req("own-A", "resA", [msg("A-u5")], "A-r5")), T0 + 5),
-                        (b"fresh", raw(req("fresh", "resA", [msg("F-u1")], "F-r1")), T0 + 5)])
+        await requests(
+            [(b"own-A", raw(req("own-A", "resA", [msg("A-u5")], "A-r5")), T0 + 5), (b"fresh", raw(req("fresh", "resA", [msg("F-u1")], "F-r1")), T0 + 5)]
+        )
         expected = sent + len(bad_events())  # a filtered input or a dead letter for each
         records = await read(pipeline.bootstrap, [t.filtered, t.dlq, t.persist], until=lambda recs: sum(r.topic != t.persist for r in recs) >= expected)
         await asyncio.sleep(1)  # a worker that dies on one of them would be gone by now
@@ -177,7 +192,11 @@ def test_the_worker_is_still_running_after_every_hostile_record(run):
 def test_a_hostile_request_is_a_dead_letter_with_its_reason_and_its_thread_goes_on(run, name, error):
     pipeline, records, *_ = run
     t = pipeline.topics
-    [letter] = [r for r in letters(records, t.dlq, t.requests) if r.value == dict((n, v) for n, _, _, v in bad_requests())[name] and r.key == dict((n, k) for n, _, k, _ in bad_requests())[name]]
+    [letter] = [
+        r
+        for r in letters(records, t.dlq, t.requests)
+        if r.value == dict((n, v) for n, _, _, v in bad_requests())[name] and r.key == dict((n, k) for n, _, k, _ in bad_requests())[name]
+    ]
     assert header(letter, "error.type") == error and header(letter, "error.message")
     [good] = filtered(run, f"h-{name}")
     assert good["requestId"] == f"{name}-good" and [m["id"] for m in good["messages"]] == [f"{name}-good"]

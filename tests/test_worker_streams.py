@@ -163,7 +163,7 @@ def test_a_redis_restart_mid_stream_stalls_the_worker_and_loses_nothing(services
     worker's retries, at most 5 s apart, meet that answer at least once."""
     port = free_port()
     conf = tmp_path / "redis.conf"
-    conf.write_text(f"bind 127.0.0.1\nport {port}\ndir {tmp_path}\nappendonly yes\nappendfsync always\nsave \"\"\n")
+    conf.write_text(f'bind 127.0.0.1\nport {port}\ndir {tmp_path}\nappendonly yes\nappendfsync always\nsave ""\n')
 
     def start_redis() -> subprocess.Popen:
         server = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL)
@@ -219,8 +219,18 @@ def test_outputs_larger_than_a_producer_batch_come_out_whole_and_in_order(pipeli
     t = pipeline.topics
     text = "x" * 400_000
     requests = [
-        (b"big", json.dumps({"requestId": f"big-r{k}", "threadId": "big", "resourceId": "r1",
-                             "messages": [{**user("big", k), "content": {"format": 2, "parts": [{"type": "text", "text": text}]}}]}).encode(), T0 + k)
+        (
+            b"big",
+            json.dumps(
+                {
+                    "requestId": f"big-r{k}",
+                    "threadId": "big",
+                    "resourceId": "r1",
+                    "messages": [{**user("big", k), "content": {"format": 2, "parts": [{"type": "text", "text": text}]}}],
+                }
+            ).encode(),
+            T0 + k,
+        )
         for k in range(5)
     ]
 

@@ -24,8 +24,18 @@ T0 = 1772366400000
 
 def requests(n: int) -> list[tuple[bytes, bytes, int]]:
     return [
-        (f"tx{i}".encode(), json.dumps({"requestId": f"tx{i}-r0", "threadId": f"tx{i}", "resourceId": "r1",
-                                        "messages": [{"id": f"tx{i}-u0", "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": "hi"}]}}]}).encode(), T0)
+        (
+            f"tx{i}".encode(),
+            json.dumps(
+                {
+                    "requestId": f"tx{i}-r0",
+                    "threadId": f"tx{i}",
+                    "resourceId": "r1",
+                    "messages": [{"id": f"tx{i}-u0", "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": "hi"}]}}],
+                }
+            ).encode(),
+            T0,
+        )
         for i in range(20)
     ]
 
@@ -36,7 +46,8 @@ async def left_open(pipeline, partition: int) -> AIOKafkaProducer:
     t = pipeline.topics
     group = pipeline.env()["MEMFILTER_GROUP"]
     producer = AIOKafkaProducer(
-        bootstrap_servers=pipeline.bootstrap, transactional_id=transactional_id(group, partition),
+        bootstrap_servers=pipeline.bootstrap,
+        transactional_id=transactional_id(group, partition),
         transaction_timeout_ms=600_000,
     )
     await producer.start()

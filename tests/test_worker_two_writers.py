@@ -36,12 +36,20 @@ def answer(mid: str, words: str) -> dict:
 
 def pending_call(thread: str, k: int) -> dict:
     invocation = {"state": "call", "toolCallId": f"{thread}-c{k}", "toolName": "confirm", "args": {"turn": k}}
-    return {"id": f"{thread}-a{k}", "role": "assistant", "createdAt": _now(), "content": {"format": 2, "parts": [{"type": "tool-invocation", "toolInvocation": invocation}]}}
+    return {
+        "id": f"{thread}-a{k}",
+        "role": "assistant",
+        "createdAt": _now(),
+        "content": {"format": 2, "parts": [{"type": "tool-invocation", "toolInvocation": invocation}]},
+    }
 
 
 def with_result(call: dict) -> dict:
     part = call["content"]["parts"][0]
-    return {**call, "content": {**call["content"], "parts": [{**part, "toolInvocation": {**part["toolInvocation"], "state": "result", "result": {"ok": True}}}]}}
+    return {
+        **call,
+        "content": {**call["content"], "parts": [{**part, "toolInvocation": {**part["toolInvocation"], "state": "result", "result": {"ok": True}}}]},
+    }
 
 
 def _now() -> str:
@@ -66,7 +74,9 @@ class Agent:
 
     async def run(self) -> None:
         t = self.pipeline.topics
-        consumer = AIOKafkaConsumer(t.filtered, bootstrap_servers=self.pipeline.bootstrap, group_id=None, auto_offset_reset="earliest", isolation_level="read_committed")
+        consumer = AIOKafkaConsumer(
+            t.filtered, bootstrap_servers=self.pipeline.bootstrap, group_id=None, auto_offset_reset="earliest", isolation_level="read_committed"
+        )
         self.producer = AIOKafkaProducer(bootstrap_servers=self.pipeline.bootstrap, acks="all", enable_idempotence=True)
         await consumer.start()
         await self.producer.start()

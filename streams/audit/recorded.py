@@ -91,7 +91,7 @@ async def read_topic(bootstrap: str, topic: str, start=None, end=None, progress:
             while (position := await consumer.position(tp)) < hi[tp]:
                 batch = await consumer.getmany(tp, timeout_ms=1000, max_records=5000)
                 records = [Record.of(r) for r in batch.get(tp, []) if r.offset < hi[tp]]
-                done += (min(await consumer.position(tp), hi[tp]) - position)
+                done += min(await consumer.position(tp), hi[tp]) - position
                 if progress:
                     progress(done, total, topic)
                 if records:
@@ -216,8 +216,7 @@ class Recorded:
         requests of the thread processed before it (`WINDOW_ENTRY`s, oldest first). A thread's
         requests are processed in their partition's order."""
         found = self.db.execute(
-            "SELECT request, offset, MIN(time) FROM filtered WHERE thread = ? AND partition = ? AND offset < ? "
-            "GROUP BY offset ORDER BY offset DESC LIMIT ?",
+            "SELECT request, offset, MIN(time) FROM filtered WHERE thread = ? AND partition = ? AND offset < ? GROUP BY offset ORDER BY offset DESC LIMIT ?",
             (thread, partition, offset, size),
         ).fetchall()
         return b"".join(WINDOW_ENTRY.pack(request, partition, at, time) for request, at, time in reversed(found))
@@ -238,7 +237,9 @@ class Recorded:
 
     def refused_live(self) -> int:
         """The `persist-messages` events the live persister refused."""
-        return self._one("SELECT count(*) FROM persist WHERE EXISTS (SELECT 1 FROM refused WHERE refused.partition = persist.partition AND refused.offset = persist.offset)")
+        return self._one(
+            "SELECT count(*) FROM persist WHERE EXISTS (SELECT 1 FROM refused WHERE refused.partition = persist.partition AND refused.offset = persist.offset)"
+        )
 
     def threads(self) -> list[bytes | None]:
         return [thread for (thread,) in self.db.execute("SELECT DISTINCT thread FROM persist")]

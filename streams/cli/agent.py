@@ -20,7 +20,11 @@ def run(args: argparse.Namespace) -> int:
         settings = msgspec.structs.replace(settings, agent=msgspec.structs.replace(settings.agent, web_port=args.web_port))
     if args.backend is not None:
         settings = msgspec.structs.replace(settings, agent=msgspec.structs.replace(settings.agent, backend=args.backend))
-    reason = no_secret(settings) or web_port_free(settings, settings.agent.web_port, "MEMFILTER_AGENT_WEB_PORT", "agent runner") or reachable(settings, redis_too=False)
+    reason = (
+        no_secret(settings)
+        or web_port_free(settings, settings.agent.web_port, "MEMFILTER_AGENT_WEB_PORT", "agent runner")
+        or reachable(settings, redis_too=False)
+    )
     if reason is not None:
         print(f"memfilter agent: {reason}", file=sys.stderr)
         return 1
@@ -33,7 +37,8 @@ def add(sub) -> None:
         "agent",
         help="run the reference agent runner: answer filtered inputs with a model, save replies to persist-messages",
         description="Consume filtered-inputs, send each context that asks for an answer to the model, publish the reply "
-        "as a PersistMessages event; settings from the environment (" + ", ".join(variables(Agent))
+        "as a PersistMessages event; settings from the environment ("
+        + ", ".join(variables(Agent))
         + ", and KAFKA_BOOTSTRAP_SERVERS, MEMFILTER_SECRET, the topics, MEMFILTER_SESSION_TIMEOUT, MEMFILTER_BATCH_WITHIN).",
     )
     p.add_argument("--backend", choices=["echo", "openai"], help="the model (default MEMFILTER_AGENT_BACKEND or echo)")

@@ -43,7 +43,11 @@ def add(sub) -> None:
         "converse",
         help="a scripted useChat-like client: send each text as a turn (full echo, UI messages), wait for the saved reply, print what the model saw",
     )
-    p.add_argument("texts", nargs="*", help="the user's turns; '/tool NAME {json}' asks the echo model for a client tool call, '/regenerate' regenerates the last answer, '/edit TEXT' edits the last user message (default: a short demo of each)")
+    p.add_argument(
+        "texts",
+        nargs="*",
+        help="the user's turns; '/tool NAME {json}' asks the echo model for a client tool call, '/regenerate' regenerates the last answer, '/edit TEXT' edits the last user message (default: a short demo of each)",
+    )
     p.add_argument("--thread", help="thread id (default demo-thread-<time>)")
     p.add_argument("--resource", default="demo-user", help="resource id (default demo-user)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each filtered input and reply (default 60)")

@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"memfilter history rebuild: {reason}", file=sys.stderr)
             return 1
         print(f"memfilter history rebuild: replacing the history under prefix {prefix} with {settings.topics.persist}", file=sys.stderr)
-        applied, refused = await rebuild(settings.kafka.bootstrap, settings.topics, history_store(url, prefix, settings), settings.secret, progress_bar("applied"))
+        applied, refused = await rebuild(
+            settings.kafka.bootstrap, settings.topics, history_store(url, prefix, settings), settings.secret, progress_bar("applied")
+        )
         print(f"rebuilt history under prefix {prefix} from {applied + refused:,} events of {settings.topics.persist} ({refused:,} refused)")
         return 0
 
@@ -69,7 +71,9 @@ def add(sub) -> None:
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     show = actions.add_parser("show", help="a stored thread: its conversation in save order, then its superseded rows, marked")
     show.add_argument("thread", help="thread id")
-    show.add_argument("--json", action="store_true", help="each stored row as one line of JSON, as stored; a superseded one as {\"supersededBy\": REQUEST, \"row\": ROW}")
+    show.add_argument(
+        "--json", action="store_true", help='each stored row as one line of JSON, as stored; a superseded one as {"supersededBy": REQUEST, "row": ROW}'
+    )
     rebuild = actions.add_parser(
         "rebuild", help="replace the history under a prefix with persist-messages applied as it was live (refused while workers run on it)"
     )

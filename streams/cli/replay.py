@@ -32,7 +32,10 @@ def run(args: argparse.Namespace) -> int:
         "replay",
         settings,
         replay(
-            settings.kafka.bootstrap, settings.topics, lambda prefix: history_store(url, prefix, settings), settings.secret,
+            settings.kafka.bootstrap,
+            settings.topics,
+            lambda prefix: history_store(url, prefix, settings),
+            settings.secret,
             start,
             end,
             settings.policy,

@@ -41,6 +41,10 @@ def add(sub) -> None:
     )
     p.add_argument("action", choices=["up", "down", "status"], help='up prints `export` lines: eval "$(memfilter stack up)"')
     p.add_argument("--partitions", type=positive, help="partitions of each topic `up` makes (default 8); must match existing topics")
-    p.add_argument("--brokers", type=int, choices=[1, 3], default=1, help="`up`: Kafka brokers; 3 is a KRaft cluster with replication factor 3, min ISR 2 (ports +2 each)")
-    p.add_argument("--redis-cluster", action="store_true", help="`up`: a Redis Cluster of 3 masters and 3 replicas on MEMFILTER_REDIS_PORT and the 5 ports after it")
+    p.add_argument(
+        "--brokers", type=int, choices=[1, 3], default=1, help="`up`: Kafka brokers; 3 is a KRaft cluster with replication factor 3, min ISR 2 (ports +2 each)"
+    )
+    p.add_argument(
+        "--redis-cluster", action="store_true", help="`up`: a Redis Cluster of 3 masters and 3 replicas on MEMFILTER_REDIS_PORT and the 5 ports after it"
+    )
     p.set_defaults(parser=p, run=run)

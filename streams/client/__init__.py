@@ -132,9 +132,7 @@ class Client:
         finally:
             await consumer.stop()
 
-    async def records(
-        self, topic: str, thread: str | None = None, from_beginning: bool = False, idle_ms: int | None = None
-    ) -> AsyncIterator[ConsumerRecord]:
+    async def records(self, topic: str, thread: str | None = None, from_beginning: bool = False, idle_ms: int | None = None) -> AsyncIterator[ConsumerRecord]:
         """Follow a topic's records (of one thread if `thread`); stop after `idle_ms` without any
         (counted from the first fetch, which waits at least a second for a new consumer's
         partitions)."""

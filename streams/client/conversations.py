@@ -75,8 +75,13 @@ class Driver:
     async def run(self, conversations: list[Conversation]) -> None:
         """Drive every conversation to the end of its script, side by side."""
         consumer = AIOKafkaConsumer(
-            self.topics.filtered, self.topics.persist, bootstrap_servers=self.bootstrap, group_id=None,
-            auto_offset_reset="latest", isolation_level="read_committed", fetch_max_wait_ms=20,
+            self.topics.filtered,
+            self.topics.persist,
+            bootstrap_servers=self.bootstrap,
+            group_id=None,
+            auto_offset_reset="latest",
+            isolation_level="read_committed",
+            fetch_max_wait_ms=20,
         )
         await consumer.start()
         try:
@@ -148,8 +153,12 @@ class Driver:
         """Send the conversation as `useChat` does (`messageId` defaults to the last message's)."""
         view = copy.deepcopy(c.messages)
         request = {
-            "requestId": request_id, "threadId": c.thread, "resourceId": c.resource, "messages": [ui.to_ui(m) for m in view],
-            "trigger": trigger, "messageId": message_id or view[-1]["id"],
+            "requestId": request_id,
+            "threadId": c.thread,
+            "resourceId": c.resource,
+            "messages": [ui.to_ui(m) for m in view],
+            "trigger": trigger,
+            "messageId": message_id or view[-1]["id"],
         }
         await client.publish([request])
         event = await self._wait(self._filtered, request_id, f"no filtered input for request {request_id} of thread {c.thread}: is a worker running?")

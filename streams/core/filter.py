@@ -164,7 +164,7 @@ def decode_json(decoder: msgspec.json.Decoder, raw: bytes | None, what: str, sha
     try:
         raw.decode()
     except UnicodeDecodeError as e:
-        raise Rejected("decode", f"{what} is not UTF-8: byte {e.start} ({raw[e.start:e.start + 1]!r}); encode it as UTF-8") from None
+        raise Rejected("decode", f"{what} is not UTF-8: byte {e.start} ({raw[e.start : e.start + 1]!r}); encode it as UTF-8") from None
     try:
         with _headroom():
             try:
@@ -294,17 +294,13 @@ def _check_thread(shape: ChatRequestOf[Message]) -> None:
         if m.threadId is not UNSET and m.threadId != thread:
             raise Rejected("thread-mismatch", f"messages[{i}] has threadId {m.threadId!r} but the request is for thread {thread!r}")
         if m.resourceId is not UNSET and m.resourceId != resource:
-            raise Rejected(
-                "thread-mismatch", f"messages[{i}] has resourceId {m.resourceId!r} but the request is from resource {resource!r}"
-            )
+            raise Rejected("thread-mismatch", f"messages[{i}] has resourceId {m.resourceId!r} but the request is from resource {resource!r}")
 
 
 def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[str | None]) -> None:
     """The checks that need the stored view: ownership, then ids stored in other threads."""
     if view.owner is not None and view.owner != shape.resourceId:
-        raise Rejected(
-            "ownership", f"thread {shape.threadId} belongs to resource {view.owner}; request from {shape.resourceId} rejected"
-        )
+        raise Rejected("ownership", f"thread {shape.threadId} belongs to resource {view.owner}; request from {shape.resourceId} rejected")
     if not view.elsewhere:  # the usual case: no id of the request is stored anywhere else
         return
     for mid in ids:
@@ -574,9 +570,7 @@ def _as_dict(request: Request, pos: int) -> Msg:
     return ui.to_stored(m) if pos in request.ui else m
 
 
-def _new_message(
-    m: Msg, mid: str, part_indices: list[int] | None, seed: bool, shape: ChatRequestOf[Message], clock: _Clock
-) -> Msg:
+def _new_message(m: Msg, mid: str, part_indices: list[int] | None, seed: bool, shape: ChatRequestOf[Message], clock: _Clock) -> Msg:
     """A message not stored in this thread, as it goes on and is saved: trimmed to its kept
     outcomes, or stripped of provider metadata as a seed; id, createdAt, threadId and
     resourceId filled in where missing."""

@@ -93,8 +93,7 @@ def chat_messages(context: list[Msg]) -> list[Msg]:
             message: Msg = {"role": "assistant", "content": _text(m) or None}
             if done:
                 message["tool_calls"] = [
-                    {"id": inv.get("toolCallId"), "type": "function",
-                     "function": {"name": inv.get("toolName"), "arguments": json.dumps(inv.get("args", {}))}}
+                    {"id": inv.get("toolCallId"), "type": "function", "function": {"name": inv.get("toolName"), "arguments": json.dumps(inv.get("args", {}))}}
                     for inv in done
                 ]
             if message["content"] is None and not done:

@@ -33,6 +33,7 @@ Msg = dict[str, Any]
 class NotConvertible(ValueError):
     """A UI message whose shape the conversion cannot read; the message names the path."""
 
+
 # UI tool states -> stored ones; the other states are the same on both sides.
 _TO_STORED_STATE = {"input-streaming": "partial-call", "input-available": "call", "output-available": "result"}
 _TO_UI_STATE = {v: k for k, v in _TO_STORED_STATE.items()}
@@ -75,7 +76,7 @@ def to_stored(message: Msg, where: str = "message") -> Msg:
 def _part_to_stored(part: Any, message: str, index: int) -> Msg:
     where = f"{message}.parts[{index}]"
     if not isinstance(part, dict):
-        raise NotConvertible(f"{where} is not an object; a part is {{\"type\": ..., ...}}")
+        raise NotConvertible(f'{where} is not an object; a part is {{"type": ..., ...}}')
     kind = part.get("type")
     if not isinstance(kind, str):
         raise NotConvertible(f"{where}.type is missing or not a string")

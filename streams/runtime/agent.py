@@ -172,9 +172,17 @@ def create_agent_app(settings: Settings) -> faust.App:
     metrics = AgentMetrics()
     group = settings.agent.group
     loop = TaskLoop(
-        "agent", settings.kafka, group, [settings.topics.filtered], AgentHandler(settings, model, metrics), metrics,
-        lambda task: transactional_id(group, task), max_records=500,
+        "agent",
+        settings.kafka,
+        group,
+        [settings.topics.filtered],
+        AgentHandler(settings, model, metrics),
+        metrics,
+        lambda task: transactional_id(group, task),
+        max_records=500,
     )
-    app = serve_health(group, settings, f"{settings.worker.data_dir}-agent", settings.agent.web_port, metrics, lambda: [] if loop.assigned else ["no partitions assigned"])
+    app = serve_health(
+        group, settings, f"{settings.worker.data_dir}-agent", settings.agent.web_port, metrics, lambda: [] if loop.assigned else ["no partitions assigned"]
+    )
     app.add_dependency(loop)
     return app

@@ -24,7 +24,9 @@ class _WebOnly(faust.App.BootStrategy):
     enable_kafka = False
 
 
-def serve_health(name: str, settings: Settings, datadir: str, port: int, metrics: LoopMetrics, problems: Callable[[], list[str]], redis: Any = None) -> faust.App:
+def serve_health(
+    name: str, settings: Settings, datadir: str, port: int, metrics: LoopMetrics, problems: Callable[[], list[str]], redis: Any = None
+) -> faust.App:
     """A Faust app that serves `/metrics`, `/healthz` and `/readyz` (ready when `problems()`
     names none and `redis`, if given, answers), for the worker and the agent runner alike."""
     web_bind = settings.worker.web_bind

@@ -93,8 +93,7 @@ class Handler(Protocol):
         catches up on saves here)."""
         ...
 
-    async def handle(self, batch: Batch) -> Handled:
-        ...
+    async def handle(self, batch: Batch) -> Handled: ...
 
 
 class TaskLoop(mode.Service):

@@ -74,9 +74,7 @@ class Persister:
 
     async def process(self, records: list[Record]) -> list[Out]:
         """Apply the records in order (`apply`); return the dead letters."""
-        return [
-            dead_letter(record, self.dlq_topic, result) for record, result in zip(records, await self.apply(records)) if isinstance(result, Rejection)
-        ]
+        return [dead_letter(record, self.dlq_topic, result) for record, result in zip(records, await self.apply(records)) if isinstance(result, Rejection)]
 
     async def apply(self, records: list[Record]) -> list[Rejection | int]:
         """Apply the records in order; for each, why it was refused, or its thread's version

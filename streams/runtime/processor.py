@@ -418,9 +418,7 @@ class Processor:
         persist = None
         if rows or decision.superseded:
             persist = msgspec.json.encode(
-                PersistMessages(
-                    p.request.request_id, shape.threadId, shape.resourceId, [msgspec.Raw(r) for _, r in rows], version, decision.superseded
-                )
+                PersistMessages(p.request.request_id, shape.threadId, shape.resourceId, [msgspec.Raw(r) for _, r in rows], version, decision.superseded)
             )
         recorded = Recorded(filtered=msgspec.Raw(msgspec.json.encode(filtered)))
         if persist is not None:

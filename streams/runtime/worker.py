@@ -119,10 +119,7 @@ class WorkerHandler:
 
     def describe(self) -> str:
         s = self.settings
-        return (
-            f"group {s.worker.group}, Kafka {s.kafka.bootstrap}, Redis {_without_password(s.redis.url)}, "
-            f"web http://{s.worker.web_bind}:{s.worker.web_port}"
-        )
+        return f"group {s.worker.group}, Kafka {s.kafka.bootstrap}, Redis {_without_password(s.redis.url)}, web http://{s.worker.web_bind}:{s.worker.web_port}"
 
     def tasks(self, consumer: AIOKafkaConsumer, assigned: set[TopicPartition]) -> list[int]:
         """The tasks assigned: the partition numbers, the same for both topics."""
@@ -233,7 +230,6 @@ async def _caught_up(consumer: AIOKafkaConsumer, tp: TopicPartition, since: int)
     return polled is not None and polled >= since and stable is not None and await consumer.position(tp) >= stable
 
 
-
 def in_order(batch: dict[TopicPartition, list], topics: Topics, secret: bytes) -> list[tuple[list[Record], list[Record]]]:
     """The batch's requests and other writers' persist events, in the order to apply them: in
     each task, the two partitions merged by record timestamp (a save first on a tie), as Kafka
@@ -269,9 +265,17 @@ def create_app(settings: Settings) -> faust.App:
     topics = [settings.topics.requests, settings.topics.persist]
     group = settings.worker.group
     loop = TaskLoop(
-        "worker", settings.kafka, group, topics, WorkerHandler(settings, store, metrics), metrics,
-        lambda task: transactional_id(group, task), settings.kafka.batch_max,
+        "worker",
+        settings.kafka,
+        group,
+        topics,
+        WorkerHandler(settings, store, metrics),
+        metrics,
+        lambda task: transactional_id(group, task),
+        settings.kafka.batch_max,
     )
-    app = serve_health(group, settings, settings.worker.data_dir, settings.worker.web_port, metrics, lambda: [] if loop.assigned else ["no partitions assigned"], client)
+    app = serve_health(
+        group, settings, settings.worker.data_dir, settings.worker.web_port, metrics, lambda: [] if loop.assigned else ["no partitions assigned"], client
+    )
     app.add_dependency(loop)
     return app

@@ -414,9 +414,24 @@ class HistoryStore(Keys):
             after = self.pending_key(w.thread, w.after) if w.after else pending
             calls.append(
                 scripts.COMMIT.command(
-                    rows_key=rows, order_key=order, meta_key=meta, recent_key=recent, pending_key=pending, after_key=after, superseded_key=superseded,
-                    epoch=self.epoch, record=w.recorded, seen_version=w.version, resource=w.owner, newest_ms=w.newest_ms, packed_rows=w.rows,
-                    ttl=ttl, entry=w.entry, window_bytes=size, packed_superseded=pack(w.superseded), request_id=w.request_id,
+                    rows_key=rows,
+                    order_key=order,
+                    meta_key=meta,
+                    recent_key=recent,
+                    pending_key=pending,
+                    after_key=after,
+                    superseded_key=superseded,
+                    epoch=self.epoch,
+                    record=w.recorded,
+                    seen_version=w.version,
+                    resource=w.owner,
+                    newest_ms=w.newest_ms,
+                    packed_rows=w.rows,
+                    ttl=ttl,
+                    entry=w.entry,
+                    window_bytes=size,
+                    packed_superseded=pack(w.superseded),
+                    request_id=w.request_id,
                 )
             )
         out = []
@@ -452,10 +467,21 @@ class HistoryStore(Keys):
             rows, order, meta, saved, _, superseded = self.keys(s.thread)
             calls.append(
                 scripts.APPLY.command(
-                    rows_key=rows, order_key=order, meta_key=meta, saved_key=saved, superseded_key=superseded,
-                    epoch=self.epoch, resource=s.owner, newest_ms=s.newest_ms, packed_rows=pack_rows(s.rows), packed_roles=pack(s.roles),
-                    may_own="1" if s.may_own else "0", identity=s.identity, packed_ranks=STATE_RANKS_PACKED,
-                    packed_superseded=pack(s.superseded), request_id=s.request_id,
+                    rows_key=rows,
+                    order_key=order,
+                    meta_key=meta,
+                    saved_key=saved,
+                    superseded_key=superseded,
+                    epoch=self.epoch,
+                    resource=s.owner,
+                    newest_ms=s.newest_ms,
+                    packed_rows=pack_rows(s.rows),
+                    packed_roles=pack(s.roles),
+                    may_own="1" if s.may_own else "0",
+                    identity=s.identity,
+                    packed_ranks=STATE_RANKS_PACKED,
+                    packed_superseded=pack(s.superseded),
+                    request_id=s.request_id,
                 )
             )
         out: list[int | tuple[str, str]] = []

@@ -108,8 +108,6 @@ def encode_recorded(r: Recorded) -> bytes:
     return msgspec.json.encode(r)
 
 
-
-
 class Keys:
     """A store's key names, under its prefix."""
 
