@@ -546,7 +546,7 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
     if before is not None:  # a process of the running stack stays on its ports
         s = before.settings(s)
     up_already = alive(s, before) if before is not None else dict.fromkeys(s.names(), False)
-    if all(up_already.values()):
+    if before is not None and all(up_already.values()):
         if s.redis_cluster:
             _create_cluster(s, time.monotonic() + timeout)
         asyncio.run(_create_topics(s, time.monotonic() + timeout))
@@ -557,7 +557,7 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
     server = _redis_server() if any(name.startswith("redis") for name in missing) else ""
     _check_ports(s, missing)
     s.dir.mkdir(parents=True, exist_ok=True)
-    libs = _kafka_libs(s) if java else None
+    libs = _kafka_libs(s) if java else s.dir
     cluster_id = _cluster_id(s, java, libs) if java else ""
     started: dict[str, subprocess.Popen] = {}
     try:
@@ -571,7 +571,8 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
         for name, process in reversed(started.items()):
             _stop(process.pid, _marker(name, s), grace=5)
         raise
-    pids = {name: started[name].pid if name in started else before.pids[name] for name in s.names()}
+    running = {**(before.pids if before is not None else {}), **{name: process.pid for name, process in started.items()}}
+    pids = {name: running[name] for name in s.names()}
     record = Running(pids, s.kafka_port, s.controller_port, s.redis_port, s.brokers, s.redis_cluster)
     _state_file(s).write_text(json.dumps(asdict(record)))
     if before is not None:

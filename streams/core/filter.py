@@ -43,6 +43,7 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -547,7 +548,7 @@ def _action(request: Request, view: StoredView) -> tuple[str, int] | None:
     return None
 
 
-def _context(contributed: list[tuple[str, Any]], view: StoredView, history: int, superseding: list[str] = ()) -> list[Any]:
+def _context(contributed: list[tuple[str, Any]], view: StoredView, history: int, superseding: Sequence[str] = ()) -> list[Any]:
     """The model's input after the system messages: the window (the last `history` rows of
     the conversation, reaching back to the first stored row the request contributes), without
     the rows the request supersedes and with what it contributes to its rows in place; then

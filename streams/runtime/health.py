@@ -13,12 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 import faust
+from faust.app.base import BootStrategy
 
 from memfilter.metrics import LoopMetrics
 from memfilter.settings import Settings
 
 
-class _WebOnly(faust.App.BootStrategy):
+class _WebOnly(BootStrategy):
     """Faust starts its web server and sensors; the records go through the task loop."""
 
     enable_kafka = False

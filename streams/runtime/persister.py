@@ -100,42 +100,42 @@ class Persister:
                 results[i] = Rejection(e.type, e.message)
             except Exception as e:
                 results[i] = internal_error(record, e)
-        ids = list(dict.fromkeys(mid for _, e in events for mid, _ in e.rows))
-        holders, owners = await self.store.owners(ids, list(dict.fromkeys(e.event.threadId for _, e in events)))
+        ids = list(dict.fromkeys(mid for _, ev in events for mid, _ in ev.rows))
+        holders, owners = await self.store.owners(ids, list(dict.fromkeys(ev.event.threadId for _, ev in events)))
         checked = []
-        for i, e in events:
-            tag = thread_tag(e.event.threadId)
-            results[i] = _refusal(e, owners, {mid for mid, _ in e.rows if holders.get(mid, tag) != tag})
+        for i, ev in events:
+            tag = thread_tag(ev.event.threadId)
+            results[i] = _refusal(ev, owners, {mid for mid, _ in ev.rows if holders.get(mid, tag) != tag})
             if results[i] is None:
-                checked.append((i, e))
-                if e.rows:  # what this event leaves for the ones after it
-                    owners.setdefault(e.event.threadId, e.event.resourceId)
-                    holders.update((mid, tag) for mid, _ in e.rows)
-        held = iter(await self.store.claim([(mid, e.event.threadId) for _, e in checked for mid, _ in e.rows]))
+                checked.append((i, ev))
+                if ev.rows:  # what this event leaves for the ones after it
+                    owners.setdefault(ev.event.threadId, ev.event.resourceId)
+                    holders.update((mid, tag) for mid, _ in ev.rows)
+        held = iter(await self.store.claim([(mid, ev.event.threadId) for _, ev in checked for mid, _ in ev.rows]))
         saves = []
-        for i, e in checked:
-            taken = {mid for mid, _ in e.rows if next(held)}
-            results[i] = _refusal(e, {e.event.threadId: e.event.resourceId}, taken)
+        for i, ev in checked:
+            taken = {mid for mid, _ in ev.rows if next(held)}
+            results[i] = _refusal(ev, {ev.event.threadId: ev.event.resourceId}, taken)
             if results[i] is None:
-                saves.append((i, e))
+                saves.append((i, ev))
         applied = await self.store.apply(
             [
                 Save(
-                    e.event.threadId,
-                    e.event.resourceId,
-                    max((parse_ms(m.createdAt) or -1 for m in e.event.messages), default=-1),
-                    e.rows,
-                    [m.role for m in e.event.messages],
-                    b"" if e.processors else save_identity(e.event.resourceId, e.event.requestId),
-                    e.processors,
-                    e.event.superseded,
-                    e.event.requestId,
+                    ev.event.threadId,
+                    ev.event.resourceId,
+                    max((parse_ms(m.createdAt) or -1 for m in ev.event.messages), default=-1),
+                    ev.rows,
+                    [m.role for m in ev.event.messages],
+                    b"" if ev.processors else save_identity(ev.event.resourceId, ev.event.requestId),
+                    ev.processors,
+                    ev.event.superseded,
+                    ev.event.requestId,
                 )
-                for _, e in saves
+                for _, ev in saves
             ]
         )
-        for (i, e), result in zip(saves, applied):
-            results[i] = _refused(e, *result) if isinstance(result, tuple) else result
+        for (i, ev), result in zip(saves, applied):
+            results[i] = _refused(ev, *result) if isinstance(result, tuple) else result
         return results
 
     def _decode(self, record: Record) -> _Event:

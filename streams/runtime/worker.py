@@ -107,7 +107,7 @@ CATCH_UP_POLL_MS = 10
 class WorkerHandler:
     """The worker's part of the task loop: requests to the processor, saves to the persister."""
 
-    stops_on = (Fenced, CoPartitioning)
+    stops_on: tuple[type[Exception], ...] = (Fenced, CoPartitioning)
 
     def __init__(self, settings: Settings, store: HistoryStore, metrics: Metrics):
         self.settings = settings

@@ -62,6 +62,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,7 +153,7 @@ class HistoryStore(Keys):
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: aioredis.Redis | RedisCluster,
         prefix: str = "mf",
         metrics: Metrics | None = None,
         processed_ttl: int = PROCESSED_TTL_S,
@@ -202,6 +203,7 @@ class HistoryStore(Keys):
     async def _routed(self, commands: list[tuple]) -> list[Any]:
         """`_pipeline` on a Redis Cluster: the commands grouped by the node that serves their
         key's slot (redis-py's map of the cluster), each group in order on that node."""
+        assert isinstance(self.redis, RedisCluster)
         cluster = await self.redis.initialize()  # the map, read on first use
         if self._stale_map:
             await redis_driver.read_map(cluster)
@@ -321,7 +323,7 @@ class HistoryStore(Keys):
         found = await self._pipeline([("GET", self.pending_key(thread, key)) for thread, key in records])
         return [RECORDED.decode(r) if r is not None else None for r in found]
 
-    async def owners(self, ids: list[str], threads: list[str] = ()) -> tuple[dict[str, bytes], dict[str, str]]:
+    async def owners(self, ids: list[str], threads: Sequence[str] = ()) -> tuple[dict[str, bytes], dict[str, str]]:
         """The `thread_tag` of the thread owning each of these message ids that has one, and
         the owning resource of each of these threads that has one: one round trip."""
         buckets: dict[str, tuple[list[str], list[bytes]]] = {}
