@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs what it needs (deploy/setup.sh; a Docker
-# engine and both Compose tools, deploy/docker.sh; the images, deploy/images.sh), then runs
-# pytest twice against real services: every test on the process stack (Kafka and Redis started
-# by the tests' fixtures unless KAFKA_BOOTSTRAP_SERVERS and REDIS_URL point at running ones),
-# then the tests marked `containers` with Kafka, Redis and the workers in containers
-# (MEMFILTER_TEST_BACKEND=containers). Extra arguments go to both pytest runs.
+# engine and both Compose tools, deploy/docker.sh; the images, deploy/images.sh), checks lint,
+# format and types (deploy/lint.sh), then runs the tiers (tests/conftest.py says what each
+# needs): the unit tier on both cores, the redis, kafka and system tiers against real services
+# the fixtures start (unless KAFKA_BOOTSTRAP_SERVERS and REDIS_URL point at running ones), then
+# the tests marked `containers` with Kafka, Redis and the workers in containers
+# (MEMFILTER_TEST_BACKEND=containers). Extra arguments go to every pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./deploy/setup.sh
 ./deploy/docker.sh
 ./deploy/images.sh
-.venv/bin/python -m pytest "$@"
+./deploy/lint.sh
+.venv/bin/python -m pytest tests/unit -n 2 --dist worksteal "$@"
+.venv/bin/python -m pytest tests/redis tests/kafka tests/system "$@"
 MEMFILTER_TEST_BACKEND=containers .venv/bin/python -m pytest "$@"

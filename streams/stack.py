@@ -200,7 +200,8 @@ def _check_java() -> str:
     return java
 
 
-def _redis_server() -> str:
+def redis_server() -> str:
+    """Debian's redis-server, installed with apt-get when missing (as root)."""
     found = shutil.which("redis-server")
     if found:
         return found
@@ -554,7 +555,7 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
         return before
     missing = [name for name, is_up in up_already.items() if not is_up]
     java = _check_java() if any(name.startswith("kafka") for name in missing) else ""
-    server = _redis_server() if any(name.startswith("redis") for name in missing) else ""
+    server = redis_server() if any(name.startswith("redis") for name in missing) else ""
     _check_ports(s, missing)
     s.dir.mkdir(parents=True, exist_ok=True)
     libs = _kafka_libs(s) if java else s.dir

@@ -1,6 +1,15 @@
-"""Shared fixtures: the real Kafka broker and Redis server the processor's tests run against.
+"""Shared fixtures and the tiers: what each test needs, started once and only when needed.
 
-If `KAFKA_BOOTSTRAP_SERVERS` and `REDIS_URL` are both set, the tests use those services.
+Tiers, by folder (each test is marked with its tier, so `pytest -m redis` runs one alone, as
+does `pytest tests/redis`):
+- `unit`: the pure core and files read as files; starts nothing (asking for a service fails).
+- `redis`: the history store, processor and persister against a real Redis, which the
+  session starts on a free port (a bare `redis-server`, a few milliseconds) unless REDIS_URL
+  is set.
+- `kafka`: workers, the agent runner and the command line against a real Kafka and Redis.
+- `system`: the replicated stack, Compose, the installed wheel, the soaks.
+
+If `KAFKA_BOOTSTRAP_SERVERS` and `REDIS_URL` are both set, the Kafka tier uses those services.
 Otherwise the session starts the project's own stack (`memfilter stack up`) in
 `.stack/tests/` on ports of its own (19092, 19093, 16379, overridable with the usual
 `MEMFILTER_*_PORT` settings), so a developer's `.stack/` on the default ports is left alone,
@@ -21,29 +30,33 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
+from stacks import BACKEND, Services, cluster_env, memfilter, stack_env, wait_for_redis
 
-if TYPE_CHECKING:
-    from containers import ContainerStack
-
-REPO = Path(__file__).resolve().parent.parent
-BACKENDS = ("processes", "containers")
-BACKEND = os.environ.get("MEMFILTER_TEST_BACKEND", "processes")
-if BACKEND not in BACKENDS:
-    raise pytest.UsageError(f"MEMFILTER_TEST_BACKEND={BACKEND!r} is not a test backend; use one of {', '.join(BACKENDS)}")
+TIERS = {
+    "unit": "the pure core; starts nothing",
+    "redis": "against a real Redis the session starts",
+    "kafka": "against a real Kafka and Redis (the session's stack)",
+    "system": "replicated stack, Compose, the installed wheel, soaks",
+}
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "containers: runs on the container backend too (MEMFILTER_TEST_BACKEND=containers)")
+    for tier, what in TIERS.items():
+        config.addinivalue_line("markers", f"{tier}: {what} (tests/{tier}/)")
 
 
 def pytest_collection_modifyitems(config, items):
-    """On the container backend, only the tests marked `containers`."""
+    """Each test is marked with its tier (its folder); on the container backend, only the
+    tests marked `containers` run."""
+    for item in items:
+        tier = Path(item.path).parent.name
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid} is in no tier: put it in one of tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(tier)
     if BACKEND == "containers":
         others = [item for item in items if item.get_closest_marker("containers") is None]
         if others:
@@ -69,36 +82,6 @@ def pytest_runtest_makereport(item, call):
                 report.sections.append((f"worker log {log}", "\n".join(line[:300] for line in tail)))
 
 
-@dataclass(frozen=True)
-class Services:
-    bootstrap: str
-    redis_url: str
-    stack_dir: Path | None  # None when the services were given, not started here
-    settings: dict[str, str] = field(default_factory=dict)  # what else the stack exports for workers (MEMFILTER_REDIS_REPLICAS)
-    containers: ContainerStack | None = None  # on the container backend: its workers are containers
-
-    def pipeline(self):
-        """A `Pipeline` on these services (see `pipeline`)."""
-        from pipeline import Pipeline
-
-        return Pipeline(self.bootstrap, self.redis_url, settings=self.settings, containers=self.containers)
-
-
-def stack_env(**overrides: str) -> dict[str, str]:
-    """The environment of a `memfilter stack` call for the test stack."""
-    env = dict(os.environ)
-    env.setdefault("MEMFILTER_STACK_DIR", str(REPO / ".stack" / "tests"))
-    env.setdefault("MEMFILTER_KAFKA_PORT", "19092")
-    env.setdefault("MEMFILTER_CONTROLLER_PORT", "19093")
-    env.setdefault("MEMFILTER_REDIS_PORT", "16379")
-    env.update(overrides)
-    return env
-
-
-def memfilter(*argv: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "memfilter", *argv], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
-
-
 @pytest.fixture
 def pipeline(services):
     """Topics, a consumer group and a Redis prefix of the test's own; its workers stopped after."""
@@ -106,6 +89,27 @@ def pipeline(services):
     asyncio.run(p.create_topics())
     yield p
     p.stop_all()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A Redis of the session's own for the `redis` tier (REDIS_URL when given), flushed of
+    nothing: tests keep to key prefixes of their own."""
+    if given := os.environ.get("REDIS_URL"):
+        yield given
+        return
+    from pipeline import redis_config
+
+    from memfilter.stack import redis_server
+
+    conf, url = redis_config(tmp_path_factory.mktemp("redis"))
+    server = subprocess.Popen([redis_server(), str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_for_redis(url, server)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 @pytest.fixture(scope="session")
@@ -130,14 +134,6 @@ def services():
     yield Services(exports["KAFKA_BOOTSTRAP_SERVERS"], exports["REDIS_URL"], Path(env["MEMFILTER_STACK_DIR"]))
     if not was_running:
         memfilter("stack", "down", env=env)
-
-
-CLUSTER_PORTS = {"MEMFILTER_KAFKA_PORT": "29092", "MEMFILTER_CONTROLLER_PORT": "29093", "MEMFILTER_REDIS_PORT": "17001"}
-
-
-def cluster_env() -> dict[str, str]:
-    """The environment of a `memfilter stack` call for the replicated test stack."""
-    return {**stack_env(), "MEMFILTER_STACK_DIR": str(REPO / ".stack" / "cluster-tests"), **CLUSTER_PORTS}
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,8 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
-from conftest import memfilter, stack_env
 from pipeline import REPO, free_port, read
+from stacks import memfilter, stack_env
 
 from memfilter.client import Client
 from memfilter.settings import Topics

@@ -7,13 +7,13 @@ import json
 
 import msgspec
 import pytest
+from factories import T0
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memfilter.core.filter import Rejected, StoredView, decide, decode_request
 from memfilter.core.ui import NotConvertible, is_ui, to_stored, to_ui
 
-T0 = 1772366400000
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),

@@ -14,6 +14,7 @@ import uuid
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from factories import SECRET, T0, msg
 from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -25,13 +26,6 @@ from memfilter.runtime.records import Record
 from memfilter.settings import Topics
 from memfilter.store.history import HistoryStore, Save
 from memfilter.store.layout import WINDOW_ENTRY, save_identity
-
-T0 = 1772366400000
-SECRET = b"the-tests-secret-0123456789"
-
-
-def msg(mid, role="user", text="hi", **extra):
-    return {"id": mid, "role": role, "content": {"format": 2, "parts": [{"type": "text", "text": text}]}, **extra}
 
 
 def record(thread: str, messages: list, offset: int = 0, request_id: str | None = None, **fields) -> Record:
@@ -46,13 +40,13 @@ def outputs(outs, topic):
 
 
 @pytest.fixture
-def with_store(services):
+def with_store(redis_url):
     """Run `fn(store)` in an event loop of its own, on a key prefix of its own."""
     prefix = f"unit-{uuid.uuid4().hex[:8]}"
 
     def run(fn):
         async def go():
-            client = aioredis.from_url(services.redis_url)
+            client = aioredis.from_url(redis_url)
             try:
                 return await fn(HistoryStore(client, prefix))
             finally:
@@ -301,7 +295,7 @@ class TestRedisTrouble:
         assert with_store(go) == [b"PONG"]
         assert issubclass(BusyLoadingError, RedisConnectionError)
 
-    def test_after_redis_dropped_its_connections_only_the_first_round_trip_fails(self, services, with_store):
+    def test_after_redis_dropped_its_connections_only_the_first_round_trip_fails(self, redis_url, with_store):
         """A Redis restart closes every connection, and the pool cannot tell a closed idle one
         from a live one until it is used. One failure must clear them all: otherwise each
         batch after the restart could fail again on the next stale connection."""
@@ -310,7 +304,7 @@ class TestRedisTrouble:
         async def go(store):
             store.redis.connection_pool.connection_kwargs["client_name"] = name
             await asyncio.gather(*(store._pipeline([("PING",)]) for _ in range(6)))  # six idle connections
-            admin = aioredis.from_url(services.redis_url)
+            admin = aioredis.from_url(redis_url)
             try:
                 for client in await admin.client_list():
                     if client["name"] == name:

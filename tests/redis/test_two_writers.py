@@ -17,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
+from factories import SECRET, T0
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,8 +30,6 @@ from memfilter.runtime.worker import in_order
 from memfilter.settings import Topics
 from memfilter.store.history import Fenced, HistoryStore, Save
 
-T0 = 1772366400000
-SECRET = b"the-tests-secret-0123456789"
 TOPICS = Topics()
 
 
@@ -89,12 +88,12 @@ async def apply(store: HistoryStore, records: list[Record]) -> None:
 
 
 @pytest.fixture
-def redis_run(services):
+def redis_run(redis_url):
     """Run `fn(client, prefix)` in an event loop of its own; the prefix's keys are deleted after."""
 
     def run(fn):
         async def go():
-            client = aioredis.from_url(services.redis_url)
+            client = aioredis.from_url(redis_url)
             prefixes = []
 
             def prefix():

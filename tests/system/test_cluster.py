@@ -20,11 +20,10 @@ from collections import Counter, defaultdict
 
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from conftest import cluster_env, memfilter
+from factories import T0
 from pipeline import Collector, Pipeline, dump, publish
 from redis.crc import key_slot
-
-T0 = 1772366400000
+from stacks import cluster_env, memfilter
 
 
 def request(thread: str, k: int) -> tuple[bytes, bytes, int]:

@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+from factories import T0
 from pipeline import Collector, header, publish, read
 
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Record
-
-T0 = 1772366400000
 
 
 def request(thread: str, request_id: str, texts: list[str], ts: int = T0) -> tuple[bytes, bytes, int]:

@@ -17,10 +17,10 @@ import time
 from collections import defaultdict
 
 import pytest
+from factories import T0
 from pipeline import Collector, Pipeline, free_port, publish
 
 THREADS, TURNS = 1000, 10
-T0 = 1772366400000
 
 
 def user(thread: str, k: int) -> dict:

@@ -9,15 +9,10 @@ import random
 
 import msgspec
 import pytest
+from factories import T0, msg
 from pipeline import Pipeline, header, publish, read
 
 from memfilter.store.history import Save
-
-T0 = 1772366400000
-
-
-def msg(mid: str, role: str = "user", text: str = "hi", **extra) -> dict:
-    return {"id": mid, "role": role, "content": {"format": 2, "parts": [{"type": "text", "text": text}]}, **extra}
 
 
 def req(thread: str, messages: list, **fields) -> dict:

@@ -22,7 +22,6 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.partitioner import murmur2
 from pipeline import Collector, Pipeline, dump, end_offsets, header, publish
 
-T0 = 1772366400000
 TURNS = 3
 
 

@@ -12,13 +12,10 @@ import json
 import subprocess
 import sys
 from datetime import datetime
-from pathlib import Path
 
 import pytest
+from factories import CASES
 
-DATA = Path(__file__).parent / "data"
-UI_CASES = json.loads((DATA / "ui-conformance-cases.json").read_text())
-CASES = json.loads((DATA / "conformance-cases.json").read_text()) + UI_CASES
 ASSIGNED = "<assigned>"
 
 

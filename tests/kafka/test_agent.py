@@ -13,14 +13,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from factories import SECRET
 from pipeline import Pipeline, free_port, header, publish, read
 
 from memfilter.client import Client
 from memfilter.core import replies
 from memfilter.schemas.wire import FilteredInput, Source
 from memfilter.store.history import HistoryStore
-
-SECRET = b"the-tests-secret-0123456789"
 
 
 def text(mid, role, words, **extra):

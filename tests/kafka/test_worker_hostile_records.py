@@ -14,18 +14,13 @@ import json
 
 import pytest
 from aiokafka.partitioner import murmur2
+from factories import T0, msg
 from pipeline import Pipeline, dump, header, publish, read
 from redis.crc import key_slot
 
 from memfilter.core import origin
 
-T0 = 1772366400000
 SECRET_A = "resA's words, which resB must never see"
-
-
-def msg(mid: str | None, role: str = "user", text: str = "hi", **extra) -> dict:
-    m = {"role": role, "content": {"format": 2, "parts": [{"type": "text", "text": text}]}, **extra}
-    return m if mid is None else {"id": mid, **m}
 
 
 def req(thread: str, resource: str, messages: list, request_id: str | None = None) -> dict:

@@ -20,9 +20,9 @@ from collections import defaultdict
 
 import msgspec
 import pytest
-from conftest import BACKEND
+from factories import CASES
 from pipeline import Pipeline, header, publish, read
-from test_conformance import CASES
+from stacks import BACKEND
 
 from memfilter.core.explain import explain
 from memfilter.core.filter import HISTORY_MESSAGES, parse_ms

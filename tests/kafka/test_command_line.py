@@ -18,8 +18,8 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from conftest import memfilter
 from pipeline import REPO, Pipeline, free_port, read, redis_config
+from stacks import memfilter
 
 from memfilter.client import Client, InvalidRequest
 from memfilter.runtime.logs import Repeats

@@ -15,11 +15,10 @@ import json
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from factories import T0
 from pipeline import Collector, publish
 
 from memfilter.runtime.worker import transactional_id
-
-T0 = 1772366400000
 
 
 def requests(n: int) -> list[tuple[bytes, bytes, int]]:

@@ -11,7 +11,7 @@ from memfilter.settings import VARIABLES
 
 
 def names_the_worker_reads() -> set[str]:
-    return set(VARIABLES.values())
+    return set(VARIABLES)
 
 
 def test_the_worker_reads_the_settings_the_readme_documents():

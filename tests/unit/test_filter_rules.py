@@ -2,10 +2,9 @@
 
 import msgspec
 import pytest
+from factories import T0
 
 from memfilter.core.filter import Limits, Rejected, StoredView, advances, check_key, decide, decode_request, iso_ms, parse_ms
-
-T0 = 1772366400000  # 2026-03-01T12:00:00Z
 
 
 def request(*messages, request_id="q", **fields):

@@ -18,8 +18,8 @@ import urllib.request
 import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from conftest import memfilter
 from pipeline import REPO, Collector, Pipeline, dump, end_offsets, free_port, header, publish, read, redis_config
+from stacks import memfilter
 from test_worker_streams import stream
 
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
