@@ -30,10 +30,18 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from stacks import BACKEND, Services, cluster_env, memfilter, stack_env, wait_for_redis
+
+# The repository's folders are not import names: only the installed `memfilter` is. Neither
+# this process nor the commands the tests run may find `streams` or `schemas` in the checkout.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+from stacks import BACKEND, Services, cluster_env, memfilter, stack_env, wait_for_redis  # noqa: E402
 
 TIERS = {
     "unit": "the pure core; starts nothing",

@@ -10,7 +10,7 @@ from memfilter.settings import Settings
 
 
 def run(args: argparse.Namespace) -> int:
-    from streams import stack
+    from memfilter import stack
 
     settings = stack.Settings.of(Settings.from_env(), args.partitions, args.brokers, args.redis_cluster)
     try:

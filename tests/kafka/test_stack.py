@@ -87,6 +87,23 @@ class TestTheStackAnswers:
 
         assert asyncio.run(partitions()) == dict.fromkeys(TOPICS, 8)
 
+    def test_up_makes_the_topics_the_settings_name(self, services):
+        """Topic names are set in one place: `stack up` makes the ones the workers will read."""
+        names = {f"MEMFILTER_TOPIC_{kind}": f"custom-{kind.lower()}-{uuid.uuid4().hex[:8]}" for kind in ("REQUESTS", "FILTERED", "PERSIST", "DLQ")}
+        up = memfilter("stack", "up", env=stack_env(**names))
+        assert up.returncode == 0, up.stderr
+        bootstrap = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines())["KAFKA_BOOTSTRAP_SERVERS"]
+
+        async def partitions():
+            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+            await admin.start()
+            try:
+                return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(list(names.values()))}
+            finally:
+                await admin.close()
+
+        assert asyncio.run(partitions()) == dict.fromkeys(names.values(), 8)
+
     def test_a_redis_lua_script_and_a_pipeline(self, services):
         async def redis_round_trip():
             r = aioredis.from_url(services.redis_url)

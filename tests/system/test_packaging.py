@@ -1,7 +1,9 @@
 """Installed from a wheel into a fresh virtualenv, as the Dockerfile does and as a user would:
-the command line works outside the checkout, `memfilter stack up` keeps its stack in the
-user's state folder and finds the Kafka pom in the package, and a worker from the wheel
-processes a request."""
+the wheel adds one import name, `memfilter`, and works beside an application with modules of
+its own named `schemas` and `streams`; the base install is a client's (no Faust, no openai, no
+Redis client); the command line works outside the checkout, `memfilter stack up` keeps its
+stack in the user's state folder and finds the Kafka pom in the package, and a worker from the
+wheel with its extra processes a request."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -17,20 +20,61 @@ from pipeline import REPO, Pipeline, free_port
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """A virtualenv with only the wheel (and its dependencies) installed: its bin folder."""
+def wheel(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("wheel")
-    built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(folder / "dist"), str(REPO)], capture_output=True, text=True, timeout=600
-    )
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(folder), str(REPO)], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr
-    [wheel] = (folder / "dist").glob("memfilter-*.whl")
-    subprocess.run([sys.executable, "-m", "venv", str(folder / "venv")], check=True, timeout=300)
-    pip = subprocess.run(
-        [str(folder / "venv" / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", str(wheel)], capture_output=True, text=True, timeout=900
+    [found] = folder.glob("memfilter-*.whl")
+    return found
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """A virtualenv with only the wheel (and its base dependencies) installed: its bin folder.
+    Tests that need the worker install its extra into it (`with_extra`)."""
+    venv = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    pip_install(venv / "bin", str(wheel))
+    return venv / "bin"
+
+
+def pip_install(bin_: Path, *what: str) -> None:
+    constraints = str(REPO / "deploy" / "constraints.txt")
+    done = subprocess.run(
+        [str(bin_ / "pip"), "install", "-q", "--disable-pip-version-check", "-c", constraints, *what], capture_output=True, text=True, timeout=900
     )
-    assert pip.returncode == 0, pip.stderr
-    return folder / "venv" / "bin"
+    assert done.returncode == 0, done.stderr
+
+
+def with_extra(bin_: Path, wheel: Path, extra: str) -> Path:
+    pip_install(bin_, f"memfilter[{extra}] @ {wheel.as_uri()}")
+    return bin_
+
+
+def test_the_wheel_adds_one_import_name_and_the_client_install_needs_no_worker_parts(wheel, installed, tmp_path):
+    with zipfile.ZipFile(wheel) as z:
+        top = {name.split("/")[0] for name in z.namelist() if not name.split("/")[0].endswith(".dist-info")}
+    assert top == {"memfilter"}
+    listed = subprocess.run([str(installed / "pip"), "list", "--format", "freeze"], capture_output=True, text=True, check=True).stdout.lower()
+    for absent in ("faust-streaming", "openai", "redis", "mode-streaming", "prometheus-client"):
+        assert f"{absent}==" not in listed, f"{absent} comes with the client's install"
+    # An application with its own `schemas` and `streams` modules, in its own folder, as FastAPI code has.
+    (tmp_path / "schemas.py").write_text("ITEM = 'the application'\n")
+    (tmp_path / "streams.py").write_text("ITEM = 'the application'\n")
+    code = (
+        "import schemas, streams\n"
+        "from memfilter.client import Client\n"
+        "from memfilter.schemas.wire import ChatRequest\n"
+        "from memfilter.core.explain import explain\n"
+        "assert schemas.ITEM == streams.ITEM == 'the application'\n"
+        "print(Client.__name__, ChatRequest(threadId='t', resourceId='r', messages=[]).threadId)\n"
+    )
+    app = {**clean_env(), "PYTHONPATH": str(tmp_path)}  # the application's folder first, as a script of it has
+    done = subprocess.run([str(installed / "python"), "-c", code], capture_output=True, text=True, cwd=tmp_path, env=app, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["Client", "t"], done.stderr
+    case = (REPO / "deploy" / "samples" / "explain-case.json").read_bytes()
+    explained = subprocess.run([str(installed / "memfilter"), "explain"], input=case, capture_output=True, cwd=tmp_path, timeout=120)
+    assert explained.returncode == 0 and json.loads(explained.stdout)["outcome"], explained.stderr
 
 
 def run(bin_: Path, *argv: str, env: dict[str, str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -57,7 +101,8 @@ def test_stack_up_from_the_wheel_keeps_its_stack_in_the_users_state_folder(insta
         assert run(installed, "stack", "down", env=env, cwd=tmp_path).returncode == 0
 
 
-def test_a_worker_from_the_wheel_processes_a_request(installed, services, tmp_path):
+def test_a_worker_from_the_wheel_with_its_extra_processes_a_request(wheel, installed, services, tmp_path):
+    installed = with_extra(installed, wheel, "worker")
     pipeline = Pipeline(services.bootstrap, services.redis_url)
     import asyncio
 

@@ -5,8 +5,8 @@ import json
 import msgspec
 import pytest
 
+from memfilter.schemas.__main__ import render, schema_path
 from memfilter.schemas.wire import TOPIC_VALUES, ChatRequest, FilteredInput, json_schemas
-from schemas.__main__ import render, schema_path
 
 
 @pytest.mark.parametrize("topic", sorted(TOPIC_VALUES))

@@ -1,0 +1,93 @@
+"""The house rules the package keeps: one installed name's parts depend one way, settings come
+in typed parts, the Lua scripts and the code that calls them agree on names, and the one module
+that reads redis-py's internals refuses a redis-py it was not written for."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+import memfilter
+from memfilter.settings import SettingError, Settings, Topics
+from memfilter.store import redis_driver, scripts
+
+PACKAGE = Path(memfilter.__file__).parent
+
+
+def imports_of(module: str) -> set[str]:
+    tree = ast.parse((PACKAGE / (module.replace(".", "/") + ".py")).read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+class TestOneWayDependencies:
+    def test_the_worker_and_the_agent_runner_share_the_task_loop_and_neither_imports_the_other(self):
+        worker, agent = imports_of("runtime.worker"), imports_of("runtime.agent")
+        assert "memfilter.runtime.loop" in worker and "memfilter.runtime.loop" in agent
+        assert not any(name.startswith("memfilter.runtime.agent") for name in worker)
+        assert not any(name.startswith("memfilter.runtime.worker") for name in agent)
+
+    @pytest.mark.parametrize("module", ["core.filter", "core.ui", "core.replies", "core.explain", "core.origin", "store.layout"])
+    def test_the_pure_core_and_the_layout_import_no_io(self, module):
+        io = ("aiokafka", "redis", "faust", "mode", "openai", "asyncio", "memfilter.runtime", "memfilter.store.history", "memfilter.store.redis_driver")
+        assert not [name for name in imports_of(module) if name.startswith(io)]
+
+    def test_nothing_but_the_redis_driver_reads_redis_py_internals(self):
+        readers = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py") if "redis._" in p.read_text() or "._parser" in p.read_text()]
+        assert readers == [Path("store/redis_driver.py")]
+
+
+class TestSettingsComeInParts:
+    def test_topic_names_are_read_once_and_every_part_takes_them_from_there(self):
+        s = Settings.from_env({"MEMFILTER_TOPIC_REQUESTS": "in", "MEMFILTER_TOPIC_DLQ": "dead"})
+        assert s.topics == Topics(requests="in", filtered="filtered-inputs", persist="persist-messages", dlq="dead")
+        assert s.topics.all() == ("in", "filtered-inputs", "persist-messages", "dead")
+
+    def test_the_decision_policy_is_one_object_made_from_its_settings(self):
+        policy = Settings.from_env({"MEMFILTER_HISTORY_MESSAGES": "3", "MEMFILTER_EDITS": "off", "MEMFILTER_MAX_MESSAGES": "7"}).policy
+        assert (policy.history, policy.edits, policy.limits.max_messages) == (3, False, 7)
+
+    def test_a_bad_value_names_its_variable_and_what_it_takes(self):
+        with pytest.raises(SettingError, match=r"^MEMFILTER_AGENT_WEB_PORT='0' is not valid: expected `int` >= 1"):
+            Settings.from_env({"MEMFILTER_AGENT_WEB_PORT": "0"})
+
+
+class TestScriptsTakeNamedArguments:
+    @pytest.mark.parametrize("script", scripts.ALL, ids=lambda s: s.name)
+    def test_each_script_binds_the_names_it_declares_in_order(self, script):
+        lines = script.source.splitlines()
+        keys = next(line for line in lines if line.startswith("local ") and "KEYS[1]" in line)
+        assert keys == f"local {', '.join(script.keys)} = {', '.join(f'KEYS[{i + 1}]' for i in range(len(script.keys)))}"
+        if script.args:
+            args = next(line for line in lines if line.startswith("local ") and "ARGV[1]" in line)
+            assert args == f"local {', '.join(script.args)} = {', '.join(f'ARGV[{i + 1}]' for i in range(len(script.args)))}"
+
+    def test_a_call_with_a_missing_or_unknown_name_is_refused(self):
+        with pytest.raises(TypeError, match="tail.lua takes keys"):
+            scripts.TAIL.command(rows_key="r", order="o")
+        assert scripts.TAIL.command("id1", rows_key="r", order_key="o") == ("EVALSHA", scripts.TAIL.sha, 2, "r", "o", "id1")
+
+
+class TestTheRedisDriverKnowsItsRedisPy:
+    def test_it_was_written_for_the_installed_redis_py(self):
+        assert redis.__version__.rsplit(".", 1)[0] == redis_driver.WRITTEN_FOR, (
+            f"redis-py {redis.__version__} is installed; memfilter.store.redis_driver reads the private parser of "
+            f"{redis_driver.WRITTEN_FOR}.x: check it against the new release and move WRITTEN_FOR and pyproject's bound together"
+        )
+
+    def test_on_another_redis_py_it_refuses_to_load_naming_both_versions(self):
+        code = "import redis; redis.__version__ = '9.0.0'; import memfilter.store.redis_driver"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert done.returncode == 1
+        assert f"written for redis-py {redis_driver.WRITTEN_FOR}.x and found 9.0.0" in done.stderr
