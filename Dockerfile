@@ -17,7 +17,7 @@ COPY streams ./streams
 RUN /opt/memfilter/bin/pip install --no-cache-dir --disable-pip-version-check -q --no-deps '.[agent]'
 ENV PATH=/opt/memfilter/bin:$PATH
 USER nobody
-# Settings come from the environment (README: settings); the web server serves
+# Settings come from the environment (docs/settings.md); the web server serves
 # /metrics, /healthz and /readyz on MEMFILTER_WEB_PORT.
 ENV MEMFILTER_WEB_BIND=0.0.0.0 MEMFILTER_WEB_PORT=6066 MEMFILTER_DATA_DIR=/tmp/memfilter
 EXPOSE 6066

@@ -100,7 +100,7 @@ class Message(Struct, omit_defaults=True, gc=False):
 
 class UIMessage(Struct, omit_defaults=True, gc=False):
     """An AI SDK UI message (what `useChat` holds), accepted in a request beside `Message`s and
-    converted to one on the way in (`streams/ui.py`, `docs/ui-messages.md`). Its parts are
+    converted to one on the way in (`memfilter.core.ui`, `docs/ui-messages.md`). Its parts are
     open (`{"type": ...}` and any keys); other keys pass through. Written here for the JSON
     Schema: the conversion reads the message as it came, to keep every key."""
 
@@ -120,7 +120,7 @@ class UIPart(Struct, omit_defaults=True, gc=False):
 
     type: str
     text: str | UnsetType = UNSET
-    state: str | UnsetType = UNSET  # of a tool part: one of the UI states (`streams/ui.py`)
+    state: str | UnsetType = UNSET  # of a tool part: one of the UI states (`memfilter.core.ui`)
     toolCallId: str | UnsetType = UNSET
     toolName: str | UnsetType = UNSET  # of a `dynamic-tool` part
     input: AnyJSON | UnsetType = UNSET
@@ -202,7 +202,7 @@ class FilteredInput(Struct):
 
     `messages` is what the request contributed; `context` the model's input, in order: the
     request's system messages, the last rows of the conversation with the request's updates in
-    place, then what else it contributed (`streams/filter.py`, `_context`). `historyVersion`
+    place, then what else it contributed (`memfilter.core.filter`, `_context`). `historyVersion`
     is the thread's version when the decision was made, so an audit can rebuild exactly the
     history the decision saw.
     """

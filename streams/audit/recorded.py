@@ -12,7 +12,7 @@ What is kept, and how it is found:
 - filtered inputs of `chat-requests` records: by the request's source position, and by
   thread (the retry window a decision saw: `window`);
 - `persist-messages` events: by thread, in log order, as `ThreadLog`s; the processor's own
-  (signed: `streams/origin.py`) also by (thread, `requestId`, `historyVersion`), which names
+  (signed: `memfilter.core.origin`) also by (thread, `requestId`, `historyVersion`), which names
   one decision's save: a copy of one published again is kept once, as the live worker, which
   skips its own events, ignored it;
 - dead letters of `chat-requests` records: by source position; of `persist-messages` records
@@ -143,7 +143,7 @@ class Recorded:
 
     def __init__(self, folder: Path, topics: Topics, secret: bytes):
         self.topics = topics
-        self.secret = secret  # tells the processor's persist events (`streams/origin.py`)
+        self.secret = secret  # tells the processor's persist events (`memfilter.core.origin`)
         self.db = sqlite3.connect(folder / "recorded.sqlite3")
         self.db.executescript("PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF;" + _SCHEMA)
 

@@ -1,7 +1,7 @@
 """History from `persist-messages`: the disaster-recovery rebuild and the audit replay.
 
 Every save of a thread's history is an event on `persist-messages`: the processor's own (one
-per request that saved rows, signed by it: `streams/origin.py`) and other services' (the
+per request that saved rows, signed by it: `memfilter.core.origin`) and other services' (the
 agent runner's replies). Both apply them with the persister's own code and rules, so an event
 the live persister refused is refused here too, and one applied before changes nothing. Each
 event that changes something moves the thread's version by one, exactly as the live writes
@@ -30,7 +30,7 @@ did, so a version says where a write happened:
   was checked against: it is made again from the thread's filtered inputs before the
   request, so a retry is a `duplicate` in the replay exactly when it was live.
 
-Both read each topic once, in batches, into an index on disk (`streams/recorded.py`): their
+Both read each topic once, in batches, into an index on disk (`memfilter.audit.recorded`): their
 memory does not grow with the topics or the range.
 """
 

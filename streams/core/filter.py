@@ -245,7 +245,7 @@ def _typed_view(either: ChatRequestOf[EitherMessage]) -> tuple[ChatRequestOf[Mes
 
 def _converted_whole(error: Rejected) -> tuple[ChatRequestOf[Message], list[msgspec.Raw]]:
     """A request whose messages do not all have the stored shape, the slow way: its UI
-    messages converted whole (`streams/ui.py`), then the request decoded as one in the stored
+    messages converted whole (`memfilter.core.ui`), then the request decoded as one in the stored
     shape, so that an error names where the client sent what is wrong. `error` (the request's
     schema error) goes up as it is when no message is a UI message."""
     request = error.decoded

@@ -1,7 +1,7 @@
 """The agent runner's pure core: when a filtered input wants an answer, what a model is given,
 and the reply as it is saved.
 
-The reference agent runner (`streams/agent.py`) reads `filtered-inputs` and answers each input
+The reference agent runner (`memfilter.runtime.agent`) reads `filtered-inputs` and answers each input
 whose context asks for one, by saving the model's reply through `persist-messages`, where the
 worker's persister applies it to the thread. So that a re-delivered input (a runner that died
 before its Kafka commit) saves the same reply and not a second one, everything here is a pure

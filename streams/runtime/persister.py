@@ -8,21 +8,21 @@ row does nothing, and another service's event applied before (the same resource 
 processor's own are skipped live, already saved, and applied once by a rebuild). A
 row that would move a stored tool invocation back (a late copy of a pending call, after the
 client's result) is not saved, as the filter's base layer keeps the stored row against an
-echo (`APPLY` in `streams/history.py`). The ids an event lists in `superseded` (a regenerate or
+echo (`APPLY` in `memfilter.store`). The ids an event lists in `superseded` (a regenerate or
 an edit: the processor's own, or another service's) leave the thread's conversation and stay
 stored; a later save of one updates its row and leaves it out.
 
-What a writer of `persist-messages` may do (the README's security model): save rows in a
+What a writer of `persist-messages` may do (docs/security.md): save rows in a
 thread that already has an owner, naming that owner as the event's resource. So an event goes
 to the dead-letter topic whole, before it writes or claims anything, when:
-- it does not decode, or is not keyed by its thread id (as a request: `streams/filter.py`);
+- it does not decode, or is not keyed by its thread id (as a request: `memfilter.core.filter`);
 - its thread has no owner yet (`ownership`): only the processor's first save sets the owner,
   so no writer can take a thread before its resource's first request;
 - its thread belongs to another resource (`ownership`);
 - it names a message id that another thread owns (`foreign-message-id`);
 - it would change the role of a stored row (`role`);
 - it claims to be the processor's (header `memfilter.origin`) but its signature does not
-  verify (`origin`, see `streams/origin.py`). The processor's own, verified, events may set
+  verify (`origin`, see `memfilter.core.origin`). The processor's own, verified, events may set
   the owner of a thread that has none: a rebuild applies them as the live writes happened.
 """
 
@@ -63,7 +63,7 @@ def _rows(event: PersistMessagesOf[Message], raw: PersistMessagesOf[msgspec.Raw]
 class _Event(msgspec.Struct, gc=False):
     event: PersistMessagesOf[Message]
     rows: list[tuple[str, bytes]]
-    processors: bool  # signed by the processor (`streams/origin.py`)
+    processors: bool  # signed by the processor (`memfilter.core.origin`)
 
 
 class Persister:

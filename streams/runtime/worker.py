@@ -19,7 +19,7 @@ and saves in one order. The loop, a batch at a time:
 2. merge each task's two partitions by record timestamp and cut the batch into phases
    (`in_order`); per phase, hand the requests to the `Processor` (decide against Redis,
    save, record) and other services' events to the `Persister` (the processor's own events,
-   signed by it, are already saved: `streams/origin.py`);
+   signed by it, are already saved: `memfilter.core.origin`);
 3. send what they return (to `filtered-inputs`, `persist-messages` and the dead-letter topic,
    a producer batch per partition) and the batch's offsets: a transaction per task, committed
    while the next batch is fetched and before it is decided.
@@ -33,7 +33,7 @@ and its offsets together or not at all, and a crash leaves at most an open trans
 is aborted when the task's transactional id is taken up again; the records are then consumed
 again. Redis is outside the transaction: the processor's record of processed
 requests makes the second pass emit the same bytes without deciding again, and a save is
-applied once (`streams/persister.py`). A Redis outage stalls the batch, retried until Redis
+applied once (`memfilter.runtime.persister`). A Redis outage stalls the batch, retried until Redis
 answers. Anything else unexpected, a fenced producer among them, stops the worker (exit 1)
 rather than leave it up but idle.
 

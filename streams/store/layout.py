@@ -19,7 +19,7 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:sync:{S}` | string | a marker `replicate` writes before WAIT, one per cluster node (`mf:sync` on one Redis); expires after a minute |
 
 Only rows and order lists grow with the conversation (and `superseded`, with regenerates and
-edits); everything else is a few bytes per message or save, or per thread (README, "Capacity").
+edits); everything else is a few bytes per message or save, or per thread (docs/operations.md, "Capacity").
 
 Everything here is pure: key names, digests and encodings, shared by the store
 (`memfilter.store.history`), the processor and the audit's recorded log. No I/O.
@@ -39,7 +39,7 @@ from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
 __all__ = ["PROCESSED_TTL_S", "RETRY_WINDOW"]  # the defaults, where the layout is documented
 
 # The message-id index's buckets: at Redis's default of 128 fields a compact hash, compact up
-# to ~500,000 ids (README, "Capacity").
+# to ~500,000 ids (docs/operations.md, "Capacity").
 ID_BUCKETS = 4096
 # A request in its thread's retry window: digest of its `record_field`, its position
 # (partition, offset) and its record time (epoch ms).
