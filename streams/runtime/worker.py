@@ -65,8 +65,8 @@ from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Out, Record, dead_letter
 from memfilter.settings import Settings, Topics
-from memfilter.store.history import TIMEOUT_S, Fenced, HistoryStore
-from memfilter.store.redis_driver import connect
+from memfilter.store.history import Fenced, HistoryStore
+from memfilter.store.redis_driver import TIMEOUT_S, connect
 
 log = logging.getLogger("memfilter")
 

@@ -77,9 +77,6 @@ from memfilter.metrics import Metrics
 from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
 from memfilter.store import redis_driver, scripts
 from memfilter.store.layout import RECORDED, STATE_RANKS_PACKED, WINDOW_ENTRY, Keys, Recorded, pack, pack_rows, thread_tag
-from memfilter.store.redis_driver import TIMEOUT_S
-
-__all__ = ["TIMEOUT_S"]
 
 
 class Fenced(Exception):

@@ -34,9 +34,6 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from memfilter.core.filter import STATE_RANKS, Rejection
-from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
-
-__all__ = ["PROCESSED_TTL_S", "RETRY_WINDOW"]  # the defaults, where the layout is documented
 
 # The message-id index's buckets: at Redis's default of 128 fields a compact hash, compact up
 # to ~500,000 ids (docs/operations.md, "Capacity").
