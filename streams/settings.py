@@ -125,6 +125,7 @@ class Worker(
         "web_port": "MEMFILTER_WEB_PORT",
         "web_bind": "MEMFILTER_WEB_BIND",
         "data_dir": "MEMFILTER_DATA_DIR",
+        "shutdown_s": "MEMFILTER_SHUTDOWN_S",
     },
 ):
     """`memfilter worker` (and the commands that read its store: history, replay)."""
@@ -135,6 +136,7 @@ class Worker(
     web_port: Port = 6066
     web_bind: str = "127.0.0.1"  # 0.0.0.0 in a container; the agent runner's web server binds here too
     data_dir: str = ""  # Faust's data folder; default $TMPDIR/memfilter-<group>
+    shutdown_s: Annotated[float, Meta(gt=0, le=600)] = 10.0  # seconds from SIGTERM or SIGINT to exit, at most (the agent runner's too)
 
 
 class Agent(
@@ -147,6 +149,7 @@ class Agent(
         "base_url": "MEMFILTER_AGENT_BASE_URL",
         "web_port": "MEMFILTER_AGENT_WEB_PORT",
         "openai_api_key": "OPENAI_API_KEY",
+        "start": "MEMFILTER_AGENT_START",
     },
 ):
     """`memfilter agent`, the reference agent runner."""
@@ -157,6 +160,9 @@ class Agent(
     base_url: str = "https://api.openai.com/v1"  # for `openai`: any OpenAI-compatible endpoint
     web_port: Port = 6067
     openai_api_key: str = ""
+    # where a new group (no committed offsets) starts on filtered-inputs: `latest` answers only
+    # what comes after it starts, `earliest` the whole backlog (every old input, with a paid model)
+    start: Literal["latest", "earliest"] = "latest"
 
 
 class Stack(
@@ -223,6 +229,8 @@ class Settings(msgspec.Struct, frozen=True):
                 f"REDIS_URL={redis.url!r} is not valid: expected redis://HOST:PORT/DB (or rediss://, unix://), "
                 "or redis+cluster://HOST:PORT[,HOST:PORT...] (nodes of a Redis Cluster)"
             )
+        if not parts["agent"].base_url.startswith(("http://", "https://")):
+            raise SettingError(f"MEMFILTER_AGENT_BASE_URL={parts['agent'].base_url!r} is not valid: expected an http:// or https:// URL")
         parts["worker"] = msgspec.structs.replace(worker, data_dir=worker.data_dir or os.path.join(tempfile.gettempdir(), f"memfilter-{worker.group}"))
         parts["stack"] = msgspec.structs.replace(stack, dir=str(Path(stack.dir or _default_stack_dir()).resolve()))
         return cls(**parts, secret_text=env.get(SECRET, ""))

@@ -52,6 +52,18 @@ def redis_config(folder: Path) -> tuple[Path, str]:
     return conf, f"redis://127.0.0.1:{port}/0"
 
 
+def wait_for_line(path: Path, text: str, timeout: float = 60) -> str:
+    """A log's text once it holds `text` (AssertionError with its end after `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    log = ""
+    while time.monotonic() < deadline:
+        log = path.read_text(errors="replace") if path.exists() else ""
+        if text in log:
+            return log
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path}: {log[-2000:]}")
+
+
 @dataclass
 class Pipeline:
     bootstrap: str
@@ -116,7 +128,8 @@ class Pipeline:
         """An agent runner process (`memfilter agent`, echo model unless told) on the
         pipeline's topics; stopped with the workers."""
         log = WORKER_LOGS / f"memfilter-test-{self.name}-agent{len(self.workers)}.log"
-        return self._start("agent", log, {"MEMFILTER_AGENT_GROUP": f"agent-{self.name}", **extra_env})
+        # From the beginning: a test's inputs may be on the topic before the runner has its partitions.
+        return self._start("agent", log, {"MEMFILTER_AGENT_GROUP": f"agent-{self.name}", "MEMFILTER_AGENT_START": "earliest", **extra_env})
 
     def _start(self, command: str, log_path: Path, extra_env: dict[str, str]) -> subprocess.Popen:
         loglevel = os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memfilter.cli.common import no_secret, reachable, web_port_free
+from memfilter.cli.common import data_dir_missing, no_secret, reachable, web_port_free
 from memfilter.settings import Agent, Settings, variables
 
 
@@ -13,22 +13,27 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from memfilter.runtime.agent import create_agent_app
-    from memfilter.runtime.logs import Worker
+    from memfilter.runtime.process import Worker
 
     settings = Settings.from_env()
     if args.web_port is not None:
         settings = msgspec.structs.replace(settings, agent=msgspec.structs.replace(settings.agent, web_port=args.web_port))
     if args.backend is not None:
         settings = msgspec.structs.replace(settings, agent=msgspec.structs.replace(settings.agent, backend=args.backend))
-    reason = (
-        no_secret(settings)
-        or web_port_free(settings, settings.agent.web_port, "MEMFILTER_AGENT_WEB_PORT", "agent runner")
-        or reachable(settings, redis_too=False)
-    )
+    if settings.agent.backend == "openai" and not settings.agent.openai_api_key:
+        print(
+            "memfilter agent: MEMFILTER_AGENT_BACKEND=openai needs OPENAI_API_KEY, the endpoint's key (for an endpoint that takes none, set it to any text)",
+            file=sys.stderr,
+        )
+        return 2
+    if reason := no_secret(settings) or data_dir_missing(settings):
+        print(f"memfilter agent: {reason}", file=sys.stderr)
+        return 2
+    reason = web_port_free(settings, settings.agent.web_port, "MEMFILTER_AGENT_WEB_PORT", "agent runner") or reachable(settings, redis_too=False)
     if reason is not None:
         print(f"memfilter agent: {reason}", file=sys.stderr)
         return 1
-    Worker(create_agent_app(settings), loglevel=args.loglevel).execute_from_commandline()
+    Worker(create_agent_app(settings), loglevel=args.loglevel, name="agent", shutdown_s=settings.worker.shutdown_s).execute_from_commandline()
     return 0
 
 

@@ -6,26 +6,29 @@ import argparse
 import gc
 import sys
 
-from memfilter.cli.common import no_secret, reachable, web_port_free
+from memfilter.cli.common import data_dir_missing, no_secret, reachable, web_port_free
 from memfilter.settings import Decisions, Kafka, Redis, Settings, Topics, Worker, variables
 
 
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from memfilter.runtime.logs import Worker
+    from memfilter.runtime.process import Worker
     from memfilter.runtime.worker import create_app
 
     settings = Settings.from_env()
     if args.web_port is not None:
         settings = msgspec.structs.replace(settings, worker=msgspec.structs.replace(settings.worker, web_port=args.web_port))
-    reason = no_secret(settings) or web_port_free(settings) or reachable(settings)
+    if reason := no_secret(settings) or data_dir_missing(settings):
+        print(f"memfilter worker: {reason}", file=sys.stderr)
+        return 2
+    reason = web_port_free(settings) or reachable(settings)
     if reason is not None:
         print(f"memfilter worker: {reason}", file=sys.stderr)
         return 1
     app = create_app(settings)
     gc.freeze()  # what start-up made stays: the collector need not scan it on every batch
-    worker = Worker(app, loglevel=args.loglevel)
+    worker = Worker(app, loglevel=args.loglevel, name="worker", shutdown_s=settings.worker.shutdown_s)
     worker.execute_from_commandline()
     return 0
 

@@ -67,21 +67,42 @@ def echo_model(secret: bytes) -> Model:
     return answer
 
 
-def openai_model(agent: Agent) -> Model:
+class Health:
+    """What keeps the runner from answering now, for `/readyz`: a model that is not set up
+    right (a key it refuses, a model it does not have) is a problem of the runner's, not of an
+    input, so its inputs wait for it as they wait for an outage."""
+
+    def __init__(self) -> None:
+        self.model_problem: str | None = None
+
+    def problems(self) -> list[str]:
+        return [self.model_problem] if self.model_problem else []
+
+
+# The model's answers that say the runner is set up wrong, and the setting to fix.
+MISCONFIGURED = {401: "OPENAI_API_KEY", 403: "OPENAI_API_KEY", 404: "MEMFILTER_AGENT_MODEL or MEMFILTER_AGENT_BASE_URL"}
+
+
+def openai_model(agent: Agent, health: Health) -> Model:
     import openai
 
-    client = openai.AsyncOpenAI(api_key=agent.openai_api_key or "none", base_url=agent.base_url, max_retries=0, timeout=60)
+    client = openai.AsyncOpenAI(api_key=agent.openai_api_key, base_url=agent.base_url, max_retries=0, timeout=60)
 
     async def answer(event: FilteredInput) -> replies.Parts:
         delay = 0.5
         while True:
             try:
                 completion = await client.chat.completions.create(model=agent.model, messages=replies.chat_messages(event.context))
+                health.model_problem = None
                 return replies.chat_reply(completion.choices[0].message)
             except (openai.APIConnectionError, openai.RateLimitError, openai.InternalServerError) as e:  # timeouts too
                 log.warning("model at %s not answering (%s); retrying in %.1fs", agent.base_url, type(e).__name__, delay)
             except openai.APIStatusError as e:
-                raise ModelRefused(f"the model refused request {event.requestId}: HTTP {e.status_code}: {str(e)[:300]}") from None
+                setting = MISCONFIGURED.get(e.status_code)
+                if setting is None:
+                    raise ModelRefused(f"the model refused request {event.requestId}: HTTP {e.status_code}: {str(e)[:300]}") from None
+                health.model_problem = f"the model at {agent.base_url} answers HTTP {e.status_code} for model {agent.model}: check {setting}"
+                log.error("memfilter agent: %s; inputs wait until it answers (retrying in %.1fs)", health.model_problem, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
 
@@ -168,7 +189,8 @@ class AgentHandler:
 
 
 def create_agent_app(settings: Settings) -> faust.App:
-    model = echo_model(settings.secret) if settings.agent.backend == "echo" else openai_model(settings.agent)
+    health = Health()
+    model = echo_model(settings.secret) if settings.agent.backend == "echo" else openai_model(settings.agent, health)
     metrics = AgentMetrics()
     group = settings.agent.group
     loop = TaskLoop(
@@ -180,9 +202,15 @@ def create_agent_app(settings: Settings) -> faust.App:
         metrics,
         lambda task: transactional_id(group, task),
         max_records=500,
+        start_at_end=settings.agent.start == "latest",
     )
     app = serve_health(
-        group, settings, f"{settings.worker.data_dir}-agent", settings.agent.web_port, metrics, lambda: [] if loop.assigned else ["no partitions assigned"]
+        group,
+        settings,
+        f"{settings.worker.data_dir}-agent",
+        settings.agent.web_port,
+        metrics,
+        lambda: health.problems() + ([] if loop.assigned else ["no partitions assigned"]),
     )
     app.add_dependency(loop)
     return app

@@ -1,7 +1,7 @@
-"""The worker's logging: its own lines shown at the default level, repeated ones held back.
+"""The processes' logging: their own lines shown at the default level, repeated ones held back.
 
-Faust sets up the root logger at the worker's `--loglevel` (warn by default). Two things are
-added to that, here and nowhere else:
+Faust sets up the root logger at the process's `--loglevel` (warn by default). Two things are
+added to that, here and in `memfilter.runtime.process`, which installs them:
 - the worker's own logger, `memfilter`, shows at info whatever the level (unless asked for
   `error` or `crit`): an operator sees it start and get its partitions;
 - a message that repeats (the same logger and text, whatever numbers are in it: node ids,
@@ -16,8 +16,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-
-import faust
 
 REPEAT_WINDOW_S = 10.0
 _DIGITS = re.compile(r"\d+")
@@ -46,19 +44,18 @@ class Repeats(logging.Filter):
         return True
 
 
-class Worker(faust.Worker):
-    """A Faust worker whose log shows the `memfilter` lines and holds back repeats."""
+# aiokafka's errors that are a normal step, not a failure: logged at info (shown with
+# --loglevel info or debug). The group coordinator is "not available" while a new cluster
+# makes its offsets topic, at every first start.
+NORMAL = {"aiokafka.consumer.group_coordinator": re.compile(r"^Group Coordinator Request failed: \[Error 15\] GroupCoordinatorNotAvailableError")}
 
-    def __init__(self, app: faust.App, loglevel: str) -> None:
-        super().__init__(app, loglevel=loglevel)
-        own = {"crit": logging.CRITICAL, "error": logging.ERROR, "debug": logging.DEBUG}.get(loglevel, logging.INFO)
-        logging.getLogger("memfilter").setLevel(own)
-        # Faust's terminal spinner sets the root logger to DEBUG so that every record spins it:
-        # aiokafka then formats a debug line per record sent, 6% of the worker's time.
-        self.spinner = None
 
-    def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
-        super().on_setup_root_logger(logger, level)
-        for handler in logger.handlers:
-            handler.setLevel(logging.NOTSET)  # the loggers' levels decide (the root's: --loglevel)
-            handler.addFilter(Repeats())
+class Normal(logging.Filter):
+    """Demotes the errors in NORMAL to info."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        pattern = NORMAL.get(record.name)
+        if pattern is not None and record.levelno == logging.ERROR and pattern.match(record.getMessage()):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return logging.getLogger().isEnabledFor(logging.INFO)
+        return True

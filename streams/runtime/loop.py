@@ -109,6 +109,7 @@ class TaskLoop(mode.Service):
         metrics: LoopMetrics,
         transactional_id: Callable[[int], str],
         max_records: int,
+        start_at_end: bool = False,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -120,6 +121,7 @@ class TaskLoop(mode.Service):
         self.metrics = metrics
         self.transactional_id = transactional_id
         self.max_records = max_records
+        self.start_at_end = start_at_end  # a partition with no committed offset starts at its end, not its beginning
         self.consumer: AIOKafkaConsumer | None = None
         self._turn = asyncio.Lock()  # held while a batch is handled; a rebalance waits for it
         self.epoch = 0  # partition revocations and assignments so far
@@ -253,9 +255,9 @@ class TaskLoop(mode.Service):
             self._producers = {task: self._transactional(task) for task in tasks}
             await asyncio.gather(*(p.start() for p in self._producers.values()))
             await self.handler.take_up()
-            self._committed = await seek_to_committed(self.consumer, assigned)
+            self._committed = await seek_to_committed(self.consumer, assigned, self.start_at_end)
             self.epoch += 1  # a batch fetched before the seek is dropped (`_run`): it is fetched again from here
-        log.info("memfilter %s ready: %d tasks %s (partitions of %s)", self.name, len(tasks), tasks, " and ".join(self.topics))
+        log.info("memfilter %s ready: %d tasks %s (%d partitions of %s)", self.name, len(tasks), tasks, len(assigned), " and ".join(self.topics))
 
     def _transactional(self, task: int) -> AIOKafkaProducer:
         return AIOKafkaProducer(
@@ -333,16 +335,19 @@ async def wait_for_topics(consumer: AIOKafkaConsumer, topics: list[str]) -> None
         await asyncio.sleep(0.5)
 
 
-async def seek_to_committed(consumer: AIOKafkaConsumer, assigned: set[TopicPartition]) -> dict[TopicPartition, int]:
-    """Start every assigned partition again from its committed offset (the beginning if
-    none), all at once after the last await, so that no batch fetched from a partition already
-    moved back is taken for one fetched after (the caller then drops batches fetched before:
-    they are fetched again from here); the offsets started from."""
+async def seek_to_committed(consumer: AIOKafkaConsumer, assigned: set[TopicPartition], at_end: bool = False) -> dict[TopicPartition, int]:
+    """Start every assigned partition again from its committed offset (if none, its beginning,
+    or with `at_end` its end, which is then committed so that a restart starts there too), all
+    at once after the last await, so that no batch fetched from a partition already moved back
+    is taken for one fetched after (the caller then drops batches fetched before: they are
+    fetched again from here); the offsets started from."""
     tps = sorted(assigned)
     committed = dict(zip(tps, await asyncio.gather(*(consumer.committed(tp) for tp in tps))))
     never = [tp for tp, offset in committed.items() if offset is None]
-    beginnings = await consumer.beginning_offsets(never) if never else {}
-    starts = {tp: beginnings[tp] if offset is None else offset for tp, offset in committed.items()}
+    firsts = (await consumer.end_offsets(never) if at_end else await consumer.beginning_offsets(never)) if never else {}
+    if at_end and firsts:
+        await consumer.commit(firsts)
+    starts = {tp: firsts[tp] if offset is None else offset for tp, offset in committed.items()}
     for tp, offset in starts.items():
         consumer.seek(tp, offset)
     return starts

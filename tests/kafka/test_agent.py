@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -14,7 +16,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 from factories import SECRET
-from pipeline import Pipeline, free_port, header, publish, read
+from pipeline import WORKER_LOGS, Pipeline, free_port, header, publish, read, wait_for_line
 
 from memfilter.client import Client
 from memfilter.core import replies
@@ -120,6 +122,7 @@ class FakeOpenAI:
 
     def __init__(self):
         self.received: list[dict] = []
+        self.refuse_key = False  # answer 401, as for a wrong key, while set
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -127,6 +130,8 @@ class FakeOpenAI:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.received.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
                 last = body["messages"][-1].get("content") or ""
+                if fake.refuse_key:
+                    return self.answer(401, {"error": {"message": "Incorrect API key provided", "type": "invalid_request_error"}})
                 if "refuse" in last:
                     return self.answer(400, {"error": {"message": "context too long", "type": "invalid_request_error"}})
                 if "flaky" in last and sum("flaky" in (r["messages"][-1].get("content") or "") for r in fake.received) == 1:
@@ -269,3 +274,67 @@ def test_a_runner_built_on_the_client_consumes_as_a_group_and_its_replies_are_st
         pipeline.stop_all()
     assert sorted(handled) == ["c0", "c1"]
     assert rows == [["own-0-u", "own-0-a"], ["own-1-u", "own-1-a"]]
+
+
+def test_a_key_the_model_refuses_is_the_runners_problem_its_inputs_wait_and_are_answered_once_it_is_fixed(services, fake_openai):
+    """HTTP 401 is not the input's fault: nothing is dead-lettered, the log names
+    OPENAI_API_KEY, /readyz says not ready; once the endpoint takes the key, the input is answered."""
+    pipeline = Pipeline(services.bootstrap, services.redis_url)
+    asyncio.run(pipeline.create_topics())
+    pipeline.start_worker()
+    fake_openai.refuse_key = True
+    agent = pipeline.start_agent(MEMFILTER_AGENT_BACKEND="openai", MEMFILTER_AGENT_BASE_URL=fake_openai.url, OPENAI_API_KEY="sk-wrong")
+    t = pipeline.topics
+    web = f"http://127.0.0.1:{agent.web_port}"
+    try:
+        asyncio.run(
+            publish(services.bootstrap, t.requests, [request("key-1", "q1", {"id": "key-1-u1", "role": "user", "parts": [{"type": "text", "text": "hi"}]})])
+        )
+        deadline = time.monotonic() + 60
+        while len(fake_openai.received) < 2:  # asked, refused, asked again
+            assert time.monotonic() < deadline, "the runner did not ask the model"
+            time.sleep(0.2)
+        with pytest.raises(urllib.error.HTTPError) as not_ready:
+            urllib.request.urlopen(f"{web}/readyz", timeout=5)
+        body = not_ready.value.read().decode()
+        fake_openai.refuse_key = False
+        records = asyncio.run(
+            read(
+                services.bootstrap,
+                [t.persist, t.dlq],
+                until=lambda rs: any(json.loads(r.value)["requestId"].endswith("/reply") for r in rs if r.topic == t.persist),
+            )
+        )
+        ready = urllib.request.urlopen(f"{web}/readyz", timeout=5).read()
+        log = (WORKER_LOGS / f"memfilter-test-{pipeline.name}-agent1.log").read_text()
+    finally:
+        pipeline.stop_all()
+    assert not_ready.value.code == 503 and "HTTP 401" in body and "OPENAI_API_KEY" in body
+    assert "answers HTTP 401" in log and "check OPENAI_API_KEY" in log
+    assert [r for r in records if r.topic == t.dlq] == [] and ready == b"ready\n"
+
+
+def test_the_openai_backend_without_a_key_refuses_to_start(services):
+    pipeline = Pipeline(services.bootstrap, services.redis_url)
+    result = pipeline.memfilter("agent", "--backend", "openai", OPENAI_API_KEY="", timeout=60)
+    assert result.returncode == 2
+    assert "MEMFILTER_AGENT_BACKEND=openai needs OPENAI_API_KEY" in result.stderr
+
+
+def test_a_new_agent_group_starts_after_the_inputs_already_on_the_topic_unless_told_otherwise(services):
+    pipeline = Pipeline(services.bootstrap, services.redis_url)
+    asyncio.run(pipeline.create_topics())
+    t = pipeline.topics
+    # One thread: its inputs, and the replies to them, are in one partition each, in order; so
+    # the first reply is the old input's if the runner answered it.
+    old = msgspec.json.encode(filtered([text("u1", "user", "old")], request_id="old", thread="t"))
+    new = msgspec.json.encode(filtered([text("u2", "user", "new")], request_id="new", thread="t"))
+    try:
+        asyncio.run(publish(services.bootstrap, t.filtered, [(b"t", old, None)]))
+        pipeline.start_agent(MEMFILTER_AGENT_START="latest")
+        wait_for_line(WORKER_LOGS / f"memfilter-test-{pipeline.name}-agent0.log", "memfilter agent ready")
+        asyncio.run(publish(services.bootstrap, t.filtered, [(b"t", new, None)]))
+        [first, *_] = asyncio.run(read(services.bootstrap, [t.persist], until=lambda rs: len(rs) >= 1))
+    finally:
+        pipeline.stop_all()
+    assert json.loads(first.value)["requestId"] == "new/reply"

@@ -18,7 +18,7 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from pipeline import REPO, Pipeline, free_port, read, redis_config
+from pipeline import REPO, Pipeline, free_port, read, redis_config, wait_for_line
 from stacks import memfilter
 
 from memfilter.client import Client, InvalidRequest
@@ -31,16 +31,6 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     return lines[0]
-
-
-def wait_for_line(path, text: str, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        log = path.read_text(errors="replace") if path.exists() else ""
-        if text in log:
-            return log
-        time.sleep(0.2)
-    raise AssertionError(f"{text!r} not in {path}: {log[-2000:]}")
 
 
 def request(thread: str, text: str, request_id: str | None = None) -> dict:
@@ -104,7 +94,7 @@ class TestAKafkaThatDoesNotAnswer:
 class TestTheWorkerSaysWhatItDoes:
     def test_it_says_it_started_and_which_tasks_it_took_at_the_default_log_level(self, pipeline):
         pipeline.start_worker()
-        log = wait_for_line(pipeline.log_path(0), "memfilter worker ready: 8 tasks [0, 1, 2, 3, 4, 5, 6, 7]")
+        log = wait_for_line(pipeline.log_path(0), "memfilter worker ready: 8 tasks [0, 1, 2, 3, 4, 5, 6, 7] (16 partitions of")
         version = importlib.metadata.version("memfilter")
         assert f"memfilter worker {version} starting: group memfilter-{pipeline.name}, Kafka {pipeline.bootstrap}" in log
 
@@ -223,6 +213,14 @@ class TestTail:
         assert {e["key"] for e in events} == {"m-0", "m-1", "m-2"}
         assert all(e["topic"] == pipeline.topics.requests and e["offset"] >= 0 and e["headers"] == {} for e in events)
         assert {e["value"]["threadId"] for e in events} == {"m-0", "m-1", "m-2"}
+
+    def test_meta_in_text_shows_headers_as_name_value_pairs_not_python(self, pipeline):
+        asyncio.run(self._publish(pipeline, 1))
+        pipeline.start_worker()
+        result = pipeline.memfilter("tail", pipeline.topics.filtered, "--from-beginning", "--meta", "--max", "1", "--idle-ms", "60000")
+        first = result.stdout.splitlines()[0]
+        assert first.startswith(f"{pipeline.topics.filtered}-") and "key=m-0" in first, result.stdout
+        assert "{" not in first and "'" not in first, first
 
     def test_a_reader_that_goes_away_ends_it_without_a_traceback(self, pipeline):
         asyncio.run(self._publish(pipeline, 1000))  # more than a pipe holds: tail writes into a closed one

@@ -91,3 +91,20 @@ class TestTheRedisDriverKnowsItsRedisPy:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert done.returncode == 1
         assert f"written for redis-py {redis_driver.WRITTEN_FOR}.x and found 9.0.0" in done.stderr
+
+
+class TestTheProcessKnowsItsMode:
+    def test_the_signal_handlers_it_replaces_are_the_installed_modes(self):
+        import importlib.metadata
+
+        import mode
+
+        from memfilter.runtime import process
+
+        installed = importlib.metadata.version("mode-streaming")
+        assert installed.rsplit(".", 1)[0] == process.WRITTEN_FOR, (
+            f"mode-streaming {installed} is installed; memfilter.runtime.process replaces signal handlers of {process.WRITTEN_FOR}.x: "
+            "check them against the new release and move WRITTEN_FOR and pyproject's bound together"
+        )
+        for private in ("_on_sigint", "_on_sigterm", "_schedule_shutdown"):
+            assert callable(getattr(mode.Worker, private, None)), f"mode.Worker.{private} is gone"
