@@ -2,7 +2,7 @@
 
 This module is the one place the shapes of `chat-requests`, `filtered-inputs` and
 `persist-messages` values are written down. The JSON Schemas beside it (`*.schema.json`) are
-generated from these Structs by `python -m memfilter.schemas` for consumers in other languages, and a
+generated from these Structs by `python -m memfilter.schemas --write` for consumers in other languages, and a
 test fails when they drift.
 
 Messages are Mastra DB messages (format 2). They must pass through the processor losslessly:

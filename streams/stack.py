@@ -43,6 +43,7 @@ from memfilter import settings as product_settings
 POM = Path(__file__).resolve().parent / "kafka-pom.xml"
 DEFAULT_PARTITIONS = 8
 REDIS_CLUSTER_NODES = 6  # three masters, a replica each
+CLUSTER_BUS_OFFSET = 10_000  # a Redis Cluster node's bus port is its port + this
 # A master silent this long is failed over to its replica. Short, for a local stack and its
 # tests; a production cluster uses Redis's default, 15000 (docs/production.md).
 CLUSTER_NODE_TIMEOUT_MS = 2000
@@ -245,7 +246,7 @@ def _ports(s: Settings, name: str) -> list[tuple[str, int, str]]:
         n = int(name.partition("-")[2] or 1) - 1
         return [("Kafka", s.kafka_ports[n], "MEMFILTER_KAFKA_PORT"), ("the Kafka controller", s.controller_ports[n], "MEMFILTER_CONTROLLER_PORT")]
     port = int(name.partition("-")[2] or s.redis_port)
-    bus = [("the Redis cluster bus", port + 10000, "MEMFILTER_REDIS_PORT")] if s.redis_cluster else []
+    bus = [("the Redis cluster bus", port + CLUSTER_BUS_OFFSET, "MEMFILTER_REDIS_PORT")] if s.redis_cluster else []
     return [("Redis", port, "MEMFILTER_REDIS_PORT"), *bus]
 
 
@@ -537,6 +538,12 @@ def _stop(pid: int, marker: str, grace: float) -> None:
 def up(s: Settings, timeout: float = 90.0) -> Running:
     """Start the stack in `s.dir`, or what of it stopped (a process that died is started again
     on its data); return its record."""
+    if s.redis_cluster and max(s.redis_ports) + CLUSTER_BUS_OFFSET > 65535:
+        first, last = min(s.redis_ports), max(s.redis_ports)
+        raise StackError(
+            f"a Redis Cluster on ports {first}-{last} needs bus ports {first + CLUSTER_BUS_OFFSET}-{last + CLUSTER_BUS_OFFSET}, past 65535: "
+            f"set MEMFILTER_REDIS_PORT to {65535 - CLUSTER_BUS_OFFSET - (last - first)} or lower"
+        )
     before = recorded(s)
     if before is not None and (before.brokers, before.redis_cluster) != (s.brokers, s.redis_cluster):
         shape = lambda brokers, cluster: f"{brokers} broker{'s' if brokers > 1 else ''} and {'a Redis Cluster' if cluster else 'one Redis'}"  # noqa: E731

@@ -60,6 +60,22 @@ def parse_position(text: str | None) -> int | datetime | dict[int, int] | None:
         raise ValueError(f"{text!r} is not an offset, partition:offset list or ISO time") from None
 
 
+def empty_range(start, end) -> str | None:
+    """Why `--from start --to end` holds no request, when it can be told without reading: an end
+    at or before the start (offsets of every partition, of the same partitions, or times)."""
+    if start is None or end is None:
+        return None
+    if isinstance(start, int) and isinstance(end, int) and end <= start:
+        return f"--to {end} is not after --from {start}"
+    if isinstance(start, dict) and isinstance(end, dict):
+        behind = sorted(p for p in start.keys() & end.keys() if end[p] <= start[p])
+        if behind and len(behind) == len(start.keys() | end.keys()):
+            return f"--to is not after --from on partitions {behind}"
+    if isinstance(start, datetime) and isinstance(end, datetime) and end <= start:
+        return f"--to {end.isoformat()} is not after --from {start.isoformat()}"
+    return None
+
+
 async def read_topic(bootstrap: str, topic: str, start=None, end=None, progress: Progress | None = None) -> AsyncIterator[list[Record]]:
     """The topic's records from `start` (default: the beginning) to `end` (exclusive; default:
     its end when called), partition by partition in offset order, a batch at a time."""

@@ -45,11 +45,19 @@ def no_secret(settings) -> str | None:
     """Why MEMFILTER_SECRET will not do, or None. Server-assigned message ids and the
     processor's signature on its persist events are keyed by it: every worker, replay and
     rebuild of a deployment needs the same one, and no client may know it."""
+    make = "make one: python3 -c 'import secrets; print(secrets.token_hex(32))'; `memfilter stack up` exports the local stack's"
+    if not settings.secret:
+        return f"MEMFILTER_SECRET is not set: set it to the deployment's secret, 16 characters or more ({make})"
     if len(settings.secret) < 16:
-        return (
-            "MEMFILTER_SECRET must be set to the deployment's secret, 16 characters or more "
-            "(make one: python3 -c 'import secrets; print(secrets.token_hex(32))'; `memfilter stack up` exports the local stack's)"
-        )
+        return f"MEMFILTER_SECRET is {len(settings.secret)} characters; the deployment's secret needs 16 or more ({make})"
+    return None
+
+
+def data_dir_missing(settings: Settings) -> str | None:
+    """Why MEMFILTER_DATA_DIR cannot be made, or None: Faust makes the folder, not its parents."""
+    folder = Path(settings.worker.data_dir)
+    if not folder.parent.is_dir():
+        return f"MEMFILTER_DATA_DIR={folder}: its folder {folder.parent} does not exist; create it or choose another"
     return None
 
 

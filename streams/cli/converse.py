@@ -13,6 +13,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import time
 
+    from memfilter.client import RequestRejected
     from memfilter.client.conversations import DEMO_SCRIPT, Conversation, Driver, describe
 
     settings = Settings.from_env()
@@ -23,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     conversation = Conversation(args.thread or f"demo-thread-{int(time.time())}", args.resource, args.texts or DEMO_SCRIPT)
     try:
         asyncio.run(Driver(settings.kafka.bootstrap, settings.topics, args.timeout).run([conversation]))
-    except TimeoutError as e:
+    except (TimeoutError, RequestRejected) as e:
         print(f"memfilter converse: {e}", file=sys.stderr)
         return 1
     finally:

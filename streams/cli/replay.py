@@ -12,12 +12,14 @@ from memfilter.settings import Settings
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfilter.audit.recorded import parse_position
+    from memfilter.audit.recorded import empty_range, parse_position
     from memfilter.audit.replay import replay
 
     settings = Settings.from_env()
     try:
         start, end = parse_position(args.start), parse_position(args.end)
+        if reason := empty_range(start, end):
+            raise ValueError(f"{reason}: the range holds no request")
     except ValueError as e:
         print(f"memfilter replay: {e}", file=sys.stderr)
         return 2

@@ -35,7 +35,8 @@ def _with_meta(record, readable: str, as_json: bool) -> str:
     key = record.key.decode(errors="replace") if record.key is not None else None
     headers = {k: v.decode(errors="replace") for k, v in record.headers}
     if not as_json:
-        return f"{record.topic}-{record.partition}@{record.offset}  key={key}  headers={headers}\n    {readable}"
+        shown = "  ".join(f"{k}={v}" for k, v in headers.items())
+        return f"{record.topic}-{record.partition}@{record.offset}  key={key or '-'}  {shown}".rstrip() + f"\n    {readable}"
     try:
         msgspec.json.decode(record.value)
         value = msgspec.Raw(record.value)

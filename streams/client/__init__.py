@@ -18,12 +18,16 @@ Downstream, an agent of one's own (the reference one is `memfilter agent`):
 `publish` checks every request as the processor will (`InvalidRequest` names the first that
 would be a dead letter, and then nothing is sent), and returns each one's `requestId`: its own,
 or the one the processor gives a request without one (from where it landed), so a caller can
-find its filtered inputs. `memfilter publish` and `memfilter tail` are this client on the
+find its filtered inputs. `ask` publishes one request and waits for its outcome: the filtered
+input, or `RequestRejected` with the dead letter's reason, or a `TimeoutError` that says what
+it waited for: nothing waits forever. `memfilter publish` and `memfilter tail` are this client on the
 command line.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +41,8 @@ from memfilter.core.replies import reply_event
 from memfilter.schemas.wire import ChatRequest, FilteredInput
 from memfilter.settings import Topics
 
+_FILTERED = msgspec.json.Decoder(FilteredInput)
+
 
 class InvalidRequest(ValueError):
     """A request the processor would reject; nothing was published."""
@@ -44,6 +50,15 @@ class InvalidRequest(ValueError):
     def __init__(self, index: int, error: Rejected):
         super().__init__(f"request {index} would be rejected ({error.type}): {error.message}")
         self.index, self.type = index, error.type
+
+
+class RequestRejected(Exception):
+    """The processor dead-lettered a request (`Client.ask`): its reason code (`type`: ownership,
+    foreign-message-id, duplicate, schema, too-large, ...) and message, as the dead letter says."""
+
+    def __init__(self, request_id: str, type_: str, message: str):
+        super().__init__(f"request {request_id} was rejected ({type_}): {message}")
+        self.request_id, self.type, self.message = request_id, type_, message
 
 
 @dataclass
@@ -78,6 +93,10 @@ class Client:
         """Publish requests (Structs, dicts or JSON bytes) to the requests topic, keyed by thread
         id, once every one of them passed the processor's checks (else `InvalidRequest`); wait
         until the broker has them all. Returns their request ids, in order."""
+        return [request_id for request_id, _ in await self._publish(requests, on_sent)]
+
+    async def _publish(self, requests: Iterable[ChatRequest | dict | bytes], on_sent=None) -> list[tuple[str, Any]]:
+        """`publish`: each request's id and where it landed (aiokafka's RecordMetadata)."""
         values = [r if isinstance(r, bytes) else msgspec.json.encode(r) for r in requests]
         checked = []
         for n, value in enumerate(values):
@@ -90,10 +109,46 @@ class Client:
         ids = []
         for request, future in zip(checked, pending):
             sent = await future
-            ids.append(request.requestId or f"{sent.topic}-{sent.partition}-{sent.offset}")
+            ids.append((request.requestId or f"{sent.topic}-{sent.partition}-{sent.offset}", sent))
             if on_sent is not None:
                 on_sent(len(ids))
         return ids
+
+    async def ask(self, request: ChatRequest | dict | bytes, timeout: float = 30.0) -> FilteredInput:
+        """Publish one request and wait for what the processor made of it: its filtered input,
+        or `RequestRejected` with the reason its dead letter gives; `TimeoutError` naming the
+        request and the topics when neither comes within `timeout` seconds (is a worker running?)."""
+        value = request if isinstance(request, bytes) else msgspec.json.encode(request)
+        outcomes = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=100)
+        await outcomes.start()
+        try:
+            tps = [TopicPartition(t, p) for t in (self.topics.filtered, self.topics.dlq) for p in sorted(await outcomes.partitions_for_topic(t) or ())]
+            outcomes.assign(tps)
+            await outcomes.seek_to_end(*tps)
+            for tp in tps:  # the ends as of now, before the request is sent
+                await outcomes.position(tp)
+            [(request_id, sent)] = await self._publish([value])
+            source = (self.topics.requests, sent.partition, sent.offset)
+            async with asyncio.timeout(timeout):
+                while True:
+                    for records in (await outcomes.getmany(timeout_ms=500)).values():
+                        for r in records:
+                            if r.topic == self.topics.filtered:
+                                with contextlib.suppress(msgspec.DecodeError):
+                                    event = _FILTERED.decode(r.value)
+                                    if (event.source.topic, event.source.partition, event.source.offset) == source:
+                                        return event
+                            else:
+                                h = {k: v.decode(errors="replace") for k, v in r.headers}
+                                if (h.get("source.topic"), h.get("source.partition"), h.get("source.offset")) == tuple(map(str, source)):
+                                    raise RequestRejected(request_id, h.get("error.type", ""), h.get("error.message", ""))
+        except TimeoutError:
+            raise TimeoutError(
+                f"no filtered input or dead letter for request {request_id} on {self.topics.filtered} or {self.topics.dlq} "
+                f"within {timeout:g} s: is a worker running on {self.topics.requests}?"
+            ) from None
+        finally:
+            await outcomes.stop()
 
     async def _started(self) -> AIOKafkaProducer:
         if self._producer is None:

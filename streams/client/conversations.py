@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from aiokafka import AIOKafkaConsumer
 
-from memfilter.client import Client
+from memfilter.client import Client, RequestRejected
 from memfilter.core import ui
 from memfilter.core.replies import PENDING_STATES, wants_reply
 from memfilter.schemas.wire import FilteredInput, PersistMessages
@@ -53,6 +54,10 @@ class Turn:
     reply: Msg | None  # the saved answer, if one was asked for
 
 
+class _RequestId(msgspec.Struct):
+    requestId: str = ""
+
+
 @dataclass
 class Conversation:
     thread: str
@@ -65,10 +70,12 @@ class Conversation:
 class Driver:
     """Runs conversations against a running worker and agent runner (`run`)."""
 
-    def __init__(self, bootstrap: str, topics: Topics = Topics(), timeout: float = 60.0):
+    def __init__(self, bootstrap: str, topics: Topics = Topics(), timeout: float = 60.0, run: str | None = None):
         self.bootstrap = bootstrap
         self.topics = topics
         self.timeout = timeout  # seconds to wait for a filtered input or a reply
+        # in every request and message id, so that a second run on the same thread never reuses one (a `duplicate`)
+        self.run = run or uuid.uuid4().hex[:6]
         self._filtered: dict[str, asyncio.Future] = {}
         self._replies: dict[str, asyncio.Future] = {}
 
@@ -77,6 +84,7 @@ class Driver:
         consumer = AIOKafkaConsumer(
             self.topics.filtered,
             self.topics.persist,
+            self.topics.dlq,
             bootstrap_servers=self.bootstrap,
             group_id=None,
             auto_offset_reset="latest",
@@ -111,6 +119,14 @@ class Driver:
         if record.topic == self.topics.filtered:
             event = filtered.decode(record.value)
             self._settle(self._filtered, event.requestId, event)
+        elif record.topic == self.topics.dlq:
+            headers = {k: v.decode(errors="replace") for k, v in record.headers}
+            if headers.get("source.topic") == self.topics.requests:
+                request_id = msgspec.json.decode(record.value, type=_RequestId).requestId
+                rejected = RequestRejected(request_id, headers.get("error.type", ""), headers.get("error.message", ""))
+                future = self._future(self._filtered, request_id)
+                if not future.done():
+                    future.set_exception(rejected)
         else:
             event = persisted.decode(record.value)
             if event.requestId.endswith("/reply") and event.messages:
@@ -130,22 +146,22 @@ class Driver:
                 last = max(i for i, m in enumerate(c.messages) if m["role"] == "user")
                 del c.messages[last + 1 :]
                 if text == "/regenerate":
-                    reply = await self._send(client, c, f"{c.thread}-q{k}", trigger="regenerate-message", new=False)
+                    reply = await self._send(client, c, f"{c.thread}-{self.run}-q{k}", trigger="regenerate-message", new=False)
                     continue
                 edited = copy.deepcopy(c.messages[last])
                 edited["content"]["parts"] = [{"type": "text", "text": text.removeprefix("/edit ")}]
                 c.messages[last] = edited
-                reply = await self._send(client, c, f"{c.thread}-q{k}", message_id=edited["id"], new=False)
+                reply = await self._send(client, c, f"{c.thread}-{self.run}-q{k}", message_id=edited["id"], new=False)
                 continue
-            c.messages.append({"id": f"{c.thread}-u{k}", "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": text}]}})
-            reply = await self._send(client, c, f"{c.thread}-q{k}")
+            c.messages.append({"id": f"{c.thread}-{self.run}-u{k}", "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": text}]}})
+            reply = await self._send(client, c, f"{c.thread}-{self.run}-q{k}")
             calls = [p["toolInvocation"] for p in (reply or {}).get("content", {}).get("parts", []) if p.get("type") == "tool-invocation"]
             if calls and calls[-1]["state"] in PENDING_STATES:  # the client's tool runs and answers
                 answered = copy.deepcopy(reply)
                 invocation = answered["content"]["parts"][-1]["toolInvocation"]
                 invocation.update(state="result", result={"done": invocation["toolName"], "args": invocation["args"]})
                 c.messages[-1] = answered
-                await self._send(client, c, f"{c.thread}-q{k}-tool", message_id=answered["id"], new=False)
+                await self._send(client, c, f"{c.thread}-{self.run}-q{k}-tool", message_id=answered["id"], new=False)
 
     async def _send(
         self, client: Client, c: Conversation, request_id: str, trigger: str = "submit-message", message_id: str | None = None, new: bool = True

@@ -70,7 +70,7 @@ def check(pipeline: Pipeline, conversations: list[Conversation]) -> None:
 
 def converse(pipeline: Pipeline, conversations: list[Conversation], during=None) -> None:
     async def go():
-        driving = asyncio.create_task(Driver(pipeline.bootstrap, pipeline.topics, timeout=90).run(conversations))
+        driving = asyncio.create_task(Driver(pipeline.bootstrap, pipeline.topics, timeout=90, run="r").run(conversations))
         if during is not None:
             await during(conversations)
         await driving
@@ -133,9 +133,9 @@ def test_regenerates_and_edits_leave_the_clients_conversation_stored_and_a_rebui
     replayed = pipeline.memfilter("replay", timeout=600)
     assert replayed.returncode == 0 and "identical, 0 different" in replayed.stdout, replayed.stdout + replayed.stderr
     shown = pipeline.memfilter("history", "show", "loop-0")
-    assert shown.stdout.count("(superseded by request loop-0-q5)") == 1 and shown.stdout.count("(superseded by request loop-0-q7)") == 1
+    assert shown.stdout.count("(superseded by request loop-0-r-q5)") == 1 and shown.stdout.count("(superseded by request loop-0-r-q7)") == 1
     as_json = [json.loads(line) for line in pipeline.memfilter("history", "show", "loop-0", "--json").stdout.splitlines()]
-    assert sorted(line["supersededBy"] for line in as_json if "supersededBy" in line) == ["loop-0-q5", "loop-0-q7"]
+    assert sorted(line["supersededBy"] for line in as_json if "supersededBy" in line) == ["loop-0-r-q5", "loop-0-r-q7"]
 
 
 async def superseded(pipeline: Pipeline, prefix: str, conversations: list[Conversation]) -> dict[str, dict[str, tuple[str, dict]]]:

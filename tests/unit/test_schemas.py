@@ -12,7 +12,7 @@ from memfilter.schemas.wire import TOPIC_VALUES, ChatRequest, FilteredInput, jso
 @pytest.mark.parametrize("topic", sorted(TOPIC_VALUES))
 def test_committed_schema_matches_the_structs(topic):
     committed = schema_path(topic).read_text()
-    assert committed == render(json_schemas()[topic]), f"{schema_path(topic)} is stale: run `python -m memfilter.schemas`"
+    assert committed == render(json_schemas()[topic]), f"{schema_path(topic)} is stale: run `python -m memfilter.schemas --write`"
 
 
 def test_every_schema_defines_the_message_it_references():
