@@ -538,12 +538,6 @@ def _stop(pid: int, marker: str, grace: float) -> None:
 def up(s: Settings, timeout: float = 90.0) -> Running:
     """Start the stack in `s.dir`, or what of it stopped (a process that died is started again
     on its data); return its record."""
-    if s.redis_cluster and max(s.redis_ports) + CLUSTER_BUS_OFFSET > 65535:
-        first, last = min(s.redis_ports), max(s.redis_ports)
-        raise StackError(
-            f"a Redis Cluster on ports {first}-{last} needs bus ports {first + CLUSTER_BUS_OFFSET}-{last + CLUSTER_BUS_OFFSET}, past 65535: "
-            f"set MEMFILTER_REDIS_PORT to {65535 - CLUSTER_BUS_OFFSET - (last - first)} or lower"
-        )
     before = recorded(s)
     if before is not None and (before.brokers, before.redis_cluster) != (s.brokers, s.redis_cluster):
         shape = lambda brokers, cluster: f"{brokers} broker{'s' if brokers > 1 else ''} and {'a Redis Cluster' if cluster else 'one Redis'}"  # noqa: E731
@@ -553,6 +547,12 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
         )
     if before is not None:  # a process of the running stack stays on its ports
         s = before.settings(s)
+    if s.redis_cluster and max(s.redis_ports) + CLUSTER_BUS_OFFSET > 65535:
+        first, last = min(s.redis_ports), max(s.redis_ports)
+        raise StackError(
+            f"a Redis Cluster on ports {first}-{last} needs bus ports {first + CLUSTER_BUS_OFFSET}-{last + CLUSTER_BUS_OFFSET}, past 65535: "
+            f"set MEMFILTER_REDIS_PORT to {65535 - CLUSTER_BUS_OFFSET - (last - first)} or lower"
+        )
     up_already = alive(s, before) if before is not None else dict.fromkeys(s.names(), False)
     if before is not None and all(up_already.values()):
         if s.redis_cluster:

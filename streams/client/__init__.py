@@ -122,7 +122,8 @@ class Client:
         outcomes = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=100)
         await outcomes.start()
         try:
-            tps = [TopicPartition(t, p) for t in (self.topics.filtered, self.topics.dlq) for p in sorted(await outcomes.partitions_for_topic(t) or ())]
+            producer = await self._started()
+            tps = [TopicPartition(t, p) for t in (self.topics.filtered, self.topics.dlq) for p in sorted(await producer.partitions_for(t))]
             outcomes.assign(tps)
             await outcomes.seek_to_end(*tps)
             for tp in tps:  # the ends as of now, before the request is sent

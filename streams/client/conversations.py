@@ -70,12 +70,12 @@ class Conversation:
 class Driver:
     """Runs conversations against a running worker and agent runner (`run`)."""
 
-    def __init__(self, bootstrap: str, topics: Topics = Topics(), timeout: float = 60.0, run: str | None = None):
+    def __init__(self, bootstrap: str, topics: Topics = Topics(), timeout: float = 60.0, run_id: str | None = None):
         self.bootstrap = bootstrap
         self.topics = topics
         self.timeout = timeout  # seconds to wait for a filtered input or a reply
         # in every request and message id, so that a second run on the same thread never reuses one (a `duplicate`)
-        self.run = run or uuid.uuid4().hex[:6]
+        self.run_id = run_id or uuid.uuid4().hex[:6]
         self._filtered: dict[str, asyncio.Future] = {}
         self._replies: dict[str, asyncio.Future] = {}
 
@@ -146,22 +146,22 @@ class Driver:
                 last = max(i for i, m in enumerate(c.messages) if m["role"] == "user")
                 del c.messages[last + 1 :]
                 if text == "/regenerate":
-                    reply = await self._send(client, c, f"{c.thread}-{self.run}-q{k}", trigger="regenerate-message", new=False)
+                    reply = await self._send(client, c, f"{c.thread}-{self.run_id}-q{k}", trigger="regenerate-message", new=False)
                     continue
                 edited = copy.deepcopy(c.messages[last])
                 edited["content"]["parts"] = [{"type": "text", "text": text.removeprefix("/edit ")}]
                 c.messages[last] = edited
-                reply = await self._send(client, c, f"{c.thread}-{self.run}-q{k}", message_id=edited["id"], new=False)
+                reply = await self._send(client, c, f"{c.thread}-{self.run_id}-q{k}", message_id=edited["id"], new=False)
                 continue
-            c.messages.append({"id": f"{c.thread}-{self.run}-u{k}", "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": text}]}})
-            reply = await self._send(client, c, f"{c.thread}-{self.run}-q{k}")
+            c.messages.append({"id": f"{c.thread}-{self.run_id}-u{k}", "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": text}]}})
+            reply = await self._send(client, c, f"{c.thread}-{self.run_id}-q{k}")
             calls = [p["toolInvocation"] for p in (reply or {}).get("content", {}).get("parts", []) if p.get("type") == "tool-invocation"]
             if calls and calls[-1]["state"] in PENDING_STATES:  # the client's tool runs and answers
                 answered = copy.deepcopy(reply)
                 invocation = answered["content"]["parts"][-1]["toolInvocation"]
                 invocation.update(state="result", result={"done": invocation["toolName"], "args": invocation["args"]})
                 c.messages[-1] = answered
-                await self._send(client, c, f"{c.thread}-{self.run}-q{k}-tool", message_id=answered["id"], new=False)
+                await self._send(client, c, f"{c.thread}-{self.run_id}-q{k}-tool", message_id=answered["id"], new=False)
 
     async def _send(
         self, client: Client, c: Conversation, request_id: str, trigger: str = "submit-message", message_id: str | None = None, new: bool = True

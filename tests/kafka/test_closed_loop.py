@@ -70,7 +70,7 @@ def check(pipeline: Pipeline, conversations: list[Conversation]) -> None:
 
 def converse(pipeline: Pipeline, conversations: list[Conversation], during=None) -> None:
     async def go():
-        driving = asyncio.create_task(Driver(pipeline.bootstrap, pipeline.topics, timeout=90, run="r").run(conversations))
+        driving = asyncio.create_task(Driver(pipeline.bootstrap, pipeline.topics, timeout=90, run_id="r").run(conversations))
         if during is not None:
             await during(conversations)
         await driving
