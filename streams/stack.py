@@ -311,6 +311,9 @@ transaction.state.log.min.isr={isr}
 share.coordinator.state.topic.replication.factor={replicas}
 share.coordinator.state.topic.min.isr={isr}
 group.initial.rebalance.delay.ms=0
+# A consumer may ask for a session timeout down to 2 s (Kafka's default floor is 6 s): the fault
+# tests stall and kill workers past it, and wait for it each time.
+group.min.session.timeout.ms=2000
 message.max.bytes=8388608
 # Keep every record: audits replay the topics, and records stamped in the past (replays of old
 # traffic, fixed test timestamps) would otherwise be deleted by time retention within minutes.

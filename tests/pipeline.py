@@ -113,6 +113,15 @@ class Pipeline:
         finally:
             await admin.close()
 
+    async def delete_topics(self) -> None:
+        """The pipeline's topics, deleted (what a test made and no longer needs)."""
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
+        await admin.start()
+        try:
+            await admin.delete_topics(list(self.topics.all()))
+        finally:
+            await admin.close()
+
     def memfilter(self, *argv: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
         """Run the command line with this pipeline's settings (and `env` on top); text output."""
         return subprocess.run([sys.executable, "-m", "memfilter", *argv], capture_output=True, text=True, env=self.env(**env), cwd=REPO, timeout=timeout)

@@ -89,7 +89,7 @@ def test_every_thread_stores_the_clients_conversation_each_context_is_its_view_a
 
 
 def test_with_a_worker_and_an_agent_killed_mid_run_the_result_is_the_same(pipeline):
-    settings = {"MEMFILTER_SESSION_TIMEOUT": "6"}
+    settings = {"MEMFILTER_SESSION_TIMEOUT": "3"}
     workers = [pipeline.start_worker(**settings) for _ in range(2)]
     agents = [pipeline.start_agent(**settings) for _ in range(2)]
     conversations = scripts(THREADS, TURNS)

@@ -235,7 +235,7 @@ def test_a_killed_worker_and_replies_published_again_leave_the_same_history(pipe
     times at random later moments. Every request's filtered input is committed once, and a
     rebuild from the log gives the live history: the processor's saves go back among the
     agent's where they were applied, and the repeats change nothing there either."""
-    env = {"MEMFILTER_SESSION_TIMEOUT": "6"}
+    env = {"MEMFILTER_SESSION_TIMEOUT": "3"}
     first, _ = pipeline.start_worker(**env), pipeline.start_worker(**env)
 
     async def run():
@@ -272,7 +272,7 @@ def test_a_stalled_worker_that_wakes_after_losing_its_tasks_changes_nothing(pipe
     """Ten times, a worker is stopped (SIGSTOP) past its session timeout, with conversations and
     other load running, and resumed at a random moment: just as the others take over its tasks,
     or well after. It is fenced out (and exits) or carries on if it was not replaced yet."""
-    env = {"MEMFILTER_SESSION_TIMEOUT": "6"}
+    env = {"MEMFILTER_SESSION_TIMEOUT": "3"}
     workers = [pipeline.start_worker(**env), pipeline.start_worker(**env)]
 
     async def run():
@@ -294,7 +294,7 @@ def test_a_stalled_worker_that_wakes_after_losing_its_tasks_changes_nothing(pipe
                     await asyncio.sleep(random.uniform(0.5, 2))
                     stalled = random.choice([w for w in workers if w.poll() is None])
                     stalled.send_signal(signal.SIGSTOP)
-                    await asyncio.sleep(random.uniform(6, 10))
+                    await asyncio.sleep(random.uniform(3, 5))  # past the session timeout: 1 to 1.7 times it
                     stalled.send_signal(signal.SIGCONT)
                 stalls_over.set()
                 conversations = dict(zip(threads, await talking))
