@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memfilter.cli.common import data_dir_missing, no_secret, reachable, web_port_free
+from memfilter.cli.common import data_dir_missing, no_secret, web_port_free
 from memfilter.settings import Agent, Settings, variables
 
 
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if reason := no_secret(settings) or data_dir_missing(settings):
         print(f"memfilter agent: {reason}", file=sys.stderr)
         return 2
-    reason = web_port_free(settings, settings.agent.web_port, "MEMFILTER_AGENT_WEB_PORT", "agent runner") or reachable(settings, redis_too=False)
+    reason = web_port_free(settings, settings.agent.web_port, "MEMFILTER_AGENT_WEB_PORT", "agent runner")
     if reason is not None:
         print(f"memfilter agent: {reason}", file=sys.stderr)
         return 1

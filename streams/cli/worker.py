@@ -6,7 +6,7 @@ import argparse
 import gc
 import sys
 
-from memfilter.cli.common import data_dir_missing, no_secret, reachable, web_port_free
+from memfilter.cli.common import data_dir_missing, no_secret, web_port_free
 from memfilter.settings import Decisions, Kafka, Redis, Settings, Topics, Worker, variables
 
 
@@ -22,8 +22,7 @@ def run(args: argparse.Namespace) -> int:
     if reason := no_secret(settings) or data_dir_missing(settings):
         print(f"memfilter worker: {reason}", file=sys.stderr)
         return 2
-    reason = web_port_free(settings) or reachable(settings)
-    if reason is not None:
+    if reason := web_port_free(settings):
         print(f"memfilter worker: {reason}", file=sys.stderr)
         return 1
     app = create_app(settings)

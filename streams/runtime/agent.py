@@ -210,7 +210,7 @@ def create_agent_app(settings: Settings) -> faust.App:
         f"{settings.worker.data_dir}-agent",
         settings.agent.web_port,
         metrics,
-        lambda: health.problems() + ([] if loop.assigned else ["no partitions assigned"]),
+        lambda: health.problems() + loop.problems(),
     )
     app.add_dependency(loop)
     return app

@@ -39,6 +39,7 @@ import itertools
 import logging
 import os
 import random
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -46,7 +47,7 @@ from typing import Any, Protocol
 import mode
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-from aiokafka.errors import ConsumerStoppedError
+from aiokafka.errors import ConsumerStoppedError, KafkaConnectionError
 from aiokafka.partitioner import murmur2
 
 from memfilter.metrics import LoopMetrics
@@ -57,6 +58,9 @@ log = logging.getLogger("memfilter")
 
 # A consumer's fetches wait at most this long for data: a quiet partition is fetched again that often.
 FETCH_MAX_WAIT_MS = 100
+# Waiting for Kafka at start: tried again every WAIT_RETRY_S, said every WAIT_LOG_S.
+WAIT_RETRY_S = 1.0
+WAIT_LOG_S = 10.0
 
 Batch = dict[TopicPartition, list[Any]]  # aiokafka's ConsumerRecords by partition, in offset order
 
@@ -123,6 +127,7 @@ class TaskLoop(mode.Service):
         self.max_records = max_records
         self.start_at_end = start_at_end  # a partition with no committed offset starts at its end, not its beginning
         self.consumer: AIOKafkaConsumer | None = None
+        self.waiting_for: str | None = "Kafka"  # what it waits for before it can work (`_connect`), for `/readyz`
         self._turn = asyncio.Lock()  # held while a batch is handled; a rebalance waits for it
         self.epoch = 0  # partition revocations and assignments so far
         self._delivering: asyncio.Task | None = None  # the previous batch's transactions
@@ -131,8 +136,40 @@ class TaskLoop(mode.Service):
 
     async def on_start(self) -> None:
         log.info("memfilter %s %s starting: %s", self.name, importlib.metadata.version("memfilter"), self.handler.describe())
-        kafka = self.kafka  # the clients are made here, on the process's event loop
-        self.consumer = AIOKafkaConsumer(
+
+    def problems(self) -> list[str]:
+        """Why the process is not ready (`/readyz`): what it waits for, or that it has no partitions."""
+        if self.waiting_for:
+            return [f"waiting for {self.waiting_for}"]
+        return [] if self.assigned else ["no partitions assigned"]
+
+    async def _connect(self) -> None:
+        """Start the consumer and subscribe, waiting for Kafka and the topics as long as it takes
+        (the process is up but not ready meanwhile), with a line every WAIT_LOG_S saying so."""
+        said = -WAIT_LOG_S
+        while not self.should_stop:
+            consumer = self._consumer()
+            try:
+                await consumer.start()
+                break
+            except KafkaConnectionError as e:
+                await consumer.stop()
+                self.waiting_for = f"Kafka at {self.kafka.bootstrap} ({e})"
+                if time.monotonic() - said >= WAIT_LOG_S:
+                    log.warning("memfilter %s: waiting for %s", self.name, self.waiting_for)
+                    said = time.monotonic()
+                await asyncio.sleep(WAIT_RETRY_S)
+        else:
+            return
+        self.consumer = consumer
+        self.waiting_for = f"topics {', '.join(self.topics)}"
+        await wait_for_topics(consumer, self.topics)
+        self.waiting_for = None
+        consumer.subscribe(self.topics, listener=Rebalance(self))
+
+    def _consumer(self) -> AIOKafkaConsumer:
+        kafka = self.kafka  # made on the process's event loop
+        return AIOKafkaConsumer(
             bootstrap_servers=kafka.bootstrap,
             group_id=self.group,
             client_id=f"memfilter-{self.group}",
@@ -149,9 +186,6 @@ class TaskLoop(mode.Service):
             # topic's partitions over the same sorted members.
             partition_assignment_strategy=(RangePartitionAssignor,),
         )
-        await self.consumer.start()
-        await wait_for_topics(self.consumer, self.topics)
-        self.consumer.subscribe(self.topics, listener=Rebalance(self))
 
     async def on_stop(self) -> None:
         async with self._turn:
@@ -166,8 +200,10 @@ class TaskLoop(mode.Service):
 
     @mode.Service.task
     async def _run(self) -> None:
-        assert self.consumer is not None
         try:
+            await self._connect()
+            if self.consumer is None:  # stopped while waiting
+                return
             while not self.should_stop:
                 batch = await self.consumer.getmany(timeout_ms=int(self.kafka.batch_within * 1000), max_records=self.max_records)
                 # Read with no await between: the batch came from the assignment of this epoch.

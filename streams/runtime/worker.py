@@ -274,8 +274,6 @@ def create_app(settings: Settings) -> faust.App:
         lambda task: transactional_id(group, task),
         settings.kafka.batch_max,
     )
-    app = serve_health(
-        group, settings, settings.worker.data_dir, settings.worker.web_port, metrics, lambda: [] if loop.assigned else ["no partitions assigned"], client
-    )
+    app = serve_health(group, settings, settings.worker.data_dir, settings.worker.web_port, metrics, loop.problems, client)
     app.add_dependency(loop)
     return app
