@@ -20,7 +20,9 @@ records to produce, by task; the loop owns everything Kafka, the same for both:
   and before it is handled; a rebalance waits for the batch in hand, and a batch fetched
   before an assignment is dropped and fetched again from the committed offsets;
 - the committed position is the consumer's (past the transaction markers after the last
-  record), so an idle consumer's lag is 0.
+  record), so an idle consumer's lag is 0;
+- at start, Kafka and the topics are waited for as long as it takes (`problems` says so to
+  `/readyz`, a log line every WAIT_LOG_S), so a process started before Kafka works once it answers.
 
 Anything unexpected, in a batch or a rebalance, stops the process (exit 1) rather than leave it
 up but idle: an orchestrator restarts it and the group gives its tasks to the others
