@@ -27,7 +27,6 @@ command line.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -36,12 +35,31 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from memfilter.core.filter import Limits, Rejected, decode_request
+from memfilter.core.filter import Limits, Rejected, Rejection, decode_request
 from memfilter.core.replies import reply_event
 from memfilter.schemas.wire import ChatRequest, FilteredInput
 from memfilter.settings import Topics
 
 _FILTERED = msgspec.json.Decoder(FilteredInput)
+
+
+def outcome_of(record: ConsumerRecord, topics: Topics) -> tuple[tuple[int, int], FilteredInput | Rejection] | None:
+    """What a record of the filtered-inputs or dead-letter topic says of a request: the request's
+    position on the requests topic (partition, offset), and its filtered input or why it was
+    rejected;
+    None for a record that says nothing of one (another topic's dead letter, a value that is not
+    a filtered input)."""
+    if record.topic == topics.filtered:
+        try:
+            event = _FILTERED.decode(record.value)
+        except (msgspec.DecodeError, TypeError):
+            return None
+        return ((event.source.partition, event.source.offset), event) if event.source.topic == topics.requests else None
+    headers = {k: v.decode(errors="replace") for k, v in record.headers or ()}
+    if headers.get("source.topic") != topics.requests or not (headers.get("source.partition", "").isdigit() and headers.get("source.offset", "").isdigit()):
+        return None
+    at = (int(headers["source.partition"]), int(headers["source.offset"]))
+    return at, Rejection(headers.get("error.type", ""), headers.get("error.message", ""))
 
 
 class InvalidRequest(ValueError):
@@ -93,10 +111,10 @@ class Client:
         """Publish requests (Structs, dicts or JSON bytes) to the requests topic, keyed by thread
         id, once every one of them passed the processor's checks (else `InvalidRequest`); wait
         until the broker has them all. Returns their request ids, in order."""
-        return [request_id for request_id, _ in await self._publish(requests, on_sent)]
+        return [request_id for request_id, _ in await self.publish_at(requests, on_sent)]
 
-    async def _publish(self, requests: Iterable[ChatRequest | dict | bytes], on_sent=None) -> list[tuple[str, Any]]:
-        """`publish`: each request's id and where it landed (aiokafka's RecordMetadata)."""
+    async def publish_at(self, requests: Iterable[ChatRequest | dict | bytes], on_sent=None) -> list[tuple[str, tuple[int, int]]]:
+        """`publish`, with where each request landed: (its request id, (partition, offset))."""
         values = [r if isinstance(r, bytes) else msgspec.json.encode(r) for r in requests]
         checked = []
         for n, value in enumerate(values):
@@ -109,7 +127,7 @@ class Client:
         ids = []
         for request, future in zip(checked, pending):
             sent = await future
-            ids.append((request.requestId or f"{sent.topic}-{sent.partition}-{sent.offset}", sent))
+            ids.append((request.requestId or f"{sent.topic}-{sent.partition}-{sent.offset}", (sent.partition, sent.offset)))
             if on_sent is not None:
                 on_sent(len(ids))
         return ids
@@ -117,8 +135,9 @@ class Client:
     async def ask(self, request: ChatRequest | dict | bytes, timeout: float = 30.0) -> FilteredInput:
         """Publish one request and wait for what the processor made of it: its filtered input,
         or `RequestRejected` with the reason its dead letter gives; `TimeoutError` naming the
-        request and the topics when neither comes within `timeout` seconds (is a worker running?)."""
-        value = request if isinstance(request, bytes) else msgspec.json.encode(request)
+        request and the topics when neither comes within `timeout` seconds (is a worker running?).
+        The outcome is found by where the request landed, which no other client can claim (a
+        request id can be sent by anyone)."""
         outcomes = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=100)
         await outcomes.start()
         try:
@@ -128,21 +147,16 @@ class Client:
             await outcomes.seek_to_end(*tps)
             for tp in tps:  # the ends as of now, before the request is sent
                 await outcomes.position(tp)
-            [(request_id, sent)] = await self._publish([value])
-            source = (self.topics.requests, sent.partition, sent.offset)
+            [(request_id, at)] = await self.publish_at([request])
             async with asyncio.timeout(timeout):
                 while True:
                     for records in (await outcomes.getmany(timeout_ms=500)).values():
                         for r in records:
-                            if r.topic == self.topics.filtered:
-                                with contextlib.suppress(msgspec.DecodeError):
-                                    event = _FILTERED.decode(r.value)
-                                    if (event.source.topic, event.source.partition, event.source.offset) == source:
-                                        return event
-                            else:
-                                h = {k: v.decode(errors="replace") for k, v in r.headers}
-                                if (h.get("source.topic"), h.get("source.partition"), h.get("source.offset")) == tuple(map(str, source)):
-                                    raise RequestRejected(request_id, h.get("error.type", ""), h.get("error.message", ""))
+                            found = outcome_of(r, self.topics)
+                            if found is not None and found[0] == at:
+                                if isinstance(found[1], Rejection):
+                                    raise RequestRejected(request_id, found[1].type, found[1].message)
+                                return found[1]
         except TimeoutError:
             raise TimeoutError(
                 f"no filtered input or dead letter for request {request_id} on {self.topics.filtered} or {self.topics.dlq} "

@@ -27,10 +27,11 @@ from typing import Any
 import msgspec
 from aiokafka import AIOKafkaConsumer
 
-from memfilter.client import Client, RequestRejected
+from memfilter.client import Client, RequestRejected, outcome_of
 from memfilter.core import ui
+from memfilter.core.filter import Rejection
 from memfilter.core.replies import PENDING_STATES, wants_reply
-from memfilter.schemas.wire import FilteredInput, PersistMessages
+from memfilter.schemas.wire import PersistMessages
 from memfilter.settings import Topics
 
 Msg = dict[str, Any]
@@ -54,10 +55,6 @@ class Turn:
     reply: Msg | None  # the saved answer, if one was asked for
 
 
-class _RequestId(msgspec.Struct):
-    requestId: str = ""
-
-
 @dataclass
 class Conversation:
     thread: str
@@ -76,7 +73,7 @@ class Driver:
         self.timeout = timeout  # seconds to wait for a filtered input or a reply
         # in every request and message id, so that a second run on the same thread never reuses one (a `duplicate`)
         self.run_id = run_id or uuid.uuid4().hex[:6]
-        self._filtered: dict[str, asyncio.Future] = {}
+        self._outcomes: dict[tuple[int, int], asyncio.Future] = {}  # by where the request landed
         self._replies: dict[str, asyncio.Future] = {}
 
     async def run(self, conversations: list[Conversation]) -> None:
@@ -107,38 +104,34 @@ class Driver:
             await consumer.stop()
 
     async def _read(self, consumer: AIOKafkaConsumer) -> None:
-        filtered, persisted = msgspec.json.Decoder(FilteredInput), msgspec.json.Decoder(PersistMessages)
+        persisted = msgspec.json.Decoder(PersistMessages)
         async for record in consumer:
             try:
-                self._take(record, filtered, persisted)
-            except msgspec.DecodeError:  # not the processor's or a saver's: nothing to wait for
+                self._take(record, persisted)
+            except (msgspec.DecodeError, TypeError):  # not a saver's event (a tombstone too): nothing to wait for
                 continue
 
-    def _take(self, record, filtered: msgspec.json.Decoder, persisted: msgspec.json.Decoder) -> None:
-        """Settle what a filtered input or a saved reply answers."""
-        if record.topic == self.topics.filtered:
-            event = filtered.decode(record.value)
-            self._settle(self._filtered, event.requestId, event)
-        elif record.topic == self.topics.dlq:
-            headers = {k: v.decode(errors="replace") for k, v in record.headers}
-            if headers.get("source.topic") == self.topics.requests:
-                request_id = msgspec.json.decode(record.value, type=_RequestId).requestId
-                rejected = RequestRejected(request_id, headers.get("error.type", ""), headers.get("error.message", ""))
-                future = self._future(self._filtered, request_id)
+    def _take(self, record, persisted: msgspec.json.Decoder) -> None:
+        """Settle what a filtered input, a dead letter or a saved reply answers. A request's
+        outcome is found by where the request landed (`outcome_of`), not by its request id,
+        which any client can send."""
+        if record.topic != self.topics.persist:
+            if (found := outcome_of(record, self.topics)) is not None:
+                future = self._future(self._outcomes, found[0])
                 if not future.done():
-                    future.set_exception(rejected)
-        else:
-            event = persisted.decode(record.value)
-            if event.requestId.endswith("/reply") and event.messages:
-                self._settle(self._replies, event.requestId.removesuffix("/reply"), event.messages[0])
+                    future.set_result(found[1])
+            return
+        event = persisted.decode(record.value)
+        if event.requestId.endswith("/reply") and event.messages:
+            self._settle(self._replies, event.requestId.removesuffix("/reply"), event.messages[0])
 
-    def _settle(self, futures: dict[str, asyncio.Future], request_id: str, value: Any) -> None:
+    def _settle(self, futures: dict, request_id: str, value: Any) -> None:
         future = self._future(futures, request_id)
         if not future.done():
             future.set_result(value)
 
-    def _future(self, futures: dict[str, asyncio.Future], request_id: str) -> asyncio.Future:
-        return futures.setdefault(request_id, asyncio.get_running_loop().create_future())
+    def _future(self, futures: dict, key: Any) -> asyncio.Future:
+        return futures.setdefault(key, asyncio.get_running_loop().create_future())
 
     async def _converse(self, client: Client, c: Conversation) -> None:
         for k, text in enumerate(c.script):
@@ -176,8 +169,11 @@ class Driver:
             "trigger": trigger,
             "messageId": message_id or view[-1]["id"],
         }
-        await client.publish([request])
-        event = await self._wait(self._filtered, request_id, f"no filtered input for request {request_id} of thread {c.thread}: is a worker running?")
+        [(_, at)] = await client.publish_at([request])
+        outcome = await self._wait(self._outcomes, at, f"no filtered input for request {request_id} of thread {c.thread}: is a worker running?")
+        if isinstance(outcome, Rejection):
+            raise RequestRejected(request_id, outcome.type, outcome.message)
+        event = outcome
         reply = None
         if wants_reply(event.context):
             reply = await self._wait(self._replies, request_id, f"no reply saved for request {request_id} of thread {c.thread}: is an agent runner running?")
@@ -185,13 +181,13 @@ class Driver:
         c.turns.append(Turn(request_id, view, new, event.context, event.superseded, reply))
         return reply
 
-    async def _wait(self, futures: dict[str, asyncio.Future], request_id: str, problem: str) -> Any:
+    async def _wait(self, futures: dict, key: Any, problem: str) -> Any:
         try:
-            return await asyncio.wait_for(asyncio.shield(self._future(futures, request_id)), self.timeout)
+            return await asyncio.wait_for(asyncio.shield(self._future(futures, key)), self.timeout)
         except TimeoutError:
             raise TimeoutError(f"{problem} (waited {self.timeout:.0f} s)") from None
         finally:
-            futures.pop(request_id, None)
+            futures.pop(key, None)
 
 
 def describe(message: Msg, width: int = 200) -> str:
