@@ -11,7 +11,7 @@ Redis's cmsgpack reads no `bin` values; they are UTF-8 JSON anyway).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources import files
 from typing import Any
 
@@ -23,6 +23,10 @@ class Script:
     sha: str
     keys: tuple[str, ...]
     args: tuple[str, ...]  # empty for a script that takes any number of arguments (`command(*args)`)
+    names: frozenset[str] = field(init=False)  # keys and arguments: checked on every call, made once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", frozenset((*self.keys, *self.args)))
 
     @classmethod
     def load(cls, name: str) -> Script:
@@ -34,8 +38,8 @@ class Script:
     def command(self, *varargs: Any, **named: Any) -> tuple:
         """The EVALSHA command: keys and arguments by the names the script declares (and, for
         a script without named arguments, the arguments in `varargs`)."""
-        if set(named) != {*self.keys, *self.args}:
-            wrong = sorted(set(named) ^ {*self.keys, *self.args})
+        if named.keys() != self.names:
+            wrong = sorted(named.keys() ^ self.names)
             raise TypeError(f"{self.name}.lua takes keys {self.keys} and arguments {self.args}; not as given: {wrong}")
         return ("EVALSHA", self.sha, len(self.keys), *(named[k] for k in self.keys), *(named[a] for a in self.args), *varargs)
 
