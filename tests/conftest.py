@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,7 +40,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
 
-from stacks import BACKEND, Services, cluster_env, memfilter, stack_env, wait_for_redis  # noqa: E402
+from stacks import BACKEND, Services, cluster_env, memfilter, stack_env, start_redis  # noqa: E402
 
 TIERS = {
     "unit": "the pure core; starts nothing",
@@ -109,12 +108,9 @@ def redis_url(tmp_path_factory):
         return
     from pipeline import redis_config
 
-    from memfilter.stack import redis_server
-
     conf, url = redis_config(tmp_path_factory.mktemp("redis"))
-    server = subprocess.Popen([redis_server(), str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    server = start_redis(conf, url)
     try:
-        wait_for_redis(url, server)
         yield url
     finally:
         server.terminate()

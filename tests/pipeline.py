@@ -43,10 +43,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def redis_config(folder: Path) -> tuple[Path, str]:
-    """A redis-server config of a test's own (a free port, data in `folder`) and its URL, for
-    tests that stop, hang or restart their Redis: `redis-server CONFIG` starts it."""
-    port = free_port()
+def redis_config(folder: Path, port: int | None = None) -> tuple[Path, str]:
+    """A redis-server config of a test's own (a free port unless given, data in `folder`) and
+    its URL, for tests that stop, hang or restart their Redis: `stacks.start_redis` starts it."""
+    port = port or free_port()
     conf = folder / "redis.conf"
     conf.write_text(f'bind 127.0.0.1\nport {port}\ndir {folder}\nsave ""\n')
     return conf, f"redis://127.0.0.1:{port}/0"

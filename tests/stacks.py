@@ -53,6 +53,15 @@ def memfilter(*argv: str, env: dict[str, str] | None = None, timeout: float = 30
     return subprocess.run([sys.executable, "-m", "memfilter", *argv], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 
+def start_redis(conf: Path, url: str) -> subprocess.Popen:
+    """A redis-server of a test's own on `conf` (`pipeline.redis_config`), once it answers at `url`."""
+    from memfilter.stack import redis_server
+
+    server = subprocess.Popen([redis_server(), str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    wait_for_redis(url, server)
+    return server
+
+
 def wait_for_redis(url: str, server: subprocess.Popen, timeout: float = 10) -> None:
     import redis
 

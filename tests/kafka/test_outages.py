@@ -6,16 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
 import urllib.error
 import urllib.request
 
 from factories import msg
-from pipeline import Pipeline, free_port, read, wait_for_line
-from stacks import memfilter, stack_env, wait_for_redis
+from pipeline import Pipeline, free_port, read, redis_config, wait_for_line
+from stacks import memfilter, stack_env, start_redis
 
 from memfilter.client import Client
-from memfilter.stack import redis_server
 
 
 def request(thread: str, request_id: str) -> dict:
@@ -68,10 +66,7 @@ def test_a_worker_started_before_redis_waits_saying_so_and_works_once_redis_answ
         log = wait_for_line(pipeline.log_path(0), "Redis unavailable while taking an owner epoch")
         assert worker.poll() is None and "Traceback" not in log, log[-2000:]
         assert "Redis not answering" in not_ready(worker.web_port)
-        conf = tmp_path / "redis.conf"
-        conf.write_text(f'bind 127.0.0.1\nport {port}\ndir {tmp_path}\nsave ""\n')
-        server = subprocess.Popen([redis_server(), str(conf)], stdout=subprocess.DEVNULL)
-        wait_for_redis(url, server)
+        server = start_redis(*redis_config(tmp_path, port))
         wait_for_line(pipeline.log_path(0), "memfilter worker ready", timeout=60)
         assert answered(pipeline, "out-r", "out-r1") == ["out-r1"]
     finally:

@@ -13,10 +13,9 @@ import threading
 import time
 
 from pipeline import WORKER_LOGS, Pipeline, read, redis_config, wait_for_line
-from stacks import wait_for_redis
+from stacks import start_redis
 
 from memfilter.client import Client
-from memfilter.stack import redis_server
 
 SHUTDOWN_S = "3"
 
@@ -49,11 +48,10 @@ def test_an_idle_worker_stops_at_once_on_sigint_saying_so_once(services):
 
 def test_a_worker_waiting_for_a_hung_redis_stops_within_its_bound_and_the_next_one_answers(services, tmp_path):
     conf, url = redis_config(tmp_path)
-    server = subprocess.Popen([redis_server(), str(conf)], stdout=subprocess.DEVNULL)
+    server = start_redis(conf, url)
     pipeline = Pipeline(services.bootstrap, url)
     asyncio.run(pipeline.create_topics())
     try:
-        wait_for_redis(url, server)
         worker = pipeline.start_worker(MEMFILTER_SHUTDOWN_S=SHUTDOWN_S)
         wait_for_line(pipeline.log_path(0), "memfilter worker ready")
         server.send_signal(signal.SIGSTOP)
