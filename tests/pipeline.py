@@ -130,7 +130,7 @@ class Pipeline:
         return WORKER_LOGS / f"memfilter-test-{self.name}-worker{n}.log"
 
     def start_worker(self, **extra_env: str) -> subprocess.Popen:
-        """A worker process; its web server's port is `worker.web_port`."""
+        """A worker process; its web server's port is `worker.web_port`, its output in `worker.log_path`."""
         return self._start("worker", self.log_path(len(self.workers)), extra_env)
 
     def start_agent(self, **extra_env: str) -> subprocess.Popen:
@@ -155,6 +155,7 @@ class Pipeline:
             stderr=subprocess.STDOUT,
         )
         process.web_port = port
+        process.log_path = log_path
         self.workers.append(process)
         return process
 

@@ -118,6 +118,7 @@ class AgentHandler:
     """The agent runner's part of the task loop: answers, to be committed with the offsets."""
 
     stops_on: tuple[type[Exception], ...] = ()
+    rejoins_on: tuple[type[Exception], ...] = ()
 
     def __init__(self, settings: Settings, model: Model, metrics: AgentMetrics):
         self.settings = settings

@@ -22,10 +22,20 @@ records to produce, by task; the loop owns everything Kafka, the same for both:
 - the committed position is the consumer's (past the transaction markers after the last
   record), so an idle consumer's lag is 0;
 - at start, Kafka and the topics are waited for as long as it takes (`problems` says so to
-  `/readyz`, a log line every WAIT_LOG_S), so a process started before Kafka works once it answers.
+  `/readyz`, a log line every WAIT_LOG_S), so a process started before Kafka works once it answers;
+  while running, Kafka is asked for its metadata every WATCH_S: a Kafka that does not answer is
+  waited for the same way (aiokafka's clients retry on their own meanwhile);
+- tasks lost are taken up again in-process: when a batch's transactions fail (a broker outage
+  past the producer's timeout, a producer fenced because the process was paused past its
+  session and its tasks went to another) or the handler finds itself fenced
+  (`Handler.rejoins_on`: the worker's Redis owner epoch), the loop gives up every task (its
+  producers stopped, what was not committed left uncommitted, as after a crash) and rejoins
+  the group, with a back-off while it keeps failing. Whoever is given the tasks then, this
+  process or another, handles the uncommitted records again from the committed offsets. Not
+  ready meanwhile.
 
-Anything unexpected, in a batch or a rebalance, stops the process (exit 1) rather than leave it
-up but idle: an orchestrator restarts it and the group gives its tasks to the others
+Anything else unexpected, in a batch or a rebalance, stops the process (exit 1) rather than
+leave it up but idle: an orchestrator restarts it and the group gives its tasks to the others
 meanwhile. A handler names the errors it expects to stop on (`Handler.stops_on`), which are
 logged as one line rather than a traceback.
 """
@@ -42,14 +52,14 @@ import logging
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mode
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
-from aiokafka.errors import ConsumerStoppedError, KafkaConnectionError
+from aiokafka.errors import ConsumerStoppedError, KafkaConnectionError, KafkaError, ProducerFenced
 from aiokafka.partitioner import murmur2
 
 from memfilter.metrics import LoopMetrics
@@ -63,6 +73,10 @@ FETCH_MAX_WAIT_MS = 100
 # Waiting for Kafka at start: tried again every WAIT_RETRY_S, said every WAIT_LOG_S.
 WAIT_RETRY_S = 1.0
 WAIT_LOG_S = 10.0
+# While running, Kafka is asked every WATCH_S whether it answers, each time waiting at most that long.
+WATCH_S = 5.0
+# Rejoining after tasks were lost: at once the first time, then after a back-off doubling up to REJOIN_MAX_S.
+REJOIN_MAX_S = 10.0
 
 Batch = dict[TopicPartition, list[Any]]  # aiokafka's ConsumerRecords by partition, in offset order
 
@@ -80,6 +94,7 @@ class Handler(Protocol):
     """What a consumer of the loop does with its records."""
 
     stops_on: tuple[type[Exception], ...]  # expected reasons to stop: logged as one line
+    rejoins_on: tuple[type[Exception], ...]  # its own signs that its tasks went to another: give them up and rejoin
 
     def describe(self) -> str:
         """What it runs on, for the log line that says it is starting."""
@@ -130,19 +145,24 @@ class TaskLoop(mode.Service):
         self.start_at_end = start_at_end  # a partition with no committed offset starts at its end, not its beginning
         self.consumer: AIOKafkaConsumer | None = None
         self.waiting_for: str | None = "Kafka"  # what it waits for before it can work (`_connect`), for `/readyz`
+        self.kafka_problem: str | None = None  # once started, a Kafka that does not answer (`_watch`), for `/readyz`
         self._turn = asyncio.Lock()  # held while a batch is handled; a rebalance waits for it
         self.epoch = 0  # partition revocations and assignments so far
         self._delivering: asyncio.Task | None = None  # the previous batch's transactions
         self._producers: dict[int, AIOKafkaProducer] = {}  # task -> its transactional producer: made when tasks are assigned
         self._committed: dict[TopicPartition, int] = {}  # the offsets committed (or started from), by assigned partition
+        self._lost: tuple[Exception, int] | None = None  # why the tasks of an epoch were lost, and that epoch: rejoin (`_rejoin`)
+        self._failures = 0  # tasks lost since a batch was last committed: the back-off before rejoining
 
     async def on_start(self) -> None:
         log.info("memfilter %s %s starting: %s", self.name, importlib.metadata.version("memfilter"), self.handler.describe())
 
     def problems(self) -> list[str]:
         """Why the process is not ready (`/readyz`): what it waits for, or that it has no partitions."""
-        if self.waiting_for:
-            return [f"waiting for {self.waiting_for}"]
+        if self.waiting_for or self.kafka_problem:
+            return [f"waiting for {self.waiting_for or self.kafka_problem}"]
+        if self._lost is not None:
+            return [f"rejoining the group after losing its tasks ({_reason(self._lost[0])})"]
         return [] if self.assigned else ["no partitions assigned"]
 
     async def _connect(self) -> None:
@@ -191,10 +211,31 @@ class TaskLoop(mode.Service):
 
     async def on_stop(self) -> None:
         async with self._turn:
-            await self._drain()
+            await self._drain_or_give_up()
             await self._stop_producers()
         if self.consumer is not None:
             await self.consumer.stop()
+
+    @mode.Service.task
+    async def _watch(self) -> None:
+        """Once started, ask Kafka for its metadata every WATCH_S: while it does not answer, say
+        so (`/readyz`, a log line every WAIT_LOG_S), and when it answers again."""
+        said = -WAIT_LOG_S
+        while not self.should_stop:
+            await asyncio.sleep(WATCH_S)
+            if self.consumer is None:
+                continue  # not started yet: `_connect` says what it waits for
+            try:
+                await asyncio.wait_for(self.consumer.topics(), WATCH_S)
+            except (TimeoutError, KafkaError) as e:
+                self.kafka_problem = f"Kafka at {self.kafka.bootstrap} ({_reason(e) if str(e) else f'no answer within {WATCH_S:g} s'})"
+                if time.monotonic() - said >= WAIT_LOG_S:
+                    log.warning("memfilter %s: waiting for %s", self.name, self.kafka_problem)
+                    said = time.monotonic()
+            else:
+                if self.kafka_problem is not None:
+                    log.info("memfilter %s: Kafka at %s answers again", self.name, self.kafka.bootstrap)
+                    self.kafka_problem, said = None, -WAIT_LOG_S
 
     @property
     def assigned(self) -> set[TopicPartition]:
@@ -207,22 +248,13 @@ class TaskLoop(mode.Service):
             if self.consumer is None:  # stopped while waiting
                 return
             while not self.should_stop:
-                batch = await self.consumer.getmany(timeout_ms=int(self.kafka.batch_within * 1000), max_records=self.max_records)
-                # Read with no await between: the batch came from the assignment of this epoch.
+                if self._lost is not None:
+                    await self._rejoin()
                 epoch = self.epoch
-                if batch:
-                    # The batch before must be committed first: an open transaction of ours
-                    # holds back the stable offset of what we wrote, and with it any record
-                    # appended after it. Outside the turn: a fetch in `prepare` waits for a
-                    # rebalance to end, which waits for the turn.
-                    await self._drain()
-                    await self.handler.prepare(self, batch, epoch)
-                async with self._turn:
-                    # A rebalance between the fetch and here revoked these records' partitions;
-                    # whoever holds them now (this process too) fetches them again from the commit.
-                    if epoch == self.epoch and self._producers:
-                        with _collector_paused():
-                            await self._handle(batch)
+                try:
+                    await self._turn_once()
+                except (KafkaError, *self.handler.rejoins_on) as e:
+                    self._lose(e, epoch)
         except ConsumerStoppedError:
             pass
         except self.handler.stops_on as e:
@@ -231,6 +263,57 @@ class TaskLoop(mode.Service):
         except Exception:
             log.critical("memfilter %s: stopping on an unexpected error", self.name, exc_info=True)
             self.crash_process()
+
+    async def _turn_once(self) -> None:
+        """Fetch a batch, and handle it unless a rebalance came between."""
+        assert self.consumer is not None
+        batch = await self.consumer.getmany(timeout_ms=int(self.kafka.batch_within * 1000), max_records=self.max_records)
+        # Read with no await between: the batch came from the assignment of this epoch.
+        epoch = self.epoch
+        if batch:
+            # The batch before must be committed first: an open transaction of ours
+            # holds back the stable offset of what we wrote, and with it any record
+            # appended after it. Outside the turn: a fetch in `prepare` waits for a
+            # rebalance to end, which waits for the turn.
+            await self._drain()
+            await self.handler.prepare(self, batch, epoch)
+        async with self._turn:
+            # A rebalance between the fetch and here revoked these records' partitions;
+            # whoever holds them now (this process too) fetches them again from the commit.
+            if epoch == self.epoch and self._producers and self._lost is None:
+                with _collector_paused():
+                    await self._handle(batch)
+
+    def _lose(self, error: Exception, epoch: int) -> None:
+        """The tasks of `epoch` are lost (see the module's header): rejoin before the next fetch."""
+        if self._lost is None:
+            self._lost = (error, epoch)
+
+    async def _rejoin(self) -> None:
+        """Give up every task and rejoin the group: the rebalance that follows gives tasks again
+        (to this process or another), each taken up as at any assignment, its uncommitted records
+        handled again from the committed offsets. Not needed if a rebalance already came after the
+        tasks were lost: they were given up and taken up again then."""
+        assert self.consumer is not None and self._lost is not None
+        error, epoch = self._lost
+        self._failures += 1
+        if epoch == self.epoch:
+            log.warning(
+                "memfilter %s: tasks %s lost (%s); giving them up and rejoining the group: what was not committed is handled again",
+                self.name,
+                sorted(self._producers),
+                _reason(error),
+            )
+            async with self._turn:
+                await self._drain_or_give_up()
+                await self._stop_producers()
+                self._committed = {}
+                self.epoch += 1
+            self.metrics.lag.clear()
+            self.metrics.assigned.set(0)
+            await asyncio.sleep(min(REJOIN_MAX_S, WAIT_RETRY_S * 2 ** (self._failures - 1)) if self._failures > 1 else 0)
+            self.consumer.subscribe(self.topics, listener=Rebalance(self))  # a subscription made anew: aiokafka rejoins
+        self._lost = None
 
     def crash_process(self) -> None:
         # A process that stays up but handles nothing is worse than one that exits: the
@@ -261,20 +344,22 @@ class TaskLoop(mode.Service):
         async def transaction(task: int) -> None:
             producer = self._producers[task]
             await producer.begin_transaction()
-            await asyncio.gather(*await _send(producer, handled.outs[task]))
+            await _all(await _send(producer, handled.outs[task]))
             if mine := {tp: o for tp, o in offsets.items() if tp.partition == task}:
                 await producer.send_offsets_to_transaction(mine, self.group)
             await producer.commit_transaction()
 
-        await asyncio.gather(*(transaction(task) for task in handled.outs))
+        await _all([transaction(task) for task in handled.outs])
+        self._failures = 0
         self._committed.update(offsets)
         if handled.done is not None:
             await handled.done()
 
     async def partitions_revoked(self) -> None:
-        """Partitions leave only after the batch in hand is delivered and committed."""
+        """Partitions leave only after the batch in hand is delivered and committed (or failed:
+        then it is left to the next owner)."""
         async with self._turn:
-            await self._drain()
+            await self._drain_or_give_up()
             await self._stop_producers()
             self._committed = {}
             self.epoch += 1
@@ -309,14 +394,42 @@ class TaskLoop(mode.Service):
         )
 
     async def _stop_producers(self) -> None:
+        """Stop the tasks' producers; one that fails to stop (its broker gone, say) is dropped
+        all the same: a transaction it left open is aborted by the task's next producer."""
         producers, self._producers = self._producers, {}
-        await asyncio.gather(*(p.stop() for p in producers.values()))
+        for result in await asyncio.gather(*(p.stop() for p in producers.values()), return_exceptions=True):
+            if isinstance(result, Exception) and not isinstance(result, ProducerFenced):  # fenced: expected, said already
+                log.warning("memfilter %s: a producer did not stop cleanly (%s)", self.name, _reason(result))
 
     async def _drain(self) -> None:
-        """Wait for the previous batch's transactions; a failure there (a fenced producer, say) stops the process."""
+        """Wait for the previous batch's transactions; they raise if they failed (`_run` then rejoins)."""
         if self._delivering is not None:
-            await self._delivering  # several may wait for it (the loop, a rebalance)
-            self._delivering = None
+            try:
+                await self._delivering  # several may wait for it (the loop, a rebalance)
+            finally:
+                self._delivering = None
+
+    async def _drain_or_give_up(self) -> None:
+        """Wait for the previous batch's transactions as tasks leave: if they failed, what they
+        did not commit is left to the tasks' next owner, as after a crash."""
+        try:
+            await self._drain()
+        except KafkaError as e:
+            log.warning("memfilter %s: the last batch's transactions failed as its tasks leave (%s); left to their next owner", self.name, _reason(e))
+
+
+def _reason(error: Exception) -> str:
+    name, text = type(error).__name__, str(error)
+    return text if text.startswith(name) else f"{name}: {text}" if text else name
+
+
+async def _all(awaitables: Sequence[Awaitable[Any]]) -> None:
+    """Wait for all of them, then raise the first failure: each failure is retrieved (a
+    fenced producer fails every send of its transaction), none is left to asyncio's
+    'exception was never retrieved'."""
+    for result in await asyncio.gather(*awaitables, return_exceptions=True):
+        if isinstance(result, BaseException):
+            raise result
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -406,8 +519,11 @@ class Rebalance(ConsumerRebalanceListener):
         await self._or_stop(self.loop.partitions_assigned(set(assigned)))
 
     async def _or_stop(self, step: Awaitable[None]) -> None:
+        epoch = self.loop.epoch
         try:
             await step
+        except (KafkaError, *self.loop.handler.rejoins_on) as e:  # a producer that cannot start in an outage, say
+            self.loop._lose(e, epoch)
         except self.loop.handler.stops_on as e:
             log.critical("memfilter %s: %s", self.loop.name, e)
             self.loop.crash_process()

@@ -34,8 +34,9 @@ is aborted when the task's transactional id is taken up again; the records are t
 again. Redis is outside the transaction: the processor's record of processed
 requests makes the second pass emit the same bytes without deciding again, and a save is
 applied once (`memfilter.runtime.persister`). A Redis outage stalls the batch, retried until Redis
-answers. Anything else unexpected, a fenced producer among them, stops the worker (exit 1)
-rather than leave it up but idle.
+answers. A worker fenced after a pause (by Kafka, or by a newer owner epoch in Redis) gives up
+its tasks and rejoins the group (`memfilter.runtime.loop`); anything unexpected stops it
+(exit 1) rather than leave it up but idle.
 
 Fencing: the loop fences the producers of a task's last owner; the worker then takes a new
 Redis owner epoch (`take_up`), which fences that owner's Redis writes (`memfilter.store`),
@@ -107,7 +108,8 @@ CATCH_UP_POLL_MS = 10
 class WorkerHandler:
     """The worker's part of the task loop: requests to the processor, saves to the persister."""
 
-    stops_on: tuple[type[Exception], ...] = (Fenced, CoPartitioning)
+    stops_on: tuple[type[Exception], ...] = (CoPartitioning,)
+    rejoins_on: tuple[type[Exception], ...] = (Fenced,)
 
     def __init__(self, settings: Settings, store: HistoryStore, metrics: Metrics):
         self.settings = settings

@@ -85,7 +85,7 @@ class Fenced(Exception):
     def __init__(self, thread: str, epoch: int, theirs: int):
         super().__init__(
             f"thread {thread} was written by a worker with owner epoch {theirs}, newer than this worker's {epoch}: "
-            "its partitions were given to another worker; exiting so that it rejoins the group"
+            "its partitions were given to another worker; this one gives them up and rejoins the group"
         )
 
 

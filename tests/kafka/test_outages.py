@@ -1,14 +1,19 @@
 """A worker started before Kafka or Redis answers waits for them, not ready meanwhile and saying
-what it waits for, and works once they answer: an orchestrator's restarts are not needed."""
+what it waits for, and works once they answer; a running worker and agent runner wait out a
+Kafka outage the same way, and a batch whose transaction the outage failed is handled again
+in-process: an orchestrator's restarts are not needed."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import time
 import urllib.error
 import urllib.request
 
+from aiokafka import AIOKafkaConsumer
 from factories import msg
 from pipeline import Pipeline, free_port, read, redis_config, wait_for_line
 from stacks import memfilter, stack_env, start_redis
@@ -26,6 +31,11 @@ def not_ready(port: int) -> str:
     except urllib.error.HTTPError as e:
         return e.read().decode()
     raise AssertionError("ready while waiting")
+
+
+def ready(port: int) -> bool:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as reply:
+        return reply.status == 200
 
 
 def answered(pipeline: Pipeline, thread: str, request_id: str) -> list[str]:
@@ -74,3 +84,89 @@ def test_a_worker_started_before_redis_waits_saying_so_and_works_once_redis_answ
         if server is not None:
             server.send_signal(signal.SIGTERM)
             server.wait(10)
+
+
+def stack_pids(env: dict[str, str]) -> dict[str, int]:
+    lines = memfilter("stack", "status", env=env).stdout.splitlines()[1:]
+    return {name: int(pid) for name, state, _, pid, *_ in (line.split() for line in lines) if state == "running"}
+
+
+def committed_request_ids(pipeline: Pipeline, expected: int, timeout: float = 90) -> list[str]:
+    """The request ids of the committed filtered inputs, once `expected` are there (or the time is up)."""
+
+    async def go():
+        consumer = AIOKafkaConsumer(
+            pipeline.topics.filtered, bootstrap_servers=pipeline.bootstrap, auto_offset_reset="earliest", isolation_level="read_committed"
+        )
+        await consumer.start()
+        ids: list[str] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while len(ids) < expected and time.monotonic() < deadline:
+                for records in (await consumer.getmany(timeout_ms=500)).values():
+                    ids += [json.loads(r.value)["requestId"] for r in records]
+            await asyncio.sleep(2)  # anything more (a second copy) would come by now
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                ids += [json.loads(r.value)["requestId"] for r in records]
+        finally:
+            await consumer.stop()
+        return ids
+
+    return asyncio.run(go())
+
+
+def publish_one(pipeline: Pipeline, thread: str, request_id: str) -> None:
+    async def go():
+        async with Client(pipeline.bootstrap, pipeline.topics) as client:
+            await client.publish([request(thread, request_id)])
+
+    asyncio.run(go())
+
+
+def test_a_worker_and_an_agent_wait_out_a_kafka_outage_with_a_batch_in_flight_and_answer_everything_once(services, tmp_path):
+    """Kafka is SIGKILLed while the worker holds a decided batch (Redis stalled under it, then
+    resumed), so the batch's transaction meets a dead broker; Kafka comes back 20 s later. Its
+    transaction then completes, or fails and is handled again in-process (the module header of
+    `memfilter.runtime.loop`). Meanwhile the worker and the agent runner say they wait for
+    Kafka (log and `/readyz`); afterwards both are up and ready, and every request is answered once."""
+    ports = {"MEMFILTER_KAFKA_PORT": str(free_port()), "MEMFILTER_CONTROLLER_PORT": str(free_port()), "MEMFILTER_REDIS_PORT": str(free_port())}
+    bootstrap, redis_url = f"127.0.0.1:{ports['MEMFILTER_KAFKA_PORT']}", f"redis://127.0.0.1:{ports['MEMFILTER_REDIS_PORT']}/0"
+    pipeline = Pipeline(bootstrap, redis_url)
+    env = stack_env(MEMFILTER_STACK_DIR=str(tmp_path / "stack"), MEMFILTER_PARTITIONS="2", **ports, **pipeline.settings_env())
+    try:
+        up = memfilter("stack", "up", env=env)
+        assert up.returncode == 0, up.stderr
+        worker, agent = pipeline.start_worker(), pipeline.start_agent()
+        wait_for_line(worker.log_path, "memfilter worker ready", timeout=60)
+        publish_one(pipeline, "kill-a", "kill-a1")
+        assert committed_request_ids(pipeline, 1) == ["kill-a1"]
+
+        pids = stack_pids(env)
+        os.kill(pids["redis"], signal.SIGSTOP)  # the next batch is decided and held there
+        publish_one(pipeline, "kill-b", "kill-b1")
+        wait_for_line(worker.log_path, "Redis unavailable while handling a batch", timeout=60)
+        os.kill(pids["kafka"], signal.SIGKILL)
+        os.kill(pids["redis"], signal.SIGCONT)  # its transaction now goes to a broker that is gone
+
+        wait_for_line(worker.log_path, f"memfilter worker: waiting for Kafka at {bootstrap}", timeout=30)
+        wait_for_line(agent.log_path, f"memfilter agent: waiting for Kafka at {bootstrap}", timeout=30)
+        assert f"waiting for Kafka at {bootstrap}" in not_ready(worker.web_port)
+        assert f"waiting for Kafka at {bootstrap}" in not_ready(agent.web_port)
+        time.sleep(10)
+        assert worker.poll() is None and agent.poll() is None
+
+        again = memfilter("stack", "up", env=env)  # Kafka back, its data kept
+        assert again.returncode == 0, again.stderr
+        wait_for_line(worker.log_path, f"memfilter worker: Kafka at {bootstrap} answers again", timeout=60)
+        wait_for_line(agent.log_path, f"memfilter agent: Kafka at {bootstrap} answers again", timeout=60)
+        publish_one(pipeline, "kill-c", "kill-c1")
+        ids = committed_request_ids(pipeline, 3)
+        log, agent_log = worker.log_path.read_text(), agent.log_path.read_text()
+        assert sorted(ids) == ["kill-a1", "kill-b1", "kill-c1"], log[-3000:]
+        assert worker.poll() is None and agent.poll() is None, log[-3000:] + agent_log[-3000:]
+        assert "Traceback" not in log and "unexpected error" not in log, log[-3000:]
+        assert "Traceback" not in agent_log and "unexpected error" not in agent_log, agent_log[-3000:]
+        assert ready(worker.web_port) and ready(agent.web_port)
+    finally:
+        pipeline.stop_all()
+        memfilter("stack", "down", env=env)
