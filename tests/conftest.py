@@ -13,7 +13,10 @@ If `KAFKA_BOOTSTRAP_SERVERS` and `REDIS_URL` are both set, the Kafka tier uses t
 Otherwise the session starts the project's own stack (`memfilter stack up`) in
 `.stack/tests/` on ports of its own (19092, 19093, 16379, overridable with the usual
 `MEMFILTER_*_PORT` settings), so a developer's `.stack/` on the default ports is left alone,
-and stops it at the end if it started it.
+and stops it at the end if it started it. With pytest-xdist (`-n N`, as `deploy/test.sh`
+runs the kafka and system tiers) the workers share one stack: the first starts it, the run's
+end stops it. Tests that share a module- or class-scoped stack, or that must not run beside
+one another, are in one `xdist_group` (run with `--dist loadgroup`).
 
 `MEMFILTER_TEST_BACKEND=containers` runs the tests marked `containers` on containers instead
 (`tests/containers.py`: Kafka, Redis and the workers from the images `deploy/images.sh`
@@ -40,7 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
 
-from stacks import BACKEND, Services, cluster_env, memfilter, stack_env, start_redis  # noqa: E402
+from stacks import BACKEND, XDIST_WORKER, Services, cluster_env, memfilter, shared_stack, stack_env, start_redis, stop_if_workers_started  # noqa: E402
 
 TIERS = {
     "unit": "the pure core; starts nothing",
@@ -131,28 +134,30 @@ def services():
     if all(given):
         yield Services(given[0], given[1], None)
         return
-    env = stack_env()
-    was_running = "running" in memfilter("stack", "status", env=env).stdout.split("\n")[0]
-    up = memfilter("stack", "up", env=env)
-    assert up.returncode == 0, f"memfilter stack up failed: {up.stderr}"
-    exports = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines())
-    yield Services(exports["KAFKA_BOOTSTRAP_SERVERS"], exports["REDIS_URL"], Path(env["MEMFILTER_STACK_DIR"]))
-    if not was_running:
-        memfilter("stack", "down", env=env)
+    exports, started = shared_stack(stack_env())
+    yield Services(exports["KAFKA_BOOTSTRAP_SERVERS"], exports["REDIS_URL"], Path(stack_env()["MEMFILTER_STACK_DIR"]))
+    if started and not XDIST_WORKER:  # an xdist worker's is stopped at the run's end (`pytest_sessionfinish`)
+        memfilter("stack", "down", env=stack_env())
 
 
 @pytest.fixture(scope="session")
 def cluster_services():
     """Three Kafka brokers (replication factor 3, min ISR 2) and a Redis Cluster of three
     masters with a replica each, on loopback; stopped at the end if started here."""
-    env = cluster_env()
-    was_running = "running" in memfilter("stack", "status", env=env).stdout.split("\n")[0]
-    up = memfilter("stack", "up", "--brokers", "3", "--redis-cluster", env=env)
-    assert up.returncode == 0, f"memfilter stack up --brokers 3 --redis-cluster failed: {up.stderr}"
-    exports = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines())
+    exports, started = shared_stack(cluster_env(), "--brokers", "3", "--redis-cluster")
     given = ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL", "MEMFILTER_SECRET")
     yield Services(
-        exports["KAFKA_BOOTSTRAP_SERVERS"], exports["REDIS_URL"], Path(env["MEMFILTER_STACK_DIR"]), {k: v for k, v in exports.items() if k not in given}
+        exports["KAFKA_BOOTSTRAP_SERVERS"],
+        exports["REDIS_URL"],
+        Path(cluster_env()["MEMFILTER_STACK_DIR"]),
+        {k: v for k, v in exports.items() if k not in given},
     )
-    if not was_running:
-        memfilter("stack", "down", env=env)
+    if started and not XDIST_WORKER:
+        memfilter("stack", "down", env=cluster_env())
+
+
+def pytest_sessionfinish(session):
+    """With pytest-xdist, the stacks its workers started are stopped once all of them are done."""
+    if not XDIST_WORKER and getattr(session.config.option, "numprocesses", None):
+        stop_if_workers_started(stack_env())
+        stop_if_workers_started(cluster_env())

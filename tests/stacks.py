@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -51,6 +52,36 @@ def stack_env(**overrides: str) -> dict[str, str]:
 
 def memfilter(*argv: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "memfilter", *argv], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+
+
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # set in the processes of `pytest -n N`
+STARTED_BY_WORKERS = "started-by-test-workers"  # in a stack's folder: pytest-xdist's workers started it; the run's end stops it
+
+
+def shared_stack(env: dict[str, str], *up_args: str) -> tuple[dict[str, str], bool]:
+    """`memfilter stack up` of the stack in `env`'s MEMFILTER_STACK_DIR, once for every pytest
+    process of the run (pytest-xdist's workers share it: the first starts it, under a lock);
+    what it exports, and whether this call started it. A stack an xdist worker started is
+    marked so, for the run's end to stop it (`stop_if_workers_started`): the other workers may
+    still use it when this one is done."""
+    folder = Path(env["MEMFILTER_STACK_DIR"])
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        started = "running" not in memfilter("stack", "status", env=env).stdout.split("\n")[0]
+        up = memfilter("stack", "up", *up_args, env=env)
+        if started and XDIST_WORKER:
+            (folder / STARTED_BY_WORKERS).touch()
+    assert up.returncode == 0, f"memfilter stack up {' '.join(up_args)} failed: {up.stderr}"
+    return dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines()), started
+
+
+def stop_if_workers_started(env: dict[str, str]) -> None:
+    """`memfilter stack down` of a stack pytest-xdist's workers started (`shared_stack`)."""
+    mark = Path(env["MEMFILTER_STACK_DIR"]) / STARTED_BY_WORKERS
+    if mark.exists():
+        memfilter("stack", "down", env=env)
+        mark.unlink(missing_ok=True)
 
 
 def start_redis(conf: Path, url: str) -> subprocess.Popen:

@@ -22,6 +22,8 @@ from pipeline import REPO, Collector, Pipeline, dump, end_offsets, free_port, he
 from stacks import memfilter
 from test_worker_streams import stream
 
+pytestmark = pytest.mark.xdist_group("operations")  # the module's workers and records are shared (`--dist loadgroup`)
+
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
 CALL = {"state": "call", "toolCallId": "c1", "toolName": "confirm", "args": {"what": "a table for two"}}
 

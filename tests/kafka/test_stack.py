@@ -187,6 +187,7 @@ def second_stack(tmp_path_factory):
     assert down.returncode == 0 and processes_of(folder) == []
 
 
+@pytest.mark.xdist_group("second-stack")  # the class shares one stack of its own
 class TestStackUpIsIdempotent:
     def test_up_again_reuses_the_running_stack(self, second_stack):
         env, first = second_stack

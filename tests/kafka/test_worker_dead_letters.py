@@ -14,6 +14,8 @@ from pipeline import Pipeline, header, publish, read
 
 from memfilter.store.history import Save
 
+pytestmark = pytest.mark.xdist_group("dead-letters")  # the module's workers and records are shared (`--dist loadgroup`)
+
 
 def req(thread: str, messages: list, **fields) -> dict:
     return {"requestId": f"req-{thread}", "threadId": thread, "resourceId": "r1", "messages": messages, **fields}

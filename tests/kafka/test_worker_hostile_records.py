@@ -20,6 +20,8 @@ from redis.crc import key_slot
 
 from memfilter.core import origin
 
+pytestmark = pytest.mark.xdist_group("hostile-records")  # the module's workers and records are shared (`--dist loadgroup`)
+
 SECRET_A = "resA's words, which resB must never see"
 
 

@@ -18,12 +18,15 @@ import time
 import uuid
 from collections import Counter, defaultdict
 
+import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from factories import T0
 from pipeline import Collector, Pipeline, dump, publish
 from redis.crc import key_slot
 from stacks import cluster_env, memfilter
+
+pytestmark = pytest.mark.xdist_group("cluster")  # one replicated stack, whose brokers and nodes these tests kill (`--dist loadgroup`)
 
 
 def request(thread: str, k: int) -> tuple[bytes, bytes, int]:

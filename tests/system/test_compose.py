@@ -30,6 +30,8 @@ SERVICES = {"kafka", "redis", "topics", "worker-1", "worker-2", "agent"}
 # Run inside a container: which of the given (host, port) it can open a connection to.
 REACH = """
 import json, socket, sys
+
+pytestmark = pytest.mark.xdist_group("compose")  # one Compose project at a time on this machine's ports (`--dist loadgroup`)
 out = {}
 for host, port in json.loads(sys.argv[1]):
     try:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from pipeline import REPO, Pipeline, free_port
 
+pytestmark = pytest.mark.xdist_group("packaging")  # one installed wheel for the module (`--dist loadgroup`)
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:

@@ -28,7 +28,7 @@ from memfilter.core.explain import explain
 from memfilter.core.filter import HISTORY_MESSAGES, parse_ms
 from memfilter.store.history import Save
 
-pytestmark = pytest.mark.containers
+pytestmark = [pytest.mark.containers, pytest.mark.xdist_group("cluster")]  # its replicated half shares the cluster tests' stack
 STACKS = ["one-broker-one-redis", "3-brokers-redis-cluster"] if BACKEND == "processes" else ["containers"]
 
 
