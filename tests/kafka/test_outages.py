@@ -33,9 +33,17 @@ def not_ready(port: int) -> str:
     raise AssertionError("ready while waiting")
 
 
-def ready(port: int) -> bool:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as reply:
-        return reply.status == 200
+def readiness(port: int, timeout: float = 30) -> str:
+    """`/readyz`'s answer once it is ready, or the last one after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as reply:
+                return reply.read().decode()
+        except urllib.error.HTTPError as e:
+            if time.monotonic() > deadline:
+                return e.read().decode()
+        time.sleep(0.5)
 
 
 def answered(pipeline: Pipeline, thread: str, request_id: str) -> list[str]:
@@ -127,8 +135,9 @@ def test_a_worker_and_an_agent_wait_out_a_kafka_outage_with_a_batch_in_flight_an
     """Kafka is SIGKILLed while the worker holds a decided batch (Redis stalled under it, then
     resumed), so the batch's transaction meets a dead broker; Kafka comes back 20 s later. Its
     transaction then completes, or fails and is handled again in-process (the module header of
-    `memfilter.runtime.loop`). Meanwhile the worker and the agent runner say they wait for
-    Kafka (log and `/readyz`); afterwards both are up and ready, and every request is answered once."""
+    `memfilter.runtime.loop`). Then the broker hangs (SIGSTOP) for a while. Meanwhile the worker
+    and the agent runner say they wait for Kafka (log and `/readyz`); afterwards both are up and
+    ready, and every request is answered once."""
     ports = {"MEMFILTER_KAFKA_PORT": str(free_port()), "MEMFILTER_CONTROLLER_PORT": str(free_port()), "MEMFILTER_REDIS_PORT": str(free_port())}
     bootstrap, redis_url = f"127.0.0.1:{ports['MEMFILTER_KAFKA_PORT']}", f"redis://127.0.0.1:{ports['MEMFILTER_REDIS_PORT']}/0"
     pipeline = Pipeline(bootstrap, redis_url)
@@ -160,13 +169,24 @@ def test_a_worker_and_an_agent_wait_out_a_kafka_outage_with_a_batch_in_flight_an
         wait_for_line(worker.log_path, f"memfilter worker: Kafka at {bootstrap} answers again", timeout=60)
         wait_for_line(agent.log_path, f"memfilter agent: Kafka at {bootstrap} answers again", timeout=60)
         publish_one(pipeline, "kill-c", "kill-c1")
-        ids = committed_request_ids(pipeline, 3)
+        assert sorted(committed_request_ids(pipeline, 3)) == ["kill-a1", "kill-b1", "kill-c1"]
+
+        broker = stack_pids(env)["kafka"]
+        os.kill(broker, signal.SIGSTOP)  # a broker that hangs rather than refuses
+        try:
+            wait_for_line(worker.log_path, "(no answer within 5 s)", timeout=30)
+            wait_for_line(agent.log_path, "(no answer within 5 s)", timeout=30)
+            assert "no answer within 5 s" in not_ready(worker.web_port)
+        finally:
+            os.kill(broker, signal.SIGCONT)
+        publish_one(pipeline, "kill-d", "kill-d1")
+        ids = committed_request_ids(pipeline, 4)
         log, agent_log = worker.log_path.read_text(), agent.log_path.read_text()
-        assert sorted(ids) == ["kill-a1", "kill-b1", "kill-c1"], log[-3000:]
+        assert sorted(ids) == ["kill-a1", "kill-b1", "kill-c1", "kill-d1"], log[-3000:]
         assert worker.poll() is None and agent.poll() is None, log[-3000:] + agent_log[-3000:]
         assert "Traceback" not in log and "unexpected error" not in log, log[-3000:]
         assert "Traceback" not in agent_log and "unexpected error" not in agent_log, agent_log[-3000:]
-        assert ready(worker.web_port) and ready(agent.web_port)
+        assert readiness(worker.web_port) == readiness(agent.web_port) == "ready\n"
     finally:
         pipeline.stop_all()
         memfilter("stack", "down", env=env)
