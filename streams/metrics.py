@@ -24,7 +24,15 @@ The agent runner's (`memfilter agent`, `AgentMetrics`):
 | `memfilter_consumer_lag{topic,partition}` | gauge | as the worker's, for `filtered-inputs` |
 | `memfilter_assigned_partitions` | gauge | partitions of `filtered-inputs` this runner holds |
 
-Both add the Prometheus client's standard collectors: `process_*` (CPU, resident memory,
+The gateway's (`memfilter gateway`, `GatewayMetrics`):
+
+| metric | type | what |
+|---|---|---|
+| `memfilter_gateway_requests_total{outcome}` | counter | `POST /api/chat` answered: `answered` (a reply streamed), `no-reply` (the request asks for none), a rejection's reason code (`ownership`, `duplicate`, ...), `unauthenticated`, `busy`, `timeout` |
+| `memfilter_gateway_wait_seconds{for}` | histogram | publish to the worker's decision (`decision`), and to the agent's saved reply (`reply`) |
+| `memfilter_gateway_in_flight` | gauge | requests waiting now |
+
+All add the Prometheus client's standard collectors: `process_*` (CPU, resident memory,
 open files), `python_info` and `python_gc_*`.
 """
 
@@ -83,3 +91,12 @@ class AgentMetrics(LoopMetrics):
         self.inputs = Counter("memfilter_agent_inputs", "Filtered inputs handled, by result", ["result"], registry=r)
         self.outputs = Counter("memfilter_agent_outputs", "Records committed, by kind", ["kind"], registry=r)
         self.model_seconds = Histogram("memfilter_agent_model_seconds", "One model call", buckets=_LATENCY_BUCKETS, registry=r)
+
+
+class GatewayMetrics(_Registry):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.requests = Counter("memfilter_gateway_requests", "Chat requests answered, by outcome", ["outcome"], registry=r)
+        self.wait = Histogram("memfilter_gateway_wait_seconds", "Publish to decision, and to saved reply", ["for"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("memfilter_gateway_in_flight", "Chat requests waiting now", registry=r)

@@ -3,7 +3,7 @@
 Each environment variable in `docs/settings.md` is one field of one part: where to reach Kafka
 (`Kafka`) and Redis (`Redis`), the topics' names (`Topics`), how requests are decided
 (`Decisions`, which makes the filter's `Policy`), and what only the worker (`Worker`), the
-agent runner (`Agent`) or `memfilter stack` (`Stack`) reads. `Settings.from_env()` converts
+agent runner (`Agent`), the gateway (`Gateway`) or `memfilter stack` (`Stack`) reads. `Settings.from_env()` converts
 and checks them all with msgspec (the same library that checks the wire types), so a bad value
 stops a command before it starts, with one line that names the variable and what it takes:
 
@@ -165,6 +165,34 @@ class Agent(
     start: Literal["latest", "earliest"] = "latest"
 
 
+class Gateway(
+    msgspec.Struct,
+    frozen=True,
+    rename={
+        "port": "MEMFILTER_GATEWAY_PORT",
+        "bind": "MEMFILTER_GATEWAY_BIND",
+        "auth": "MEMFILTER_GATEWAY_AUTH",
+        "jwt_key": "MEMFILTER_GATEWAY_JWT_KEY",
+        "resource_header": "MEMFILTER_GATEWAY_RESOURCE_HEADER",
+        "outcome_s": "MEMFILTER_GATEWAY_OUTCOME_S",
+        "reply_s": "MEMFILTER_GATEWAY_REPLY_S",
+        "max_in_flight": "MEMFILTER_GATEWAY_MAX_IN_FLIGHT",
+    },
+):
+    """`memfilter gateway`, the HTTP backend of `useChat`."""
+
+    port: Port = 6068
+    bind: str = "127.0.0.1"  # loopback unless told otherwise, as the worker's web server
+    # who the caller is: `jwt` (a bearer token, verified: the resource is its `sub`), or `header`
+    # (a header a proxy in front sets, trusted as it is: behind a proxy or on loopback only)
+    auth: Literal["jwt", "header"] = "jwt"
+    jwt_key: str = ""  # for `jwt`: an HS256 secret, or a PEM public key (RS256, ES256, EdDSA)
+    resource_header: str = "X-Memfilter-Resource"  # for `header`
+    outcome_s: Seconds = 15.0  # seconds a request waits for the worker's decision
+    reply_s: Seconds = 120.0  # seconds a request waits for the agent's saved reply
+    max_in_flight: Positive = 256  # requests waiting at once, per gateway; more are answered 503
+
+
 class Stack(
     msgspec.Struct,
     frozen=True,
@@ -194,6 +222,7 @@ PARTS: dict[str, type[msgspec.Struct]] = {
     "decisions": Decisions,
     "worker": Worker,
     "agent": Agent,
+    "gateway": Gateway,
     "stack": Stack,
 }
 SECRET = "MEMFILTER_SECRET"  # keys server-assigned message ids and signs the processor's persist events
@@ -214,6 +243,7 @@ class Settings(msgspec.Struct, frozen=True):
     decisions: Decisions = Decisions()
     worker: Worker = Worker()
     agent: Agent = Agent()
+    gateway: Gateway = Gateway()
     stack: Stack = Stack()
     secret_text: str = ""
 

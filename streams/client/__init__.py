@@ -141,8 +141,7 @@ class Client:
         outcomes = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=100)
         await outcomes.start()
         try:
-            producer = await self._started()
-            tps = [TopicPartition(t, p) for t in (self.topics.filtered, self.topics.dlq) for p in sorted(await producer.partitions_for(t))]
+            tps = [TopicPartition(t, p) for t in (self.topics.filtered, self.topics.dlq) for p in await self.partitions(t)]
             outcomes.assign(tps)
             await outcomes.seek_to_end(*tps)
             for tp in tps:  # the ends as of now, before the request is sent
@@ -164,6 +163,10 @@ class Client:
             ) from None
         finally:
             await outcomes.stop()
+
+    async def partitions(self, topic: str) -> list[int]:
+        """The topic's partition numbers (waits for the broker's metadata)."""
+        return sorted(await (await self._started()).partitions_for(topic))
 
     async def _started(self) -> AIOKafkaProducer:
         if self._producer is None:

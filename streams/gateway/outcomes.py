@@ -1,0 +1,149 @@
+"""What became of the gateway's requests: one reader per gateway of the topics that say so.
+
+A request published by the gateway is answered by two other services: the worker (a filtered
+input on `filtered-inputs`, or a dead letter) and the agent runner (its reply, saved through
+`persist-messages` as the event `<requestId>/reply`). One consumer per gateway, in no group,
+reads every partition of those three topics from their ends at start (read_committed), and
+hands each record to the requests of the gateway waiting on its thread (the record key):
+
+- a decision is matched by where the request landed on `chat-requests` (partition, offset),
+  which no other client can claim (`memfilter.client.outcome_of`); a request waits from
+  before it is published, so a decision that comes before the publish is acknowledged is
+  kept for it;
+- a reply is matched by its event's `requestId` (`<the request's id>/reply`) in the thread, and must be for the request's resource.
+
+No state outlives a request, and nothing is shared between gateways: each reads the topics
+whole, so any gateway can serve any request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import ConsumerRecord
+
+from memfilter.client import Client, outcome_of
+from memfilter.core.filter import Rejection
+from memfilter.schemas.wire import FilteredInput
+from memfilter.settings import Topics
+
+log = logging.getLogger("memfilter")
+
+
+class _Saved(msgspec.Struct):
+    """What the reader needs of a `persist-messages` value; the rest is read once it is ours."""
+
+    requestId: str = ""  # of a reply: `<the request's id>/reply`
+    threadId: str = ""
+    resourceId: str = ""
+    messages: list[dict[str, Any]] = []
+
+
+_SAVED = msgspec.json.Decoder(_Saved)
+
+
+@dataclass(eq=False)
+class Waiting:
+    """One request's wait: for its decision, then for its reply."""
+
+    thread: str
+    resource: str
+    request_id: str
+    at: tuple[int, int] | None = None  # where it landed, once published
+    decided: asyncio.Future[FilteredInput | Rejection] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    reply: asyncio.Future[dict[str, Any]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    early: list[ConsumerRecord] = field(default_factory=list)  # decisions on its thread before `at` was known
+
+
+class Outcomes:
+    def __init__(self, bootstrap: str, topics: Topics):
+        self.bootstrap = bootstrap
+        self.topics = topics
+        self._waiting: dict[bytes, list[Waiting]] = {}  # thread (record key) -> its requests waiting here
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self, client: Client) -> None:
+        """Read from the topics' ends as of now (`client` says what partitions they have)."""
+        topics = (self.topics.filtered, self.topics.dlq, self.topics.persist)
+        tps = [TopicPartition(t, p) for t in topics for p in await client.partitions(t)]
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=50, group_id=None
+        )
+        await consumer.start()
+        consumer.assign(tps)
+        await consumer.seek_to_end(*tps)
+        for tp in tps:  # the ends as of now: every record after is read
+            await consumer.position(tp)
+        self._consumer = consumer
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    @contextlib.contextmanager
+    def waiting(self, thread: str, resource: str, request_id: str):
+        """A request's wait, registered for as long as the block runs."""
+        w = Waiting(thread, resource, request_id)
+        key = thread.encode()
+        self._waiting.setdefault(key, []).append(w)
+        try:
+            yield w
+        finally:
+            waiting = self._waiting[key]
+            waiting.remove(w)
+            if not waiting:
+                del self._waiting[key]
+
+    def landed(self, w: Waiting, at: tuple[int, int]) -> None:
+        """Where the request landed: its decision is the record naming that position."""
+        w.at = at
+        early, w.early = w.early, []
+        for record in early:
+            self._decision(w, record)
+
+    async def _run(self) -> None:
+        assert self._consumer is not None
+        while True:
+            try:
+                batch = await self._consumer.getmany(timeout_ms=500)
+            except Exception:
+                log.exception("memfilter gateway: reading outcomes failed; trying again")
+                await asyncio.sleep(1)
+                continue
+            for records in batch.values():
+                for record in records:
+                    for w in self._waiting.get(record.key, ()) if record.key is not None else ():
+                        if record.topic == self.topics.persist:
+                            self._saved(w, record)
+                        elif w.at is None:
+                            w.early.append(record)
+                        else:
+                            self._decision(w, record)
+
+    def _decision(self, w: Waiting, record: ConsumerRecord) -> None:
+        found = outcome_of(record, self.topics)
+        if found is not None and found[0] == w.at and not w.decided.done():
+            w.decided.set_result(found[1])
+
+    def _saved(self, w: Waiting, record: ConsumerRecord) -> None:
+        try:
+            saved = _SAVED.decode(record.value)
+        except (msgspec.DecodeError, TypeError):
+            return
+        if saved.requestId != f"{w.request_id}/reply" or saved.threadId != w.thread or saved.resourceId != w.resource or w.reply.done():
+            return
+        replies = [m for m in saved.messages if isinstance(m, dict) and m.get("role") == "assistant"]
+        if replies:
+            w.reply.set_result(replies[-1])

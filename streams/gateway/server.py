@@ -1,0 +1,219 @@
+"""The gateway's routes, on aiohttp: what `useChat` calls, with Kafka, the workers and the agent runner behind.
+
+- `POST /api/chat` takes what the AI SDK's `DefaultChatTransport` sends (`id`, `messages`,
+  `trigger`, `messageId`; other body fields are ignored) and publishes it as a ChatRequest for
+  the caller's resource (`memfilter.gateway.identity`), with `requestId` from the
+  `Idempotency-Key` header when given, else a fresh one. It waits for the worker's decision
+  and then, if the request asks for an answer, for the agent's reply, published and applied to the
+  thread (so a reload right after shows it), and answers in the
+  UI message stream protocol (`memfilter.core.ui_stream`) with the stored message id; a
+  request that asks for no answer (a tool result the model does not need yet) gets an empty
+  stream. A rejection is an HTTP error whose JSON body names it: `{"error": {"code", "message"}}`
+  (`STATUS` maps each reason code to a status). Every wait is bounded
+  (MEMFILTER_GATEWAY_OUTCOME_S, MEMFILTER_GATEWAY_REPLY_S) and a timeout (504) says what it
+  waited for; at most MEMFILTER_GATEWAY_MAX_IN_FLIGHT requests wait at once (more: 503).
+- `GET /api/threads/{id}/messages`: the stored conversation as UI messages (what `useChat`'s
+  `messages` should be on page load), for the thread's owner only; `[]` for a thread not
+  stored yet.
+- `/healthz`, `/readyz` (the outcomes reader runs and Redis answers), `/metrics`.
+
+The caller's resource is the only one a request acts for: a body naming another is refused
+(403) before anything is published, and the worker refuses a thread or a message id of
+another resource (`ownership`, `foreign-message-id`) without touching it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from aiokafka.errors import KafkaError
+
+from memfilter.client import Client, InvalidRequest
+from memfilter.core.filter import Rejection
+from memfilter.core.replies import wants_reply
+from memfilter.core.ui import to_ui
+from memfilter.core.ui_stream import DONE, HEADERS, chunks, event
+from memfilter.gateway.identity import Unauthenticated, resource_of
+from memfilter.gateway.outcomes import Outcomes
+from memfilter.metrics import GatewayMetrics
+from memfilter.runtime.records import MAX_RECORD_BYTES
+from memfilter.settings import Settings
+from memfilter.store.history import HistoryStore
+from memfilter.store.redis_driver import connect
+
+log = logging.getLogger("memfilter")
+
+# A rejection's reason code -> the HTTP status a web developer expects for it.
+STATUS = {
+    "schema": 400,
+    "decode": 400,
+    "thread-mismatch": 400,
+    "key-mismatch": 400,
+    "ownership": 403,
+    "foreign-message-id": 409,
+    "duplicate": 409,
+    "too-large": 413,
+}
+
+
+def error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def stream(reply: dict[str, Any] | None) -> web.Response:
+    """The UI message stream of a saved reply (None: a request that asks for none)."""
+    body = b"".join(event(c) for c in (chunks(reply) if reply is not None else [{"type": "start"}, {"type": "finish"}]))
+    return web.Response(body=body + DONE, headers=HEADERS)
+
+
+class Gateway:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.gateway = settings.gateway
+        self.identify = resource_of(settings.gateway)
+        self.metrics = GatewayMetrics()
+        self.client = Client(settings.kafka.bootstrap, settings.topics, settings.policy.limits)
+        self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics)
+        self.redis = connect(settings.redis.url)
+        self.store = HistoryStore(self.redis, settings.redis.prefix)
+        self.in_flight = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_RECORD_BYTES)
+        app.router.add_post("/api/chat", self.chat)
+        app.router.add_get("/api/threads/{thread}/messages", self.messages)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _: web.Application) -> None:
+        await self.outcomes.start(self.client)
+
+    async def _stop(self, _: web.Application) -> None:
+        await self.outcomes.stop()
+        await self.client.__aexit__()
+        await self.redis.aclose()
+
+    async def chat(self, request: web.Request) -> web.Response:
+        try:
+            resource = self.identify(request.headers)
+        except Unauthenticated as e:
+            self.metrics.requests.labels("unauthenticated").inc()
+            return error(401, "unauthenticated", str(e))
+        if self.in_flight >= self.gateway.max_in_flight:
+            self.metrics.requests.labels("busy").inc()
+            return error(503, "busy", f"{self.in_flight} requests are waiting on this gateway (MEMFILTER_GATEWAY_MAX_IN_FLIGHT); try again")
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        try:
+            response, outcome = await self._chat(request, resource)
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+        self.metrics.requests.labels(outcome).inc()
+        return response
+
+    async def _chat(self, request: web.Request, resource: str) -> tuple[web.Response, str]:
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as e:
+            return error(400, "schema", f"the body is not JSON: {e}"), "schema"
+        if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not body["id"] or not isinstance(body.get("messages"), list):
+            return error(400, "schema", "the body is not a chat request: expected {id: the chat id, messages: [...]}, as useChat sends"), "schema"
+        named = body.get("resourceId")
+        if named is not None and named != resource:
+            return error(
+                403, "ownership", f"the body names resource {named!r}, but the caller is {resource!r}; a request acts for its caller only"
+            ), "ownership"
+        thread, request_id = body["id"], request.headers.get("Idempotency-Key") or str(uuid.uuid4())
+        chat_request = {"requestId": request_id, "threadId": thread, "resourceId": resource, "messages": body["messages"]}
+        chat_request |= {k: body[k] for k in ("trigger", "messageId") if body.get(k) is not None}
+        g = self.gateway
+        with self.outcomes.waiting(thread, resource, request_id) as waiting:
+            started = time.monotonic()
+            try:
+                [(_, at)] = await self.client.publish_at([chat_request])
+            except InvalidRequest as e:
+                return error(STATUS.get(e.type, 400), e.type, str(e).split(": ", 1)[-1]), e.type
+            except KafkaError as e:
+                return error(
+                    503, "unavailable", f"Kafka at {self.settings.kafka.bootstrap} did not take the request ({type(e).__name__}); try again"
+                ), "unavailable"
+            self.outcomes.landed(waiting, at)
+            try:
+                decided = await asyncio.wait_for(asyncio.shield(waiting.decided), g.outcome_s)
+            except TimeoutError:
+                message = f"no decision on request {request_id} within {g.outcome_s:g} s (MEMFILTER_GATEWAY_OUTCOME_S): is a worker running on {self.settings.topics.requests}?"
+                return error(504, "timeout", message), "timeout"
+            self.metrics.wait.labels("decision").observe(time.monotonic() - started)
+            if isinstance(decided, Rejection):
+                return error(STATUS.get(decided.type, 422), decided.type, decided.message), decided.type
+            if not wants_reply(decided.context):
+                return stream(None), "no-reply"
+            try:
+                reply = await asyncio.wait_for(asyncio.shield(waiting.reply), g.reply_s)
+            except TimeoutError:
+                message = (
+                    f"request {request_id} was saved, but no reply within {g.reply_s:g} s (MEMFILTER_GATEWAY_REPLY_S): "
+                    f"is an agent runner running on {self.settings.topics.filtered}?"
+                )
+                return error(504, "timeout", message), "timeout"
+            if not await self._stored(reply, thread, started + g.reply_s):
+                message = f"the reply to request {request_id} was published but not stored within {g.reply_s:g} s (MEMFILTER_GATEWAY_REPLY_S): see the dead-letter topic {self.settings.topics.dlq}"
+                return error(504, "timeout", message), "timeout"
+            self.metrics.wait.labels("reply").observe(time.monotonic() - started)
+            return stream(reply), "answered"
+
+    async def _stored(self, reply: dict[str, Any], thread: str, deadline: float) -> bool:
+        """Wait until the worker has applied the reply (its id is stored in the thread), so that a
+        reload right after the answer shows it; False at `deadline`."""
+        pause = 0.005
+        while True:
+            held, _ = await self.store.owners([reply["id"]])
+            if reply["id"] in held:
+                return True
+            if time.monotonic() + pause > deadline:
+                return False
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+    async def messages(self, request: web.Request) -> web.Response:
+        try:
+            resource = self.identify(request.headers)
+        except Unauthenticated as e:
+            return error(401, "unauthenticated", str(e))
+        thread = request.match_info["thread"]
+        _, owners = await self.store.owners([], [thread])
+        owner = owners.get(thread)
+        if owner is None:
+            return web.json_response([])
+        if owner != resource:
+            return error(403, "ownership", f"thread {thread} belongs to another resource; {resource!r} may not read it")
+        rows = await self.store.thread_rows(thread)
+        return web.json_response([to_ui(json.loads(row)) for row in rows if row is not None])
+
+    async def healthz(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def metrics_page(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+    async def readyz(self, _: web.Request) -> web.Response:
+        problems = []
+        try:
+            await asyncio.wait_for(self.redis.ping(), 1.0)
+        except Exception as e:  # any failure to answer is "not ready", named in the reply
+            problems.append(f"Redis not answering ({type(e).__name__})")
+        if problems:
+            return web.Response(text="not ready: " + "; ".join(problems) + "\n", status=503)
+        return web.Response(text="ready\n")

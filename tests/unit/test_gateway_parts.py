@@ -1,0 +1,84 @@
+"""The gateway's pure parts: a saved reply as UI message stream chunks, and who a request is from."""
+
+from __future__ import annotations
+
+import time
+
+import jwt
+import pytest
+
+from memfilter.core.ui_stream import DONE, chunks, event
+from memfilter.gateway.identity import Unauthenticated, resource_of
+from memfilter.settings import Gateway
+
+
+def stored(*parts: dict) -> dict:
+    return {"id": "r1", "role": "assistant", "createdAt": "2026-01-01T00:00:00.000Z", "content": {"format": 2, "parts": list(parts)}}
+
+
+class TestAReplyAsChunks:
+    def test_starts_with_the_stored_id_and_each_step_is_framed(self):
+        assert chunks(stored({"type": "step-start"}, {"type": "text", "text": "hi"})) == [
+            {"type": "start", "messageId": "r1"},
+            {"type": "start-step"},
+            {"type": "text-start", "id": "r1-1"},
+            {"type": "text-delta", "id": "r1-1", "delta": "hi"},
+            {"type": "text-end", "id": "r1-1"},
+            {"type": "finish-step"},
+            {"type": "finish"},
+        ]
+
+    def test_a_pending_client_call_is_its_input_and_an_answered_one_its_output_too(self):
+        call = {"type": "tool-invocation", "toolInvocation": {"state": "call", "toolCallId": "c1", "toolName": "weather", "args": {"city": "Oslo"}}}
+        done = {"type": "tool-invocation", "toolInvocation": {"state": "result", "toolCallId": "c2", "toolName": "weather", "args": {}, "result": 21}}
+        assert chunks(stored(call, done))[1:-1] == [
+            {"type": "tool-input-available", "toolCallId": "c1", "toolName": "weather", "input": {"city": "Oslo"}},
+            {"type": "tool-input-available", "toolCallId": "c2", "toolName": "weather", "input": {}},
+            {"type": "tool-output-available", "toolCallId": "c2", "output": 21},
+        ]
+
+    def test_reasoning_and_a_file_come_out_as_their_chunks_and_an_unknown_part_stays_out(self):
+        out = chunks(stored({"type": "reasoning", "reasoning": "thinking"}, {"type": "file", "mimeType": "image/png", "data": "data:,x"}, {"type": "mystery"}))
+        assert [c["type"] for c in out] == ["start", "reasoning-start", "reasoning-delta", "reasoning-end", "file", "finish"]
+
+    def test_events_are_server_sent_and_the_stream_ends_with_done(self):
+        assert event({"type": "finish"}) == b'data: {"type":"finish"}\n\n' and DONE == b"data: [DONE]\n\n"
+
+
+class TestWhoARequestIsFrom:
+    KEY = "k" * 32
+
+    def identify(self, headers: dict[str, str]) -> str:
+        return resource_of(Gateway(auth="jwt", jwt_key=self.KEY))(headers)
+
+    def token(self, key: str = KEY, **claims) -> str:
+        return jwt.encode({"sub": "alice", "exp": int(time.time()) + 60} | claims, key, algorithm="HS256")
+
+    def test_a_verified_tokens_sub_is_the_resource(self):
+        assert self.identify({"Authorization": f"Bearer {self.token()}"}) == "alice"
+
+    @pytest.mark.parametrize(
+        "headers, says",
+        [
+            ({}, "no bearer token"),
+            ({"Authorization": "Basic abc"}, "no bearer token"),
+            ({"Authorization": "Bearer not-a-jwt"}, "does not verify"),
+            (
+                {"Authorization": "Bearer " + jwt.encode({"sub": "alice", "exp": int(time.time()) + 60}, "another key" * 4, algorithm="HS256")},
+                "does not verify",
+            ),
+            ({"Authorization": "Bearer " + jwt.encode({"sub": "alice", "exp": int(time.time()) - 60}, "k" * 32, algorithm="HS256")}, "expired"),
+            ({"Authorization": "Bearer " + jwt.encode({"sub": "alice"}, "k" * 32, algorithm="HS256")}, "exp"),
+            ({"Authorization": "Bearer " + jwt.encode({"sub": "alice", "exp": int(time.time()) + 60}, "", algorithm="none")}, "does not verify"),
+        ],
+        ids=["missing", "not bearer", "not a jwt", "forged", "expired", "no exp", "unsigned"],
+    )
+    def test_a_missing_forged_expired_or_unsigned_token_is_refused(self, headers, says):
+        with pytest.raises(Unauthenticated, match=says):
+            self.identify(headers)
+
+    def test_behind_a_proxy_the_header_names_the_resource_and_its_absence_is_refused(self):
+        identify = resource_of(Gateway(auth="header"))
+        assert identify({"X-Memfilter-Resource": "bob"}) == "bob"
+        with pytest.raises(Unauthenticated, match="X-Memfilter-Resource"):
+            identify({})
