@@ -217,7 +217,7 @@ def redis_server() -> str:
 
 
 def _listener_of(port: int) -> str:
-    """Who listens on a loopback port: the process's command line, as far as /proc tells."""
+    """Who listens on a loopback port: its pid and whole command line, as far as /proc tells."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -234,7 +234,7 @@ def _listener_of(port: int) -> str:
         try:
             if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
                 cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                return f"pid {proc.name} ({cmd[:160]})"
+                return f"pid {proc.name} ({cmd})"
         except OSError:
             continue
     return "another process"
@@ -261,12 +261,13 @@ def _check_ports(s: Settings, names: list[str]) -> None:
             except OSError:
                 pass
         holder = _listener_of(port)
-        if ".stack" in holder or "kafka.Kafka" in holder or "redis-server" in holder:
+        shown = holder if len(holder) <= 180 else f"{holder[:177]}..."
+        if "-Dmemfilter.stack=" in holder or ".stack" in holder or "kafka.Kafka" in holder or "redis-server" in holder:
             raise StackError(
-                f"port {port} for {name} is held by a stack of another folder: {holder}; "
+                f"port {port} for {name} is held by a stack of another folder: {shown}; "
                 f"run `memfilter stack down` with that MEMFILTER_STACK_DIR, or set {setting}"
             )
-        raise StackError(f"port {port} for {name} is taken by {holder}; free it or set {setting}")
+        raise StackError(f"port {port} for {name} is taken by {shown}; free it or set {setting}")
 
 
 def _kafka_libs(s: Settings) -> Path:

@@ -15,6 +15,8 @@
 - `GET /api/threads/{id}/messages`: the stored conversation as UI messages (what `useChat`'s
   `messages` should be on page load), for the thread's owner only; `[]` for a thread not
   stored yet.
+- `/`: a chat page, the AI SDK's own client bundled (`page/chat.mjs`), for a newcomer to see
+  the loop in a browser;
 - `/healthz`, `/readyz` (the outcomes reader runs and Redis answers), `/metrics`.
 
 The caller's resource is the only one a request acts for: a body naming another is refused
@@ -25,6 +27,7 @@ another resource (`ownership`, `foreign-message-id`) without touching it.
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 import json
 import logging
 import time
@@ -49,6 +52,7 @@ from memfilter.store.history import HistoryStore
 from memfilter.store.redis_driver import connect
 
 log = logging.getLogger("memfilter")
+PAGE = importlib.resources.files("memfilter.gateway") / "page"  # index.html, and chat.js once built (`npm run build` there)
 
 # A rejection's reason code -> the HTTP status a web developer expects for it.
 STATUS = {
@@ -87,6 +91,8 @@ class Gateway:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_RECORD_BYTES)
+        app.router.add_get("/", self.page)
+        app.router.add_get("/chat.js", self.page_script)
         app.router.add_post("/api/chat", self.chat)
         app.router.add_get("/api/threads/{thread}/messages", self.messages)
         app.router.add_get("/healthz", self.healthz)
@@ -201,6 +207,19 @@ class Gateway:
             return error(403, "ownership", f"thread {thread} belongs to another resource; {resource!r} may not read it")
         rows = await self.store.thread_rows(thread)
         return web.json_response([to_ui(json.loads(row)) for row in rows if row is not None])
+
+    async def page(self, _: web.Request) -> web.Response:
+        """The chat page, told how this gateway identifies its callers."""
+        config = json.dumps({"auth": self.gateway.auth, "resourceHeader": self.gateway.resource_header})
+        return web.Response(text=(PAGE / "index.html").read_text().replace("__CONFIG__", config), content_type="text/html")
+
+    async def page_script(self, _: web.Request) -> web.Response:
+        script = PAGE / "chat.js"
+        if not script.is_file():
+            return web.Response(
+                status=404, text="console.error('the chat page is not built: run `npm ci && npm run build` in streams/gateway/page (deploy/setup.sh does)');"
+            )
+        return web.Response(body=script.read_bytes(), content_type="text/javascript")
 
     async def healthz(self, _: web.Request) -> web.Response:
         return web.Response(text="ok\n")

@@ -308,9 +308,11 @@ def run_local_env(services) -> dict[str, str]:
         "MEMFILTER_CONTROLLER_PORT": os.environ.get("MEMFILTER_CONTROLLER_PORT", "19093"),
         "MEMFILTER_WEB_PORT": str(free_port()),
         "MEMFILTER_AGENT_WEB_PORT": str(free_port()),
+        "MEMFILTER_GATEWAY_PORT": str(free_port()),
     }
 
 
+@pytest.mark.xdist_group("default-topics")  # run-local uses the default topics, groups and prefix: one at a time
 def test_run_local_runs_the_loop_and_shows_what_the_model_saw_and_what_is_stored(services):
     """The whole loop: the client's turns, each answered by the agent, one tool round trip, a
     regenerate and an edit; the stored thread has the client's conversation, then the two
@@ -329,6 +331,7 @@ def test_run_local_runs_the_loop_and_shows_what_the_model_saw_and_what_is_stored
     assert stored.count("assistant") == 4 + 2 and "Print my itinerary and the seat map." in stored
 
 
+@pytest.mark.xdist_group("default-topics")  # run-local uses the default topics, groups and prefix: one at a time
 def test_run_local_exits_1_when_its_worker_stops(services, tmp_path):
     """`deploy/run-local.sh` on the test stack, with the worker's web port taken: it says the
     worker exited and shows the end of its log, instead of showing earlier runs' events."""

@@ -87,7 +87,8 @@ def processed(services):
     """The stream, processed by one worker: (pipeline, worker, requests published, end offsets
     of chat-requests after the normal part, before the tampered thread). The sample's last
     request is published twice: the second is a `duplicate`, and a replay must agree."""
-    pipeline = Pipeline(services.bootstrap, services.redis_url)
+    # A Redis database of the module's own: its replays' keys (`replay-*`) are the only ones there.
+    pipeline = Pipeline(services.bootstrap, services.redis_url.rsplit("/", 1)[0] + "/7")
     t = pipeline.topics
 
     async def run():

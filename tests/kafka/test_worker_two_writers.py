@@ -315,11 +315,11 @@ def test_a_stalled_worker_that_wakes_after_losing_its_tasks_changes_nothing_and_
 
 
 def test_an_audit_of_a_healthy_log_finds_no_difference_with_ids_shared_across_partitions(pipeline, tmp_path):
-    """20,000 requests of 2,000 threads by two workers, with agent replies saved between them;
+    """10,000 requests of 1,000 threads by two workers, with agent replies saved between them;
     one thread in ten sends, as its first message, the id another thread on another partition
     sends too: whichever was decided first owns it, and the other is refused for good. A
     replay of the whole log, and of a range in its middle, finds every decision as recorded."""
-    threads, turns = 2000, 10
+    threads, turns = 1000, 10
     names = [f"h-{i}" for i in range(threads)]
     partition = {name: (murmur2(name.encode()) & 0x7FFFFFFF) % pipeline.partitions for name in names}
     sharing = {}  # thread -> the thread, on another partition, whose first message id it sends too

@@ -23,6 +23,8 @@ from pipeline import REPO, free_port, read
 from testcontainers.core.container import DockerContainer
 from testcontainers.core.network import Network
 
+pytestmark = pytest.mark.xdist_group("compose")  # one Compose project at a time on this machine's ports (`--dist loadgroup`)
+
 TOOLS = {"compose-v2": ["docker", "compose"], "docker-compose-1.29": ["docker-compose"]}
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
 SERVICES = {"kafka", "redis", "topics", "worker-1", "worker-2", "agent"}
@@ -30,8 +32,6 @@ SERVICES = {"kafka", "redis", "topics", "worker-1", "worker-2", "agent"}
 # Run inside a container: which of the given (host, port) it can open a connection to.
 REACH = """
 import json, socket, sys
-
-pytestmark = pytest.mark.xdist_group("compose")  # one Compose project at a time on this machine's ports (`--dist loadgroup`)
 out = {}
 for host, port in json.loads(sys.argv[1]):
     try:

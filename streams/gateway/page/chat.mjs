@@ -1,0 +1,103 @@
+// The gateway's chat page: the AI SDK's own client (`AbstractChat`, the logic `useChat` runs,
+// over `DefaultChatTransport`) against this gateway, rendered without a framework. Bundled
+// into chat.js by `npm run build` (deploy/setup.sh runs it). The gateway serves index.html with
+// its identity mode in `window.MEMFILTER`; `?user=` names the caller in header mode (a local
+// demo: anyone on the page may name anyone), `?token=` carries a JWT in jwt mode; `?chat=`
+// names the thread (a new one otherwise, kept in the address so a reload shows it).
+import { AbstractChat, DefaultChatTransport, lastAssistantMessageIsCompleteWithToolCalls } from "ai";
+
+const config = window.MEMFILTER;
+const params = new URLSearchParams(location.search);
+if (!params.get("chat")) {
+  params.set("chat", `chat-${crypto.randomUUID().slice(0, 8)}`);
+  history.replaceState(null, "", `?${params}`);
+}
+const chatId = params.get("chat");
+const headers = config.auth === "jwt" ? { Authorization: `Bearer ${params.get("token") ?? ""}` } : { [config.resourceHeader]: params.get("user") ?? "demo" };
+
+// What the chat keeps its messages and status in; every change shows on the page.
+class State {
+  #status = "ready";
+  #error = undefined;
+  messages = [];
+  constructor(messages) { this.messages = messages; }
+  get status() { return this.#status; }
+  set status(value) { this.#status = value; render(); }
+  get error() { return this.#error; }
+  set error(value) { this.#error = value; render(); }
+  pushMessage = (m) => { this.messages = [...this.messages, m]; render(); };
+  popMessage = () => { this.messages = this.messages.slice(0, -1); render(); };
+  replaceMessage = (i, m) => { this.messages = this.messages.map((old, j) => (j === i ? m : old)); render(); };
+  snapshot = (thing) => structuredClone(thing);
+}
+
+const el = (tag, attrs = {}, ...children) => {
+  const node = Object.assign(document.createElement(tag), attrs);
+  node.append(...children);
+  return node;
+};
+
+let chat;
+
+function part(message, p) {
+  if (p.type === "text") return el("div", { className: "text" }, p.text);
+  if (p.type === "reasoning") return el("div", { className: "reasoning" }, p.text);
+  if (p.type.startsWith("tool-") || p.type === "dynamic-tool") {
+    const name = p.type === "dynamic-tool" ? p.toolName : p.type.slice(5);
+    const box = el("div", { className: "tool" }, `${name}(${JSON.stringify(p.input)})`);
+    if (p.state === "output-available") box.append(el("span", {}, ` → ${JSON.stringify(p.output)}`));
+    else if (p.state === "input-available") {
+      const answer = el("input", { placeholder: "the tool's output", className: "tool-output" });
+      const send = el("button", { textContent: "answer" });
+      send.onclick = () => chat.addToolOutput({ tool: name, toolCallId: p.toolCallId, output: answer.value });
+      box.append(answer, send);
+    }
+    return box;
+  }
+  return null;
+}
+
+function render() {
+  if (!chat) return;
+  const list = document.getElementById("messages");
+  list.replaceChildren(
+    ...chat.messages.map((m, i) => {
+      const row = el("li", { className: m.role }, el("b", {}, m.role), ...m.parts.map((p) => part(m, p)).filter(Boolean));
+      if (m.role === "user") {
+        const edit = el("button", { textContent: "edit", className: "edit" });
+        edit.onclick = () => {
+          const text = prompt("edit message", m.parts.find((p) => p.type === "text")?.text ?? "");
+          if (text) chat.sendMessage({ text, messageId: m.id });
+        };
+        row.append(edit);
+      } else if (i === chat.messages.length - 1) {
+        const again = el("button", { textContent: "regenerate", className: "regenerate" });
+        again.onclick = () => chat.regenerate();
+        row.append(again);
+      }
+      return row;
+    }),
+  );
+  document.getElementById("status").textContent = chat.status === "error" ? `error: ${chat.error?.message}` : chat.status;
+}
+
+async function start() {
+  const reply = await fetch(`/api/threads/${encodeURIComponent(chatId)}/messages`, { headers });
+  const stored = reply.ok ? await reply.json() : [];
+  chat = new AbstractChat({
+    id: chatId,
+    state: new State(stored),
+    transport: new DefaultChatTransport({ api: "/api/chat", headers }),
+    sendAutomaticallyWhen: lastAssistantMessageIsCompleteWithToolCalls,
+    onError: render,
+  });
+  document.getElementById("form").onsubmit = (e) => {
+    e.preventDefault();
+    const input = document.getElementById("input");
+    if (input.value.trim()) chat.sendMessage({ text: input.value });
+    input.value = "";
+  };
+  render();
+}
+
+start();
