@@ -92,6 +92,10 @@ class Outcomes:
         if self._consumer is not None:
             await self._consumer.stop()
 
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
     @contextlib.contextmanager
     def waiting(self, thread: str, resource: str, request_id: str):
         """A request's wait, registered for as long as the block runs."""

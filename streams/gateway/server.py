@@ -228,7 +228,7 @@ class Gateway:
         return web.Response(body=self.metrics.render(), content_type="text/plain")
 
     async def readyz(self, _: web.Request) -> web.Response:
-        problems = []
+        problems = [] if self.outcomes.running else ["not reading the outcome topics"]
         try:
             await asyncio.wait_for(self.redis.ping(), 1.0)
         except Exception as e:  # any failure to answer is "not ready", named in the reply

@@ -304,13 +304,7 @@ class TaskLoop(mode.Service):
                 sorted(self._producers),
                 _reason(error),
             )
-            async with self._turn:
-                await self._drain_or_give_up()
-                await self._stop_producers()
-                self._committed = {}
-                self.epoch += 1
-            self.metrics.lag.clear()
-            self.metrics.assigned.set(0)
+            await self.partitions_revoked()  # as if a rebalance took them
             await asyncio.sleep(min(REJOIN_MAX_S, WAIT_RETRY_S * 2 ** (self._failures - 1)) if self._failures > 1 else 0)
             self.consumer.subscribe(self.topics, listener=Rebalance(self))  # a subscription made anew: aiokafka rejoins
         self._lost = None

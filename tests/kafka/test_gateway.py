@@ -79,6 +79,11 @@ def node_test(file: str, **env: str) -> subprocess.CompletedProcess:
 def test_the_ai_sdks_client_gets_answers_tool_round_trips_regenerations_edits_and_rejections_through_the_gateway(gateways):
     result = node_test("gateway.test.mjs", GATEWAY_URL=f"http://127.0.0.1:{gateways[0]}", JWT_KEY=JWT_KEY)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    with urllib.request.urlopen(f"http://127.0.0.1:{gateways[0]}/metrics", timeout=5) as reply:
+        metrics = reply.read().decode()
+    for outcome in ("answered", "ownership", "foreign-message-id", "duplicate", "schema", "too-large", "unauthenticated"):
+        assert f'memfilter_gateway_requests_total{{outcome="{outcome}"}}' in metrics, outcome
+    assert 'memfilter_gateway_wait_seconds_count{for="reply"}' in metrics and "memfilter_gateway_in_flight 0.0" in metrics
 
 
 def test_the_chat_page_in_a_browser_answers_a_typed_message_and_shows_the_stored_history_after_a_reload(gateways):

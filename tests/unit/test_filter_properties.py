@@ -10,6 +10,7 @@ by the client, foreign ids, new messages with and without ids). Storage is simul
 from __future__ import annotations
 
 import copy
+import os
 
 import msgspec
 from hypothesis import given, settings
@@ -17,7 +18,9 @@ from hypothesis import strategies as st
 
 from memfilter.core.filter import TERMINAL_STATES, Decision, Request, StoredView, advances, decide, decode_request, lookup_ids, parse_ms
 
-EXAMPLES = settings(max_examples=2000, deadline=None)
+# Examples per property: 500 in the suite (a few minutes of both cores on a slow day), more for
+# a thorough run: MEMFILTER_PROPERTY_EXAMPLES=5000 .venv/bin/python -m pytest tests/unit -n 2
+EXAMPLES = settings(max_examples=int(os.environ.get("MEMFILTER_PROPERTY_EXAMPLES", "500")), deadline=None)
 STATES = ["partial-call", "call", "approval-requested", "approval-responded", "result", "output-error", "output-denied"]
 OUTCOME_KEYS = {"state", "result", "errorText", "approval"}
 
