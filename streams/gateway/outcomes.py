@@ -148,6 +148,7 @@ class Outcomes:
             return
         if saved.requestId != f"{w.request_id}/reply" or saved.threadId != w.thread or saved.resourceId != w.resource or w.reply.done():
             return
-        replies = [m for m in saved.messages if isinstance(m, dict) and m.get("role") == "assistant"]
+        # a reply the worker would store: an assistant message with an id (one without is left, and the request times out naming it)
+        replies = [m for m in saved.messages if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("id"), str) and m["id"]]
         if replies:
             w.reply.set_result(replies[-1])
