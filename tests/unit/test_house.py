@@ -108,3 +108,28 @@ class TestTheProcessKnowsItsMode:
         )
         for private in ("_on_sigint", "_on_sigterm", "_schedule_shutdown"):
             assert callable(getattr(mode.Worker, private, None)), f"mode.Worker.{private} is gone"
+
+
+class TestTheTestGroupsHold:
+    GROUPED = """
+import os, pytest
+pytestmark = pytest.mark.xdist_group("stack")
+
+@pytest.mark.parametrize("n", range(6))
+def test_grouped(n):
+    with open("workers.txt", "a") as f:
+        f.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+
+    def test_tests_of_one_xdist_group_run_on_one_worker(self, tmp_path):
+        """`deploy/test.sh` relies on `--dist loadgroup` to keep tests that kill a stack's brokers
+        away from each other; pytest 9.2 silently stopped the grouping (pytest-xdist issue 1386)."""
+        (tmp_path / "pytest.ini").write_text("[pytest]\n")
+        (tmp_path / "test_grouped.py").write_text(self.GROUPED)
+        (tmp_path / "test_free.py").write_text("def test_free_a(): pass\ndef test_free_b(): pass\n")
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        workers = set((tmp_path / "workers.txt").read_text().split())
+        assert len(workers) == 1, f"one xdist_group ran on {sorted(workers)}: keep pytest and pytest-xdist at the versions in deploy/constraints.txt"
