@@ -154,43 +154,108 @@ class _Seen:
 
 
 async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded: Recorded, start, end, policy: Policy, progress) -> Report:
-    processor = Processor(store, topics, policy, secret=recorded.secret, seen=_Seen(recorded, store.retry_window))
-    persister = Persister(store, topics.dlq, recorded.secret)
-    logs: dict[bytes | None, ThreadLog] = {}  # of the threads met so far: where each is in its log
+    replayer = _Replayer(
+        topics,
+        store,
+        recorded,
+        Processor(store, topics, policy, secret=recorded.secret, seen=_Seen(recorded, store.retry_window)),
+        Persister(store, topics.dlq, recorded.secret),
+    )
     report = Report()
     async for batch in read_topic(bootstrap, topics.requests, start, end, progress):
-        for record in batch:
-            report.requests += 1
-            source = f"{record.topic}-{record.partition}-{record.offset}"
-            thread = record.key.decode(errors="replace") if record.key is not None else ""
-            if record.key not in logs:
-                logs[record.key] = recorded.log(record.key)
-            log = logs[record.key]
-            request_id = _request_id(record)
-            diff: list[str]
-            if (raw := recorded.filtered_at(record.partition, record.offset)) is not None:
-                event = msgspec.json.decode(raw, type=FilteredInput)
-                diff = await _advance(store, persister, log, event.threadId, event.historyVersion)
-                if not diff:
-                    saved = recorded.processors_save(event.threadId, event.requestId, event.historyVersion)
-                    diff = _compare(await processor.process([record]), topics, raw, saved)
-                request_id, thread = event.requestId, event.threadId
-            elif (headers := recorded.dead_at(record.partition, record.offset)) is not None:
-                diff = []
-                if VERSION_HEADER in headers:  # decided against stored history: on the same
-                    diff = await _advance(store, persister, log, thread, int(headers[VERSION_HEADER]))
-                if not diff:
-                    outs = await processor.process([record])
-                    got = [dict(o.headers).get("error.type", b"").decode() for o in outs if o.topic == topics.dlq]
-                    want = headers.get("error.type", b"").decode()
-                    diff = [] if got == [want] else [f"recorded: rejected ({want}); replayed: {got[0] if got else 'accepted'}"]
-            else:
-                diff = ["nothing recorded for this request (not processed yet?)"]
-            await store.drop_records(processor.take_recorded())  # no re-delivery here: not kept
-            if diff:
-                # named by its request id; by where it was published when it has none (or no JSON)
-                report.differences.append(Difference(request_id or source, thread, source, diff))
+        report.requests += len(batch)
+        for wave in _waves(batch):
+            report.differences += await replayer.wave(wave)
     return report
+
+
+def _waves(batch: list[Record]) -> list[list[Record]]:
+    """The batch as waves of at most one request per thread, each thread's in their order:
+    threads are independent, so a wave is replayed in the round trips of one request."""
+    waves: list[list[Record]] = []
+    depth: dict[bytes | None, int] = {}  # a thread's requests so far: the wave of its next
+    for record in batch:
+        n = depth[record.key] = depth.get(record.key, -1) + 1
+        if n == len(waves):
+            waves.append([])
+        waves[n].append(record)
+    return waves
+
+
+@dataclass
+class _Request:
+    """One request of a wave: what was recorded for it, and what the replay found."""
+
+    record: Record
+    thread: str
+    request_id: str | None
+    version: int | None = None  # the history version its recorded decision saw
+    filtered: bytes | None = None  # its recorded filtered input, if it was accepted
+    rejected: str | None = None  # its recorded dead letter's error type, if it was rejected
+    diff: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Replayer:
+    topics: Topics
+    store: HistoryStore
+    recorded: Recorded
+    processor: Processor
+    persister: Persister
+    logs: dict[bytes | None, ThreadLog] = field(default_factory=dict)  # of the threads met so far: where each is in its log
+
+    async def wave(self, records: list[Record]) -> list[Difference]:
+        """Bring each request's thread to the version its decision saw, decide them again, and
+        compare with what was recorded; the differences."""
+        requests = [self._recorded(record) for record in records]
+        targets = [r for r in requests if r.version is not None]
+        for r, diff in zip(targets, await self._advance([(self._log(r.record.key), r.thread, r.version) for r in targets])):
+            r.diff = diff
+        again = [r for r in requests if not r.diff]
+        for r, outs in zip(again, await self.processor.outputs([r.record for r in again])):
+            if r.filtered is not None:
+                event = msgspec.json.decode(r.filtered, type=FilteredInput)
+                r.diff = _compare(outs, self.topics, r.filtered, self.recorded.processors_save(event.threadId, event.requestId, event.historyVersion))
+            else:
+                got = [dict(o.headers).get("error.type", b"").decode() for o in outs if o.topic == self.topics.dlq]
+                r.diff = [] if got == [r.rejected] else [f"recorded: rejected ({r.rejected}); replayed: {got[0] if got else 'accepted'}"]
+        await self.store.drop_records(self.processor.take_recorded())  # no re-delivery here: not kept
+        # named by its request id; by where it was published when it has none (or no JSON)
+        return [Difference(r.request_id or _source(r.record), r.thread, _source(r.record), r.diff) for r in requests if r.diff]
+
+    def _recorded(self, record: Record) -> _Request:
+        thread = record.key.decode(errors="replace") if record.key is not None else ""
+        if (raw := self.recorded.filtered_at(record.partition, record.offset)) is not None:
+            event = msgspec.json.decode(raw, type=FilteredInput)
+            return _Request(record, event.threadId, event.requestId, event.historyVersion, filtered=raw)
+        if (headers := self.recorded.dead_at(record.partition, record.offset)) is not None:
+            version = int(headers[VERSION_HEADER]) if VERSION_HEADER in headers else None  # decided against stored history: on the same
+            return _Request(record, thread, _request_id(record), version, rejected=headers.get("error.type", b"").decode())
+        return _Request(record, thread, _request_id(record), diff=["nothing recorded for this request (not processed yet?)"])
+
+    def _log(self, key: bytes | None) -> ThreadLog:
+        if key not in self.logs:
+            self.logs[key] = self.recorded.log(key)
+        return self.logs[key]
+
+    async def _advance(self, targets: list[tuple[ThreadLog, str, int]]) -> list[list[str]]:
+        """Apply each thread's events, in their live order, until its version is the target:
+        the threads' next events in one persister batch a round, as `apply_log` does."""
+        if not targets:
+            return []
+        states = await self.store.read({thread: [] for _, thread, _ in targets})
+        current = {thread: states[thread].version for _, thread, _ in targets}
+        while behind := [(log, thread) for log, thread, version in targets if current[thread] < version and log]:
+            for (_, thread), result in zip(behind, await self.persister.apply([log.next(current[thread]) for log, thread in behind])):
+                current[thread] = result if isinstance(result, int) else current[thread]
+        return [
+            [] if current[thread] == version else [f"the decision saw history version {version}; persist-messages rebuilds version {current[thread]}"]
+            for _, thread, version in targets
+        ]
+
+
+def _source(record: Record) -> str:
+    return f"{record.topic}-{record.partition}-{record.offset}"
 
 
 class _Id(msgspec.Struct):
@@ -202,17 +267,6 @@ def _request_id(record: Record) -> str | None:
         return msgspec.json.decode(record.value, type=_Id).requestId
     except Exception:  # anything a client can publish: the processor rejected it
         return None
-
-
-async def _advance(store: HistoryStore, persister: Persister, log: ThreadLog, thread: str, version: int) -> list[str]:
-    """Apply the thread's events, in their live order, until its version is `version`."""
-    current = (await store.read({thread: []}))[thread].version
-    while current < version and log:
-        result = (await persister.apply([log.next(current)]))[0]
-        current = result if isinstance(result, int) else current
-    if current != version:
-        return [f"the decision saw history version {version}; persist-messages rebuilds version {current}"]
-    return []
 
 
 def _compare(outs, topics: Topics, filtered: bytes, persist: bytes | None) -> list[str]:
