@@ -23,9 +23,11 @@ one another, are in one `xdist_group` (run with `--dist loadgroup`).
 builds, through testcontainers, on a network made for the session); the others are deselected.
 The default, `processes`, runs every test on the process stack above.
 
-Tests of the replicated stack (`cluster_services`) start `memfilter stack up --brokers 3
---redis-cluster` in `.stack/cluster-tests/`: brokers on 29092, 29094, 29096 (controllers one
-above each), Redis Cluster nodes on 17001-17006.
+Tests of the replicated stack (`cluster_services`, marked `replicated`, all in one
+`xdist_group`) start `memfilter stack up --brokers 3 --redis-cluster` in `.stack/cluster-tests/`:
+brokers on 29092, 29094, 29096 (controllers one above each), Redis Cluster nodes on
+17001-17006. A stack the run started is stopped right after the last of them, not at the run's
+end: its three idle brokers would cost the tests after them most of a core.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ TIERS = {
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "containers: runs on the container backend too (MEMFILTER_TEST_BACKEND=containers)")
+    config.addinivalue_line("markers", "replicated: uses the replicated stack (`cluster_services`), stopped after the last such test")
     for tier, what in TIERS.items():
         config.addinivalue_line("markers", f"{tier}: {what} (tests/{tier}/)")
 
@@ -140,11 +143,16 @@ def services():
         memfilter("stack", "down", env=stack_env())
 
 
+REPLICATED_STARTED: list[bool] = []  # whether this process started the replicated stack (`cluster_services`)
+
+
 @pytest.fixture(scope="session")
 def cluster_services():
     """Three Kafka brokers (replication factor 3, min ISR 2) and a Redis Cluster of three
-    masters with a replica each, on loopback; stopped at the end if started here."""
+    masters with a replica each, on loopback; if started here, stopped after the last test
+    marked `replicated` (`pytest_runtest_teardown`)."""
     exports, started = shared_stack(cluster_env(), "--brokers", "3", "--redis-cluster")
+    REPLICATED_STARTED.append(started)
     given = ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL", "MEMFILTER_SECRET")
     yield Services(
         exports["KAFKA_BOOTSTRAP_SERVERS"],
@@ -152,8 +160,18 @@ def cluster_services():
         Path(cluster_env()["MEMFILTER_STACK_DIR"]),
         {k: v for k, v in exports.items() if k not in given},
     )
-    if started and not XDIST_WORKER:
-        memfilter("stack", "down", env=cluster_env())
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """The replicated stack this process started goes once no test after this one needs it
+    (its tests run one after the other: `replicated`, one `xdist_group`)."""
+    if any(REPLICATED_STARTED) and item.get_closest_marker("replicated") and (nextitem is None or not nextitem.get_closest_marker("replicated")):
+        if XDIST_WORKER:
+            stop_if_workers_started(cluster_env())  # and its mark, so that the run's end leaves it alone
+        else:
+            memfilter("stack", "down", env=cluster_env())
+        REPLICATED_STARTED.clear()
 
 
 def pytest_sessionfinish(session):

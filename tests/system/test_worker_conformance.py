@@ -28,8 +28,10 @@ from memfilter.core.explain import explain
 from memfilter.core.filter import HISTORY_MESSAGES, parse_ms
 from memfilter.store.history import Save
 
-pytestmark = [pytest.mark.containers, pytest.mark.xdist_group("cluster")]  # its replicated half shares the cluster tests' stack
-STACKS = ["one-broker-one-redis", "3-brokers-redis-cluster"] if BACKEND == "processes" else ["containers"]
+pytestmark = pytest.mark.containers
+# The replicated half first, right after the cluster tests in their group, so the replicated stack stops before the other half.
+REPLICATED = pytest.param("3-brokers-redis-cluster", marks=[pytest.mark.replicated, pytest.mark.xdist_group("replicated")])
+STACKS = [REPLICATED, "one-broker-one-redis"] if BACKEND == "processes" else ["containers"]
 
 
 def renamed(value, prefix: str):
@@ -108,7 +110,7 @@ def outputs(request):
     """Every case against a worker, one worker per context size and edits setting the cases
     ask for; the worker's records and explain's answers. On the single-node stack, and on the
     replicated one (three brokers, a Redis Cluster, writes on a replica before each commit)."""
-    services = request.getfixturevalue("cluster_services" if request.param.startswith("3-brokers") else "services")
+    services = request.getfixturevalue("cluster_services" if request.param == REPLICATED.values[0] else "services")
     cases = [renamed(c["case"], f"c{i}-") for i, c in enumerate(CASES)]
     expected: list = [None] * len(cases)
     by_key = defaultdict(dict)
