@@ -26,7 +26,10 @@ from pipeline import Collector, Pipeline, dump, publish
 from redis.crc import key_slot
 from stacks import cluster_env, memfilter
 
-pytestmark = [pytest.mark.replicated, pytest.mark.xdist_group("replicated")]  # one replicated stack, whose brokers and nodes these tests kill (`--dist loadgroup`)
+pytestmark = [
+    pytest.mark.replicated,
+    pytest.mark.xdist_group("replicated"),
+]  # one replicated stack, whose brokers and nodes these tests kill (`--dist loadgroup`)
 
 
 def request(thread: str, k: int) -> tuple[bytes, bytes, int]:

@@ -128,7 +128,11 @@ def test_grouped(n):
         (tmp_path / "test_grouped.py").write_text(self.GROUPED)
         (tmp_path / "test_free.py").write_text("def test_free_a(): pass\ndef test_free_b(): pass\n")
         run = subprocess.run(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-q"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-q"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert run.returncode == 0, run.stdout + run.stderr
         workers = set((tmp_path / "workers.txt").read_text().split())
