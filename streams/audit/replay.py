@@ -208,8 +208,8 @@ class _Replayer:
         """Bring each request's thread to the version its decision saw, decide them again, and
         compare with what was recorded; the differences."""
         requests = [self._recorded(record) for record in records]
-        targets = [r for r in requests if r.version is not None]
-        for r, diff in zip(targets, await self._advance([(self._log(r.record.key), r.thread, r.version) for r in targets])):
+        targets = [(r, (self._log(r.record.key), r.thread, r.version)) for r in requests if r.version is not None]
+        for (r, _), diff in zip(targets, await self._advance([target for _, target in targets])):
             r.diff = diff
         again = [r for r in requests if not r.diff]
         for r, outs in zip(again, await self.processor.outputs([r.record for r in again])):
