@@ -147,7 +147,7 @@ REPLICATED_STARTED: list[bool] = []  # whether this process started the replicat
 
 
 @pytest.fixture(scope="session")
-def cluster_services():
+def cluster_services(services):  # the single-node stack first: the other worker's tests need it while these brokers start
     """Three Kafka brokers (replication factor 3, min ISR 2) and a Redis Cluster of three
     masters with a replica each, on loopback; if started here, stopped after the last test
     marked `replicated` (`pytest_runtest_teardown`)."""

@@ -60,13 +60,16 @@ STARTED_BY_WORKERS = "started-by-test-workers"  # in a stack's folder: pytest-xd
 
 def shared_stack(env: dict[str, str], *up_args: str) -> tuple[dict[str, str], bool]:
     """`memfilter stack up` of the stack in `env`'s MEMFILTER_STACK_DIR, once for every pytest
-    process of the run (pytest-xdist's workers share it: the first starts it, under a lock);
+    process of the run (pytest-xdist's workers share it: the first starts it, under a lock
+    that no other stack's start holds);
     what it exports, and whether this call started it. A stack an xdist worker started is
     marked so, for the run's end to stop it (`stop_if_workers_started`): the other workers may
     still use it when this one is done."""
     folder = Path(env["MEMFILTER_STACK_DIR"])
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+    # One lock for every stack: brokers starting side by side on two cores overload their
+    # controllers past `stack up`'s wait (seen: the test and replicated stacks at once).
+    with open(folder.parent / ".stack-up.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         started = "running" not in memfilter("stack", "status", env=env).stdout.split("\n")[0]
         up = memfilter("stack", "up", *up_args, env=env)
