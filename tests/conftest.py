@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,7 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
 
-from stacks import BACKEND, XDIST_WORKER, Services, cluster_env, memfilter, shared_stack, stack_env, start_redis, stop_if_workers_started  # noqa: E402
+from stacks import BACKEND, STARTED_BY_WORKERS, XDIST_WORKER, Services, cluster_env, memfilter, shared_stack, stack_env, start_redis, stop_if_workers_started  # noqa: E402
 
 TIERS = {
     "unit": "the pure core; starts nothing",
@@ -162,20 +163,24 @@ def cluster_services(services):  # the single-node stack first: the other worker
     )
 
 
+STOPPING: list[subprocess.Popen] = []  # stacks being stopped in the background (`pytest_runtest_teardown`)
+
+
 @pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
 def pytest_runtest_teardown(item, nextitem):
     """The replicated stack this process started goes once no test after this one needs it
-    (its tests run one after the other: `replicated`, one `xdist_group`)."""
+    (its tests run one after the other: `replicated`, one `xdist_group`). Three brokers take
+    most of a minute to stop: the next tests run meanwhile, and the session's end waits."""
     if any(REPLICATED_STARTED) and item.get_closest_marker("replicated") and (nextitem is None or not nextitem.get_closest_marker("replicated")):
-        if XDIST_WORKER:
-            stop_if_workers_started(cluster_env())  # and its mark, so that the run's end leaves it alone
-        else:
-            memfilter("stack", "down", env=cluster_env())
+        (Path(cluster_env()["MEMFILTER_STACK_DIR"]) / STARTED_BY_WORKERS).unlink(missing_ok=True)  # the run's end need not stop it
+        STOPPING.append(subprocess.Popen([sys.executable, "-m", "memfilter", "stack", "down"], env=cluster_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL))
         REPLICATED_STARTED.clear()
 
 
 def pytest_sessionfinish(session):
     """With pytest-xdist, the stacks its workers started are stopped once all of them are done."""
+    for stopping in STOPPING:
+        stopping.wait(300)
     if not XDIST_WORKER and getattr(session.config.option, "numprocesses", None):
         stop_if_workers_started(stack_env())
         stop_if_workers_started(cluster_env())
