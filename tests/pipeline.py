@@ -234,7 +234,11 @@ class Collector:
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> Collector:
-        await self.consumer.start()
+        try:
+            await self.consumer.start()
+        except BaseException:  # a consumer left half-started keeps tasks that `asyncio.run` then waits on for ever
+            await self.consumer.stop()
+            raise
         self._task = asyncio.create_task(self._run())
         return self
 
