@@ -236,7 +236,7 @@ class Collector:
     async def __aenter__(self) -> Collector:
         try:
             await self.consumer.start()
-        except BaseException:  # a consumer left half-started keeps tasks that `asyncio.run` then waits on for ever
+        except BaseException:  # closed, not left half-started for the event loop's end to meet
             await self.consumer.stop()
             raise
         self._task = asyncio.create_task(self._run())
