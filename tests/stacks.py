@@ -61,8 +61,7 @@ STARTED_BY_WORKERS = "started-by-test-workers"  # in a stack's folder: pytest-xd
 def shared_stack(env: dict[str, str], *up_args: str) -> tuple[dict[str, str], bool]:
     """`memfilter stack up` of the stack in `env`'s MEMFILTER_STACK_DIR, once for every pytest
     process of the run (pytest-xdist's workers share it: the first starts it, under a lock
-    that no other stack's start holds);
-    what it exports, and whether this call started it. A stack an xdist worker started is
+    every stack's start takes); what it exports, and whether this call started it. A stack an xdist worker started is
     marked so, for the run's end to stop it (`stop_if_workers_started`): the other workers may
     still use it when this one is done."""
     folder = Path(env["MEMFILTER_STACK_DIR"])
