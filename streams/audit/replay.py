@@ -191,6 +191,7 @@ class _Request:
     request_id: str | None
     version: int | None = None  # the history version its recorded decision saw
     filtered: bytes | None = None  # its recorded filtered input, if it was accepted
+    event: FilteredInput | None = None  # the same, decoded
     rejected: str | None = None  # its recorded dead letter's error type, if it was rejected
     diff: list[str] = field(default_factory=list)
 
@@ -213,9 +214,9 @@ class _Replayer:
             r.diff = diff
         again = [r for r in requests if not r.diff]
         for r, outs in zip(again, await self.processor.outputs([r.record for r in again])):
-            if r.filtered is not None:
-                event = msgspec.json.decode(r.filtered, type=FilteredInput)
-                r.diff = _compare(outs, self.topics, r.filtered, self.recorded.processors_save(event.threadId, event.requestId, event.historyVersion))
+            if r.filtered is not None and r.event is not None:
+                saved = self.recorded.processors_save(r.event.threadId, r.event.requestId, r.event.historyVersion)
+                r.diff = _compare(outs, self.topics, r.filtered, saved)
             else:
                 got = [dict(o.headers).get("error.type", b"").decode() for o in outs if o.topic == self.topics.dlq]
                 r.diff = [] if got == [r.rejected] else [f"recorded: rejected ({r.rejected}); replayed: {got[0] if got else 'accepted'}"]
@@ -227,7 +228,7 @@ class _Replayer:
         thread = record.key.decode(errors="replace") if record.key is not None else ""
         if (raw := self.recorded.filtered_at(record.partition, record.offset)) is not None:
             event = msgspec.json.decode(raw, type=FilteredInput)
-            return _Request(record, event.threadId, event.requestId, event.historyVersion, filtered=raw)
+            return _Request(record, event.threadId, event.requestId, event.historyVersion, filtered=raw, event=event)
         if (headers := self.recorded.dead_at(record.partition, record.offset)) is not None:
             version = int(headers[VERSION_HEADER]) if VERSION_HEADER in headers else None  # decided against stored history: on the same
             return _Request(record, thread, _request_id(record), version, rejected=headers.get("error.type", b"").decode())
