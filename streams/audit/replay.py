@@ -37,7 +37,7 @@ memory does not grow with the topics or the range.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -132,7 +132,7 @@ async def replay(
         await recorded.load(bootstrap, [topics.filtered, topics.persist, topics.dlq], progress)
         store = store_of(f"replay-{uuid.uuid4().hex[:12]}")
         try:
-            return await _replay_range(bootstrap, topics, store, recorded, start, end, policy, progress)
+            return await replay_log(recorded, store, read_topic(bootstrap, topics.requests, start, end, progress), policy)
         finally:
             await store.drop()
 
@@ -146,14 +146,22 @@ class _Seen:
 
     def elsewhere(self, record: Record) -> dict[str, str]:
         seen = (self.recorded.dead_at(record.partition, record.offset) or {}).get(ELSEWHERE_HEADER)
-        return msgspec.json.decode(seen, type=dict[str, str]) if seen else {}
+        try:
+            return msgspec.json.decode(seen, type=dict[str, str]) if seen else {}
+        except msgspec.DecodeError:  # not the processor's: read as none, and the decision may then differ
+            return {}
 
     def window(self, record: Record) -> bytes:
         thread = record.key.decode(errors="replace") if record.key is not None else ""
         return self.recorded.window(thread, record.partition, record.offset, self.retry_window)
 
 
-async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded: Recorded, start, end, policy: Policy, progress) -> Report:
+async def replay_log(recorded: Recorded, store: HistoryStore, batches: AsyncIterable[list[Record]], policy: Policy = Policy()) -> Report:
+    """Decide each `chat-requests` record of `batches` again on `store` (empty at first), brought
+    to the history each recorded decision saw, and compare with `recorded`. Any content of the
+    topics is taken: what was recorded for a request but cannot be read (a record that does not
+    decode, a header that is not what the processor writes) is that request's difference."""
+    topics = recorded.topics
     replayer = _Replayer(
         topics,
         store,
@@ -162,7 +170,7 @@ async def _replay_range(bootstrap, topics: Topics, store: HistoryStore, recorded
         Persister(store, topics.dlq, recorded.secret),
     )
     report = Report()
-    async for batch in read_topic(bootstrap, topics.requests, start, end, progress):
+    async for batch in batches:
         report.requests += len(batch)
         for wave in _waves(batch):
             report.differences += await replayer.wave(wave)
@@ -230,8 +238,12 @@ class _Replayer:
             event = msgspec.json.decode(raw, type=FilteredInput)
             return _Request(record, event.threadId, event.requestId, event.historyVersion, filtered=raw, event=event)
         if (headers := self.recorded.dead_at(record.partition, record.offset)) is not None:
-            version = int(headers[VERSION_HEADER]) if VERSION_HEADER in headers else None  # decided against stored history: on the same
-            return _Request(record, thread, _request_id(record), version, rejected=headers.get("error.type", b"").decode())
+            rejected = headers.get("error.type", b"").decode(errors="replace")
+            if (version := headers.get(VERSION_HEADER)) is None:  # rejected before its history was read
+                return _Request(record, thread, _request_id(record), rejected=rejected)
+            if not version.isdigit():  # a dead letter not written by the processor
+                return _Request(record, thread, _request_id(record), diff=[f"its dead letter's {VERSION_HEADER} header is not a version: {version!r}"])
+            return _Request(record, thread, _request_id(record), int(version), rejected=rejected)  # decided against stored history: on the same
         return _Request(record, thread, _request_id(record), diff=["nothing recorded for this request (not processed yet?)"])
 
     def _log(self, key: bytes | None) -> ThreadLog:
