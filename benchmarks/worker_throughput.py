@@ -327,10 +327,10 @@ def worker_metrics(port: int) -> dict[str, float]:
 
 # Where a sample's innermost frame is, by its file (py-spy's paths): what each part of the worker costs.
 PROFILE_GROUPS = (
-    ("filter: decode, validate, decide", ("streams/filter.py", "schemas/")),
-    ("processor: lanes, overlay, records", ("streams/processor.py",)),
-    ("history store and Redis client", ("streams/history.py", "redis/", "hiredis/")),
-    ("record loop and persister", ("streams/app.py", "streams/persister.py")),
+    ("filter: decode, validate, decide, context", ("streams/core/", "schemas/")),
+    ("processor: lanes, overlay, records", ("streams/runtime/processor.py",)),
+    ("history store and Redis client", ("streams/store/", "redis/", "hiredis/")),
+    ("task loop, worker and persister", ("streams/runtime/",)),
     ("Kafka client", ("aiokafka/",)),
     ("event loop and sockets", ("asyncio/", "selectors.py")),
 )
@@ -422,7 +422,7 @@ async def measure(args: argparse.Namespace, stacks: list[tuple[str, str]], topic
         workers = await run_worker(args, bootstrap, redis_url, topics, f"{prefix}-h{n}", n, len(requests), rate_a, rates)
         try:
             if last_worker:
-                await latency(args, bootstrap, topics[f"filtered{n}"], topics["requests"])
+                await latency(args, bootstrap, topics[f"filtered{n}"], topics["requests"], workers)
         finally:
             stop(workers)
     if not cluster:
@@ -453,7 +453,7 @@ async def measure(args: argparse.Namespace, stacks: list[tuple[str, str]], topic
         )
         try:
             if i == len(CLUSTER_RUNS) - 1:
-                await latency(args, bootstrap, topics[f"filtered{variant}"], topics["requests"])
+                await latency(args, bootstrap, topics[f"filtered{variant}"], topics["requests"], workers)
         finally:
             stop(workers)
 
@@ -574,8 +574,25 @@ async def run_worker(
         raise
 
 
-async def latency(args, bootstrap: str, filtered: str, requests: str) -> None:
-    """(c): requests at a steady rate to a caught-up worker; publish-to-filtered-input times."""
+def batch_phases(ports: list[int]) -> dict[str, tuple[float, float]]:
+    """`memfilter_batch_phase_seconds` of the workers, by phase: (seconds, batches) so far."""
+    phases: dict[str, tuple[float, float]] = {}
+    for port in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in ("memfilter_batch_phase_seconds_sum", "memfilter_batch_phase_seconds_count"):
+                    total, count = phases.get(sample.labels["phase"], (0.0, 0.0))
+                    summed = sample.name.endswith("_sum")
+                    phases[sample.labels["phase"]] = (total + sample.value * summed, count + sample.value * (not summed))
+    return phases
+
+
+async def latency(args, bootstrap: str, filtered: str, requests: str, workers: list[subprocess.Popen]) -> None:
+    """(c): requests at a steady rate to caught-up workers; publish-to-filtered-input times, and
+    where a batch's time went meanwhile (the workers' `memfilter_batch_phase_seconds`)."""
+    ports = [int(w.args[-1]) for w in workers]  # their --web-port
+    before = batch_phases(ports)
     latencies = []
     n_latency = int(args.latency_rate * args.latency_seconds)
     with kept_from_collector():
@@ -587,10 +604,17 @@ async def latency(args, bootstrap: str, filtered: str, requests: str) -> None:
     await positioned.wait()
     await publish(bootstrap, requests, paced, rate=args.latency_rate)
     await reader
+    after = batch_phases(ports)
     latencies.sort()
     print(
         f"(c) publish -> filtered input at {args.latency_rate:,.0f} requests/s: "
         f"p50 {latencies[len(latencies) // 2]:.0f} ms, p99 {latencies[int(len(latencies) * 0.99)]:.0f} ms"
+    )
+    batches = after["handling"][1] - before.get("handling", (0.0, 0.0))[1]
+    means = {name: (total - before.get(name, (0.0, 0.0))[0]) / max(1.0, count - before.get(name, (0.0, 0.0))[1]) for name, (total, count) in after.items()}
+    print(
+        f"    a batch meanwhile ({batches:,.0f} batches, {n_latency / max(1.0, batches):,.0f} requests each), mean ms: "
+        + ", ".join(f"{name} {means[name] * 1000:.1f}" for name in ("waiting", "previous-commit", "catch-up", "handling", "committing"))
     )
 
 

@@ -10,6 +10,7 @@ One registry per worker (so tests can run several in one process). What an opera
 | `memfilter_decision_seconds` | histogram | the filter's decision for one request (pure CPU) |
 | `memfilter_end_to_end_seconds` | histogram | record timestamp to its outputs committed (the batch's transaction) |
 | `memfilter_batch_size` | histogram | records per batch |
+| `memfilter_batch_phase_seconds{phase}` | histogram | where a batch's time goes, one observation per batch and phase, in order: `waiting` (the age of its oldest record of the first input topic, `chat-requests`, when fetched: the time in Kafka), `previous-commit` (waiting for the batch before's transactions), `catch-up` (for `persist-messages` records committed before its requests), `handling` (deciding and Redis), `committing` (its transactions) |
 | `memfilter_redis_round_trips_total` | counter | pipelined Redis round trips |
 | `memfilter_consumer_lag{topic,partition}` | gauge | offsets not yet consumed, per assigned partition (0 when idle: transaction markers count as consumed) |
 | `memfilter_assigned_partitions` | gauge | partitions this worker holds |
@@ -21,6 +22,7 @@ The agent runner's (`memfilter agent`, `AgentMetrics`):
 | `memfilter_agent_inputs_total{result}` | counter | filtered inputs handled: `answered`, `no-reply` (the context asks for none), `dead-letter` |
 | `memfilter_agent_outputs_total{kind}` | counter | records committed: `reply` (persist-messages events), `dead-letter` |
 | `memfilter_agent_model_seconds` | histogram | one model call, retries included |
+| `memfilter_batch_phase_seconds{phase}` | histogram | as the worker's (`waiting` of `filtered-inputs`; `handling` holds the model calls) |
 | `memfilter_consumer_lag{topic,partition}` | gauge | as the worker's, for `filtered-inputs` |
 | `memfilter_assigned_partitions` | gauge | partitions of `filtered-inputs` this runner holds |
 
@@ -69,6 +71,7 @@ class LoopMetrics(_Registry):
         r = self.registry
         self.lag = Gauge("memfilter_consumer_lag", "Records not yet consumed", ["topic", "partition"], registry=r)
         self.assigned = Gauge("memfilter_assigned_partitions", "Partitions this process holds", registry=r)
+        self.batch_phase = Histogram("memfilter_batch_phase_seconds", "Where a batch's time goes, by phase", ["phase"], buckets=_LATENCY_BUCKETS, registry=r)
 
 
 class Metrics(LoopMetrics):

@@ -271,12 +271,20 @@ class TaskLoop(mode.Service):
         # Read with no await between: the batch came from the assignment of this epoch.
         epoch = self.epoch
         if batch:
+            phase = self.metrics.batch_phase
+            fetched = time.time()
+            arrived = [records[0].timestamp for tp, records in batch.items() if tp.topic == self.topics[0] and records]
+            if arrived:  # records of the first input topic (requests, for the worker): their age
+                phase.labels("waiting").observe(max(0.0, fetched - min(arrived) / 1000))
             # The batch before must be committed first: an open transaction of ours
             # holds back the stable offset of what we wrote, and with it any record
             # appended after it. Outside the turn: a fetch in `prepare` waits for a
             # rebalance to end, which waits for the turn.
             await self._drain()
+            drained = time.time()
+            phase.labels("previous-commit").observe(drained - fetched)
             await self.handler.prepare(self, batch, epoch)
+            phase.labels("catch-up").observe(time.time() - drained)
         async with self._turn:
             # A rebalance between the fetch and here revoked these records' partitions;
             # whoever holds them now (this process too) fetches them again from the commit.
@@ -319,7 +327,10 @@ class TaskLoop(mode.Service):
         last record, and past the transaction markers after it (a partition whose last records
         are markers is committed when it moves past them, so an idle consumer's lag is 0)."""
         assert self.consumer is not None
+        started = time.time()
         handled = await self.handler.handle(batch)
+        if batch:
+            self.metrics.batch_phase.labels("handling").observe(time.time() - started)
         positions = {tp: await self.consumer.position(tp) for tp in self._committed}
         offsets = {tp: p for tp, p in positions.items() if p > self._committed[tp]}
         for tp in offsets:
@@ -343,7 +354,9 @@ class TaskLoop(mode.Service):
                 await producer.send_offsets_to_transaction(mine, self.group)
             await producer.commit_transaction()
 
+        started = time.time()
         await _all([transaction(task) for task in handled.outs])
+        self.metrics.batch_phase.labels("committing").observe(time.time() - started)
         self._failures = 0
         self._committed.update(offsets)
         if handled.done is not None:
