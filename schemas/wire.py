@@ -159,6 +159,24 @@ MessageDict = Annotated[
     dict[str, Any],
     Meta(extra_json_schema={"$ref": "#/$defs/Message"}),
 ]
+# A filtered input's contributed message: whole, or in format 2 a reference to the same
+# message in its `context` (`memfilter.core.filtered`).
+ContributedDict = Annotated[
+    dict[str, Any],
+    Meta(
+        extra_json_schema={
+            "anyOf": [
+                {"$ref": "#/$defs/Message"},
+                {
+                    "type": "object",
+                    "properties": {"$ref": {"type": "string", "pattern": "^#/context/[0-9]+$"}},
+                    "required": ["$ref"],
+                    "additionalProperties": False,
+                },
+            ]
+        }
+    ),
+]
 # A message of a request: either kind, each on its own.
 RequestMessageDict = Annotated[
     dict[str, Any],
@@ -202,21 +220,24 @@ class FilteredInput(Struct):
 
     `messages` is what the request contributed; `context` the model's input, in order: the
     request's system messages, the last rows of the conversation with the request's updates in
-    place, then what else it contributed (`memfilter.core.filter`, `_context`). `historyVersion`
-    is the thread's version when the decision was made, so an audit can rebuild exactly the
-    history the decision saw.
+    place, then what else it contributed (`memfilter.core.filter`, `_context`). With `format`
+    2, a contributed message that is in the context is written there only, and `messages`
+    holds a reference to it (`memfilter.core.filtered`, `whole_messages`); without `format`,
+    every message is whole in both. `historyVersion` is the thread's version when the decision
+    was made, so an audit can rebuild exactly the history the decision saw.
     """
 
     requestId: str
     threadId: str
     resourceId: str
     outcome: Outcome
-    messages: list[MessageDict]
+    messages: list[ContributedDict]
     context: list[MessageDict]
     dropped: list[Dropped]
     source: Source
     historyVersion: int = 0
     superseded: list[str] = []  # ids of the rows this request took out of the conversation (regenerate, edit)
+    format: Literal[2] | UnsetType = UNSET  # 2: `messages` refer into `context`; absent: format 1, all whole
 
 
 # Generic like `ChatRequestOf`: the persister reads the same bytes typed and raw.

@@ -126,6 +126,7 @@ class Worker(
         "web_bind": "MEMFILTER_WEB_BIND",
         "data_dir": "MEMFILTER_DATA_DIR",
         "shutdown_s": "MEMFILTER_SHUTDOWN_S",
+        "filtered_format": "MEMFILTER_FILTERED_FORMAT",
     },
 ):
     """`memfilter worker` (and the commands that read its store: history, replay)."""
@@ -137,6 +138,9 @@ class Worker(
     web_bind: str = "127.0.0.1"  # 0.0.0.0 in a container; the agent runner's web server binds here too
     data_dir: str = ""  # Faust's data folder; default $TMPDIR/memfilter-<group>
     shutdown_s: Annotated[float, Meta(gt=0, le=600)] = 10.0  # seconds from SIGTERM or SIGINT to exit, at most (the agent runner's too)
+    # filtered inputs' format (`memfilter.core.filtered`): 2 writes each contributed message once;
+    # 1 writes it in `messages` and again in `context`, for consumers not yet reading 2
+    filtered_format: Literal[1, 2] = 2
 
 
 class Agent(

@@ -10,7 +10,11 @@ from memfilter.settings import Settings
 
 
 def _readable(topic_kind: str, record) -> str:
+    import contextlib
+
     import msgspec
+
+    from memfilter.core.filtered import BadReference, whole_messages
 
     key = record.key.decode(errors="replace") if record.key else "-"
     if topic_kind == "dlq":
@@ -20,7 +24,11 @@ def _readable(topic_kind: str, record) -> str:
         event = msgspec.json.decode(record.value)
     except msgspec.DecodeError:
         return f"{key}  (not JSON) {record.value[:80]!r}"
-    ids = [m.get("id", "?") for m in event.get("messages", [])]
+    messages = event.get("messages", [])
+    if topic_kind == "filtered":  # format 2 refers into the context
+        with contextlib.suppress(BadReference):
+            messages = whole_messages(messages, event.get("context", []))
+    ids = [m.get("id", "?") for m in messages]
     if topic_kind == "filtered":
         dropped = len(event.get("dropped", []))
         return f"{key}  {event.get('requestId')}  {event.get('outcome'):<26} kept {len(ids)} {ids}  dropped {dropped}"

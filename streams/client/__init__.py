@@ -36,11 +36,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from memfilter.core.filter import Limits, Rejected, Rejection, decode_request
+from memfilter.core.filtered import decode_whole
 from memfilter.core.replies import reply_event
 from memfilter.schemas.wire import ChatRequest, FilteredInput
 from memfilter.settings import Topics
-
-_FILTERED = msgspec.json.Decoder(FilteredInput)
 
 
 def outcome_of(record: ConsumerRecord, topics: Topics) -> tuple[tuple[int, int], FilteredInput | Rejection] | None:
@@ -51,7 +50,7 @@ def outcome_of(record: ConsumerRecord, topics: Topics) -> tuple[tuple[int, int],
     a filtered input)."""
     if record.topic == topics.filtered:
         try:
-            event = _FILTERED.decode(record.value)
+            event = decode_whole(record.value)
         except (msgspec.DecodeError, TypeError):
             return None
         return ((event.source.partition, event.source.offset), event) if event.source.topic == topics.requests else None
@@ -194,11 +193,10 @@ class Client:
             isolation_level="read_committed",
         )
         await consumer.start()
-        decoder = msgspec.json.Decoder(FilteredInput)
         try:
             async for record in consumer:
                 try:
-                    event = decoder.decode(record.value)
+                    event = decode_whole(record.value)
                 except msgspec.DecodeError:  # not the processor's: passed over, committed with the next
                     continue
                 yield Delivery(event, record, consumer)
@@ -234,6 +232,5 @@ class Client:
             await consumer.stop()
 
     async def filtered_inputs(self, thread: str | None = None, from_beginning: bool = False) -> AsyncIterator[FilteredInput]:
-        decoder = msgspec.json.Decoder(FilteredInput)
         async for record in self.records(self.topics.filtered, thread, from_beginning):
-            yield decoder.decode(record.value)
+            yield decode_whole(record.value)

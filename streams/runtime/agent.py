@@ -40,6 +40,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from memfilter.core import replies
 from memfilter.core.filter import Rejection
+from memfilter.core.filtered import decode_whole
 from memfilter.metrics import AgentMetrics
 from memfilter.runtime.health import serve_health
 from memfilter.runtime.loop import Batch, Handled, TaskLoop
@@ -50,7 +51,6 @@ from memfilter.settings import Agent, Settings
 log = logging.getLogger("memfilter")
 
 MODEL_CONCURRENCY = 16  # model calls in flight at once, per runner
-_FILTERED = msgspec.json.Decoder(FilteredInput)
 
 
 class ModelRefused(Exception):
@@ -162,7 +162,7 @@ class AgentHandler:
         out = []
         for r in records:
             try:
-                event = _FILTERED.decode(r.value)
+                event = decode_whole(r.value)
             except (msgspec.DecodeError, TypeError) as e:
                 out.append(self._dead(r, Rejection("decode", f"record is not a FilteredInput ({e}); it was skipped")))
                 continue

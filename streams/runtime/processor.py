@@ -67,6 +67,7 @@ from memfilter.core.filter import (
     parse_ms,
     window_reach,
 )
+from memfilter.core.filtered import FORMAT, compact
 from memfilter.metrics import Metrics
 from memfilter.runtime.records import MAX_OUTPUT_BYTES, Out, Record, dead_letter, internal_error
 from memfilter.schemas.wire import FilteredInput, PersistMessages, Source
@@ -160,6 +161,7 @@ class Processor:
         metrics: Metrics | None = None,
         secret: bytes = b"",
         seen: Seen | None = None,
+        filtered_format: int = FORMAT,
     ):
         self.store = store
         self.topics = topics
@@ -172,6 +174,7 @@ class Processor:
         self.seen = seen
         self.history = policy.history  # the rows of the conversation in each context
         self.edits = policy.edits  # regenerate and edit supersede rows
+        self.filtered_format = filtered_format  # of the filtered inputs (MEMFILTER_FILTERED_FORMAT, `memfilter.core.filtered`)
         self._recorded: list[tuple[str, bytes]] = []  # `take_recorded`
 
     def take_recorded(self) -> list[tuple[str, bytes]]:
@@ -402,17 +405,19 @@ class Processor:
     def _record(self, p: _Pending, decision, version: int) -> tuple[Recorded, list[tuple[str, bytes]]]:
         shape = p.request.shape
         source = Source(p.record.topic, p.record.partition, p.record.offset)
+        compacted = self.filtered_format == FORMAT
         filtered = FilteredInput(
             p.request.request_id,
             shape.threadId,
             shape.resourceId,
             decision.outcome,
-            decision.messages,
+            compact(decision.messages, decision.context) if compacted else decision.messages,
             decision.context,
             decision.dropped,
             source,
             version,
             decision.superseded,
+            FORMAT if compacted else UNSET,
         )
         rows = [(row["id"], msgspec.json.encode(row)) for row in decision.persist]
         persist = None

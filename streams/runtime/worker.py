@@ -116,7 +116,7 @@ class WorkerHandler:
         self.topics = settings.topics
         self.metrics = metrics
         self.store = store
-        self.processor = Processor(store, settings.topics, settings.policy, metrics, settings.secret)
+        self.processor = Processor(store, settings.topics, settings.policy, metrics, settings.secret, filtered_format=settings.worker.filtered_format)
         self.persister = Persister(store, settings.topics.dlq, settings.secret)
 
     def describe(self) -> str:

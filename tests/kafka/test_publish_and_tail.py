@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pipeline import REPO, read
+from pipeline import REPO, read, whole
 
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
 
@@ -34,7 +34,7 @@ def test_publish_worker_tail_shows_the_filtered_inputs_of_the_sample_session(pip
     assert published.returncode == 0 and published.stdout.strip() == "published 6 requests to " + pipeline.topics.requests
 
     as_json = pipeline.memfilter("tail", "--json", "--thread", "demo-thread", "--from-beginning", "--max", "6", "--idle-ms", "60000")
-    events = [json.loads(line) for line in as_json.stdout.splitlines()]
+    events = [whole(json.loads(line)) for line in as_json.stdout.splitlines()]  # the records as they are: format 2
     assert [e["requestId"] for e in events] == [f"demo-{k}" for k in range(6)]
     assert [e["outcome"] for e in events] == ["unchanged"] + ["user-tail"] * 5
     for sent, event in zip(SAMPLE.read_text().splitlines(), events):

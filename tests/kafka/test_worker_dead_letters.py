@@ -10,7 +10,7 @@ import random
 import msgspec
 import pytest
 from factories import T0, msg
-from pipeline import Pipeline, header, publish, read
+from pipeline import Pipeline, header, publish, read, whole
 
 from memfilter.store.history import Save
 
@@ -128,7 +128,7 @@ def test_every_bad_record_is_a_dead_letter_with_its_error_type_and_its_bytes(run
 
 def test_good_records_around_them_are_filtered_as_usual(run):
     topics, stream, records = run
-    filtered = {r.key: json.loads(r.value) for r in records if r.topic == topics.filtered}
+    filtered = {r.key: whole(json.loads(r.value)) for r in records if r.topic == topics.filtered}
     good_keys = [k for kind, k, _ in stream if kind == "good"]
     assert sorted(filtered) == sorted(good_keys)
     for key in good_keys:

@@ -15,7 +15,7 @@ import json
 import pytest
 from aiokafka.partitioner import murmur2
 from factories import T0, msg
-from pipeline import Pipeline, dump, header, publish, read
+from pipeline import Pipeline, dump, header, publish, read, whole
 from redis.crc import key_slot
 
 from memfilter.core import origin
@@ -178,7 +178,7 @@ def letters(records, topic, source):
 
 def filtered(run, thread: str) -> list[dict]:
     pipeline, records, *_ = run
-    return [json.loads(r.value) for r in records if r.topic == pipeline.topics.filtered and json.loads(r.value)["threadId"] == thread]
+    return [whole(json.loads(r.value)) for r in records if r.topic == pipeline.topics.filtered and json.loads(r.value)["threadId"] == thread]
 
 
 def test_the_worker_is_still_running_after_every_hostile_record(run):

@@ -589,6 +589,27 @@ class TestContext:
         assert len(rows) == 9
 
 
+class TestFilteredInputFormats:
+    """MEMFILTER_FILTERED_FORMAT: 2 writes each contributed message once, 1 twice; the same decision."""
+
+    def test_format_two_refers_into_the_context_and_format_one_writes_every_message_whole(self, with_store):
+        async def go(store):
+            by_format = {}
+            for f in (1, 2):
+                thread = f"t{f}"
+                await TestContext().stored(store, [msg("u0"), msg("a1", role="assistant")], thread)
+                request = record(thread, [msg("u0"), msg("a1", role="assistant"), msg(f"u2-{f}")], 0, f"q{f}")
+                [by_format[f]] = [o.value for o in await Processor(store, filtered_format=f).process([request]) if o.topic == Topics().filtered]
+            return by_format
+
+        by_format = with_store(go)
+        one, two = (json.loads(by_format[f]) for f in (1, 2))
+        assert "format" not in one and two["format"] == 2
+        assert [m["id"] for m in one["context"]] == ["u0", "a1", "u2-1"] and one["messages"] == [one["context"][-1]]
+        assert [m["id"] for m in two["context"]] == ["u0", "a1", "u2-2"] and two["messages"] == [{"$ref": "#/context/2"}]
+        assert len(by_format[2]) < len(by_format[1]) - len(json.dumps(one["messages"])) // 2
+
+
 class TestSuperseding:
     """Regenerate and edit take rows out of the conversation, atomically with the request's
     other writes; the rows stay stored, and nothing brings them back."""

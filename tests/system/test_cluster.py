@@ -22,7 +22,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from factories import T0
-from pipeline import Collector, Pipeline, dump, publish
+from pipeline import Collector, Pipeline, dump, publish, whole
 from redis.crc import key_slot
 from stacks import cluster_env, memfilter
 
@@ -127,7 +127,7 @@ async def rows_of(pipeline: Pipeline, thread: str, prefix: str | None = None) ->
 
 
 def filtered_of(records, thread: str) -> list[dict]:
-    return [json.loads(r.value) for r in records if r.key == thread.encode() and r.topic.startswith("filtered-inputs")]
+    return [whole(json.loads(r.value)) for r in records if r.key == thread.encode() and r.topic.startswith("filtered-inputs")]
 
 
 def saved_of(records, thread: str) -> list[list[str]]:

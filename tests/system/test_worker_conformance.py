@@ -21,7 +21,7 @@ from collections import defaultdict
 import msgspec
 import pytest
 from factories import CASES
-from pipeline import Pipeline, header, publish, read
+from pipeline import Pipeline, header, publish, read, whole
 from stacks import BACKEND
 
 from memfilter.core.explain import explain
@@ -138,6 +138,8 @@ def test_the_worker_emits_what_explain_decides(index, outputs):
         return
     [filtered] = got[topics.filtered]
     event = json.loads(filtered.value)
+    assert event["format"] == 2  # the default: each message once, `messages` referring into the context
+    event = whole(event)
     assert (event["outcome"], event["messages"], event["dropped"]) == (want["outcome"], want["messages"], want["dropped"])
     assert (event["context"], event["superseded"]) == (want["context"], want["superseded"])
     assert event["requestId"] == cases[index]["request"]["requestId"]
