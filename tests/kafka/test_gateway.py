@@ -5,7 +5,9 @@ worker and the echo agent runner behind it):
   over `DefaultChatTransport`) against a gateway with JWT identity: an answer with the stored
   id and the stored conversation on reload, a client tool round trip, regenerate and edit, a
   rejection for each reason code, a retry with the same `Idempotency-Key`, two users on one
-  thread, and missing, forged and expired tokens;
+  thread, missing, forged and expired tokens, an empty stream for a request that asks for no
+  answer, one conversation over two gateways, and, on a gateway no worker answers, a timeout
+  that says what it waited for and a request past the in-flight bound refused;
 - `tests/node/page.test.mjs` opens the gateway's chat page in Debian's Chromium (puppeteer-core)
   on a gateway with header identity, as `deploy/run-local.sh` runs it: a typed message gets the
   answer and a reload shows the stored history; its screenshot is kept at SCREENSHOT."""
@@ -50,19 +52,26 @@ def start_gateway(pipeline, name: str, **env: str) -> int:
 
 @pytest.fixture(scope="module")
 def gateways(services):
-    """A worker, the echo agent and two gateways on a pipeline of the module's own: (JWT port, header port)."""
-    pipeline = services.pipeline()
+    """A worker, the echo agent and three gateways on a pipeline of the module's own (two with
+    JWT identity, one with header identity), and a JWT gateway on topics no worker reads, that
+    waits 3 s for a decision and lets one request wait at once: their ports, by name."""
+    pipeline, unserved = services.pipeline(), services.pipeline()
     asyncio.run(pipeline.create_topics())
+    asyncio.run(unserved.create_topics())
     worker = pipeline.start_worker()
     pipeline.start_agent()
     wait_for_line(worker.log_path, "memfilter worker ready", timeout=60)
-    reply = {"MEMFILTER_GATEWAY_REPLY_S": "30"}
-    yield (
-        start_gateway(pipeline, "jwt", MEMFILTER_GATEWAY_AUTH="jwt", MEMFILTER_GATEWAY_JWT_KEY=JWT_KEY, **reply),
-        start_gateway(pipeline, "header", MEMFILTER_GATEWAY_AUTH="header", **reply),
-    )
+    reply, jwt = {"MEMFILTER_GATEWAY_REPLY_S": "30"}, {"MEMFILTER_GATEWAY_AUTH": "jwt", "MEMFILTER_GATEWAY_JWT_KEY": JWT_KEY}
+    yield {
+        "jwt": start_gateway(pipeline, "jwt", **jwt, **reply),
+        "jwt-2": start_gateway(pipeline, "jwt-2", **jwt, **reply),
+        "header": start_gateway(pipeline, "header", MEMFILTER_GATEWAY_AUTH="header", **reply),
+        "unserved": start_gateway(unserved, "unserved", **jwt, MEMFILTER_GATEWAY_OUTCOME_S="3", MEMFILTER_GATEWAY_MAX_IN_FLIGHT="1"),
+    }
     pipeline.stop_all()
+    unserved.stop_all()
     asyncio.run(pipeline.delete_topics())
+    asyncio.run(unserved.delete_topics())
 
 
 def node_test(file: str, **env: str) -> subprocess.CompletedProcess:
@@ -77,19 +86,27 @@ def node_test(file: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_the_ai_sdks_client_gets_answers_tool_round_trips_regenerations_edits_and_rejections_through_the_gateway(gateways):
-    result = node_test("gateway.test.mjs", GATEWAY_URL=f"http://127.0.0.1:{gateways[0]}", JWT_KEY=JWT_KEY)
+    urls = {f"{name.upper().replace('-', '_')}_URL": f"http://127.0.0.1:{port}" for name, port in gateways.items()}
+    result = node_test("gateway.test.mjs", GATEWAY_URL=urls["JWT_URL"], JWT_KEY=JWT_KEY, **urls)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    with urllib.request.urlopen(f"http://127.0.0.1:{gateways[0]}/metrics", timeout=5) as reply:
-        metrics = reply.read().decode()
-    for outcome in ("answered", "ownership", "foreign-message-id", "duplicate", "schema", "too-large", "unauthenticated"):
-        assert f'memfilter_gateway_requests_total{{outcome="{outcome}"}}' in metrics, outcome
-    assert 'memfilter_gateway_wait_seconds_count{for="reply"}' in metrics and "memfilter_gateway_in_flight 0.0" in metrics
+    metrics = {name: scrape(port) for name, port in gateways.items()}
+    for outcome in ("answered", "no-reply", "ownership", "foreign-message-id", "duplicate", "schema", "too-large", "unauthenticated"):
+        assert f'memfilter_gateway_requests_total{{outcome="{outcome}"}}' in metrics["jwt"], outcome
+    assert 'memfilter_gateway_wait_seconds_count{for="reply"}' in metrics["jwt"] and "memfilter_gateway_in_flight 0.0" in metrics["jwt"]
+    assert 'memfilter_gateway_requests_total{outcome="answered"}' in metrics["jwt-2"]  # the conversation's second half
+    for outcome in ("timeout", "busy"):
+        assert f'memfilter_gateway_requests_total{{outcome="{outcome}"}} 1.0' in metrics["unserved"], outcome
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
 
 
 def test_the_chat_page_in_a_browser_answers_a_typed_message_and_shows_the_stored_history_after_a_reload(gateways):
     chromium = shutil.which("chromium")
     assert chromium, "Debian's chromium is not installed: deploy/test.sh installs it"
     SCREENSHOT.unlink(missing_ok=True)
-    result = node_test("page.test.mjs", GATEWAY_URL=f"http://127.0.0.1:{gateways[1]}", CHROMIUM=chromium, SCREENSHOT=str(SCREENSHOT), HOME="/tmp")
+    result = node_test("page.test.mjs", GATEWAY_URL=f"http://127.0.0.1:{gateways['header']}", CHROMIUM=chromium, SCREENSHOT=str(SCREENSHOT), HOME="/tmp")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert SCREENSHOT.stat().st_size > 10_000

@@ -8,6 +8,8 @@ import { createHmac, randomUUID } from "node:crypto";
 import { AbstractChat, DefaultChatTransport, lastAssistantMessageIsCompleteWithToolCalls } from "ai";
 
 const GATEWAY = process.env.GATEWAY_URL;
+const SECOND = process.env.JWT_2_URL; // another gateway on the same topics and Redis
+const UNSERVED = process.env.UNSERVED_URL; // a gateway on topics no worker reads: 3 s for a decision, one request at once
 const KEY = process.env.JWT_KEY;
 const RUN = randomUUID().slice(0, 8);
 
@@ -29,10 +31,12 @@ class State {
 }
 
 class Chat extends AbstractChat {
-  constructor({ user, headers = {}, ...init }) {
+  constructor({ user, headers = {}, gateway = GATEWAY, messages = [], ...init }) {
+    const state = new State();
+    state.messages = messages;
     super({
-      state: new State(),
-      transport: new DefaultChatTransport({ api: `${GATEWAY}/api/chat`, headers: () => ({ Authorization: `Bearer ${token(user)}`, ...headers }) }),
+      state,
+      transport: new DefaultChatTransport({ api: `${gateway}/api/chat`, headers: () => ({ Authorization: `Bearer ${token(user)}`, ...headers }) }),
       ...init,
     });
   }
@@ -180,4 +184,47 @@ test("missing, forged and expired tokens and a body naming another resource are 
   const r = await post({ ...body, resourceId: `bob-${RUN}` }, { Authorization: `Bearer ${token(`alice-${RUN}`)}` });
   assert.deepEqual([r.status, r.body.error.code], [403, "ownership"]);
   assert.deepEqual((await stored(chatId, `alice-${RUN}`)).body, []);
+});
+
+test("a request that asks for no answer gets an empty stream, and what it brought is stored", async () => {
+  const user = `alice-${RUN}`;
+  const chatId = `quiet-${RUN}`;
+  const transport = new DefaultChatTransport({ api: `${GATEWAY}/api/chat`, headers: { Authorization: `Bearer ${token(user)}` } });
+  const messages = [
+    { id: `quiet-u-${RUN}`, role: "user", parts: [{ type: "text", text: "hi" }] },
+    { id: `quiet-a-${RUN}`, role: "assistant", parts: [{ type: "text", text: "hello, from before" }] },
+  ];
+  const stream = await transport.sendMessages({ chatId, messages, trigger: "submit-message", messageId: undefined, abortSignal: undefined });
+  const chunks = [];
+  for await (const chunk of stream) chunks.push(chunk);
+  assert.deepEqual(chunks.filter((c) => !["start", "finish", "start-step", "finish-step"].includes(c.type)), []);
+  const { body } = await stored(chatId, user);
+  assert.deepEqual(body.map((m) => [m.id, m.role, text(m)]), messages.map((m) => [m.id, m.role, text(m)]));
+});
+
+test("a conversation goes on through another gateway: no instance holds anything of it", async () => {
+  const user = `alice-${RUN}`;
+  const first = new Chat({ id: `across-${RUN}`, user });
+  await first.sendMessage({ text: "one" });
+  assert.equal(first.status, "ready", first.error?.message);
+  const second = new Chat({ id: first.id, user, gateway: SECOND, messages: first.messages });
+  await second.sendMessage({ text: "two" });
+  assert.equal(second.status, "ready", second.error?.message);
+  const { body } = await stored(first.id, user);
+  assert.deepEqual(body.map((m) => text(m)), ["one", "echo: one", "two", "echo: two"]);
+  assert.deepEqual(second.messages.map((m) => m.id), body.map((m) => m.id));
+});
+
+test("with no worker behind it, a request times out saying what it waited for, and one past the in-flight bound is refused", async () => {
+  const user = `alice-${RUN}`;
+  const waiting = new Chat({ id: `unserved-a-${RUN}`, user, gateway: UNSERVED });
+  const sent = waiting.sendMessage({ text: "anyone there?" });
+  await new Promise((r) => setTimeout(r, 1000)); // it waits for a decision now, 3 s at most
+  const more = new Chat({ id: `unserved-b-${RUN}`, user, gateway: UNSERVED });
+  await more.sendMessage({ text: "me too" });
+  assert.equal(rejection(more).code, "busy");
+  await sent;
+  const timeout = rejection(waiting);
+  assert.equal(timeout.code, "timeout");
+  assert.match(timeout.message, /^no decision on request \S+ within 3 s \(MEMFILTER_GATEWAY_OUTCOME_S\): is a worker running on chat-requests-/);
 });
