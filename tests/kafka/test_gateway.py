@@ -54,7 +54,7 @@ def start_gateway(pipeline, name: str, **env: str) -> int:
 def gateways(services):
     """A worker, the echo agent and three gateways on a pipeline of the module's own (two with
     JWT identity, one with header identity), and a JWT gateway on topics no worker reads, that
-    waits 3 s for a decision and lets one request wait at once: their ports, by name."""
+    waits 5 s for a decision and lets one request wait at once: their ports, by name."""
     pipeline, unserved = services.pipeline(), services.pipeline()
     asyncio.run(pipeline.create_topics())
     asyncio.run(unserved.create_topics())
@@ -66,7 +66,7 @@ def gateways(services):
         "jwt": start_gateway(pipeline, "jwt", **jwt, **reply),
         "jwt-2": start_gateway(pipeline, "jwt-2", **jwt, **reply),
         "header": start_gateway(pipeline, "header", MEMFILTER_GATEWAY_AUTH="header", **reply),
-        "unserved": start_gateway(unserved, "unserved", **jwt, MEMFILTER_GATEWAY_OUTCOME_S="3", MEMFILTER_GATEWAY_MAX_IN_FLIGHT="1"),
+        "unserved": start_gateway(unserved, "unserved", **jwt, MEMFILTER_GATEWAY_OUTCOME_S="5", MEMFILTER_GATEWAY_MAX_IN_FLIGHT="1"),
     }
     pipeline.stop_all()
     unserved.stop_all()

@@ -9,7 +9,7 @@ import { AbstractChat, DefaultChatTransport, lastAssistantMessageIsCompleteWithT
 
 const GATEWAY = process.env.GATEWAY_URL;
 const SECOND = process.env.JWT_2_URL; // another gateway on the same topics and Redis
-const UNSERVED = process.env.UNSERVED_URL; // a gateway on topics no worker reads: 3 s for a decision, one request at once
+const UNSERVED = process.env.UNSERVED_URL; // a gateway on topics no worker reads: 5 s for a decision, one request at once
 const KEY = process.env.JWT_KEY;
 const RUN = randomUUID().slice(0, 8);
 
@@ -219,12 +219,14 @@ test("with no worker behind it, a request times out saying what it waited for, a
   const user = `alice-${RUN}`;
   const waiting = new Chat({ id: `unserved-a-${RUN}`, user, gateway: UNSERVED });
   const sent = waiting.sendMessage({ text: "anyone there?" });
-  await new Promise((r) => setTimeout(r, 1000)); // it waits for a decision now, 3 s at most
+  for (let i = 0; i < 100 && !(await (await fetch(`${UNSERVED}/metrics`)).text()).includes("memfilter_gateway_in_flight 1.0"); i++) {
+    await new Promise((r) => setTimeout(r, 20)); // until it waits for a decision (5 s at most)
+  }
   const more = new Chat({ id: `unserved-b-${RUN}`, user, gateway: UNSERVED });
   await more.sendMessage({ text: "me too" });
   assert.equal(rejection(more).code, "busy");
   await sent;
   const timeout = rejection(waiting);
   assert.equal(timeout.code, "timeout");
-  assert.match(timeout.message, /^no decision on request \S+ within 3 s \(MEMFILTER_GATEWAY_OUTCOME_S\): is a worker running on chat-requests-/);
+  assert.match(timeout.message, /^no decision on request \S+ within 5 s \(MEMFILTER_GATEWAY_OUTCOME_S\): is a worker running on chat-requests-/);
 });
