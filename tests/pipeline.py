@@ -26,7 +26,6 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
 
-from memfilter.core.filtered import whole_messages
 from memfilter.settings import Topics
 from memfilter.store.history import HistoryStore
 from memfilter.store.redis_driver import connect
@@ -177,12 +176,6 @@ class Pipeline:
     def store(self) -> tuple[aioredis.Redis, HistoryStore]:
         client = connect(self.redis_url)
         return client, HistoryStore(client, self.prefix)
-
-
-def whole(event: dict) -> dict:
-    """A filtered input's JSON with its messages whole, whichever its format (format 2 refers
-    into the context: `memfilter.core.filtered`)."""
-    return {**event, "messages": whole_messages(event["messages"], event["context"])}
 
 
 async def publish(bootstrap: str, topic: str, records: Iterable[tuple]) -> int:

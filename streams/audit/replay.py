@@ -44,7 +44,7 @@ import msgspec
 
 from memfilter.audit.recorded import Progress, Recorded, ThreadLog, read_topic
 from memfilter.core.filter import Policy
-from memfilter.core.filtered import BadReference, whole_messages
+from memfilter.core.filtered import BadReference, whole
 from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import ELSEWHERE_HEADER, VERSION_HEADER, Processor
 from memfilter.runtime.records import Record
@@ -289,8 +289,8 @@ def _compare(outs, topics: Topics, filtered: bytes, persist: bytes | None) -> li
     if got_filtered is None:
         error = next((dict(o.headers).get("error.type", b"").decode() for o in outs if o.topic == topics.dlq), "?")
         return [f"recorded: a filtered input; replayed: rejected ({error})"]
-    try:
-        diff = _json_diff("filtered", _whole(msgspec.json.decode(filtered)), _whole(msgspec.json.decode(got_filtered)))
+    try:  # the two formats are one decision written two ways
+        diff = _json_diff("filtered", whole(msgspec.json.decode(filtered)), whole(msgspec.json.decode(got_filtered)))
     except BadReference as e:
         return [f"recorded: a filtered input whose {e}"]
     if (persist is None) != (got_persist is None):
@@ -298,14 +298,6 @@ def _compare(outs, topics: Topics, filtered: bytes, persist: bytes | None) -> li
     elif persist is not None:
         diff += _json_diff("persist", msgspec.json.decode(persist), msgspec.json.decode(got_persist))
     return diff
-
-
-def _whole(filtered: dict) -> dict:
-    """A filtered input in format 1: a decision recorded in one format is the same as the
-    replay's in the other (`memfilter.core.filtered`)."""
-    whole = {k: v for k, v in filtered.items() if k != "format"}
-    whole["messages"] = whole_messages(filtered["messages"], filtered["context"])
-    return whole
 
 
 def _json_diff(path: str, recorded, replayed, limit: int = 20) -> list[str]:

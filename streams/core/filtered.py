@@ -7,8 +7,9 @@ once, there, and in `messages` a JSON Reference to it (`{"$ref": "#/context/7"}`
 the record `"format": 2`. A message the context holds in another form (a row saved without
 its streaming tool calls) stays whole. The context is the same in both formats, so a consumer
 that reads only the context (an agent runner calling a model) reads either; one that reads
-`messages` takes them through `whole_messages`, or decodes the record with `decode_whole`
-(the Python client and the agent runner do).
+`messages` takes them through `whole_messages` (`whole` for a decoded JSON value, as replay
+compares them), or decodes the record with `decode_whole` (the Python client and the agent
+runner do).
 
 Pure functions, on the decision's own objects: a message is referenced only where the context
 holds that very object.
@@ -42,6 +43,13 @@ def compact(messages: list[Any], context: list[Any]) -> list[Any]:
 def whole_messages(messages: list[Any], context: list[Any]) -> list[Any]:
     """A filtered input's `messages` whole, from either format (format 1 comes back as it is)."""
     return [_resolved(m, context) if _is_reference(m) else m for m in messages]
+
+
+def whole(filtered: dict[str, Any]) -> dict[str, Any]:
+    """A filtered input's JSON in format 1, from either format: its messages whole, no `format`."""
+    one = {k: v for k, v in filtered.items() if k != "format"}
+    one["messages"] = whole_messages(filtered["messages"], filtered["context"])
+    return one
 
 
 _DECODER = msgspec.json.Decoder(FilteredInput)

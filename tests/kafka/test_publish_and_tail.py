@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pipeline import REPO, read, whole
+from pipeline import REPO, read
+
+from memfilter.core.filtered import whole
 
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
 

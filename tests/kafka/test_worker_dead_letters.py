@@ -10,8 +10,9 @@ import random
 import msgspec
 import pytest
 from factories import T0, msg
-from pipeline import Pipeline, header, publish, read, whole
+from pipeline import Pipeline, header, publish, read
 
+from memfilter.core.filtered import whole
 from memfilter.store.history import Save
 
 pytestmark = pytest.mark.xdist_group("dead-letters")  # the module's workers and records are shared (`--dist loadgroup`)

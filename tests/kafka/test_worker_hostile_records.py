@@ -15,10 +15,11 @@ import json
 import pytest
 from aiokafka.partitioner import murmur2
 from factories import T0, msg
-from pipeline import Pipeline, dump, header, publish, read, whole
+from pipeline import Pipeline, dump, header, publish, read
 from redis.crc import key_slot
 
 from memfilter.core import origin
+from memfilter.core.filtered import whole
 
 pytestmark = pytest.mark.xdist_group("hostile-records")  # the module's workers and records are shared (`--dist loadgroup`)
 

@@ -18,7 +18,9 @@ from collections import defaultdict
 
 import pytest
 from factories import T0
-from pipeline import Collector, Pipeline, free_port, publish, whole
+from pipeline import Collector, Pipeline, free_port, publish
+
+from memfilter.core.filtered import whole
 
 THREADS, TURNS = 1000, 10
 

@@ -31,6 +31,7 @@ from memfilter.settings import Topics
 from memfilter.store.history import HistoryStore
 
 TOPICS = Topics()
+GENERATED = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 THREADS = ("ta", "tb")  # ta belongs to resource A (its first save is the processor's), tb to B
 
 
@@ -109,7 +110,7 @@ async def rebuilt(redis_url: str, entries: list[tuple[Record, bool]]) -> tuple[t
         await client.aclose()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@GENERATED
 @given(entries=logs())
 def test_any_log_rebuilds_the_same_history_twice_and_no_resource_takes_anothers_thread(redis_url, entries):
     (applied, refused), history = asyncio.run(rebuilt(redis_url, entries))
@@ -188,7 +189,7 @@ async def replayed(redis_url: str, requests: list[Record], outcomes: list[Record
         await client.aclose()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@GENERATED
 @given(recorded=topics())
 def test_any_recorded_topics_replay_to_a_report_the_same_twice(redis_url, recorded):
     report = asyncio.run(replayed(redis_url, *recorded))

@@ -22,9 +22,11 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from factories import T0
-from pipeline import Collector, Pipeline, dump, publish, whole
+from pipeline import Collector, Pipeline, dump, publish
 from redis.crc import key_slot
 from stacks import cluster_env, memfilter
+
+from memfilter.core.filtered import whole
 
 pytestmark = [
     pytest.mark.replicated,

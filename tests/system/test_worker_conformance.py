@@ -21,11 +21,12 @@ from collections import defaultdict
 import msgspec
 import pytest
 from factories import CASES
-from pipeline import Pipeline, header, publish, read, whole
+from pipeline import Pipeline, header, publish, read
 from stacks import BACKEND
 
 from memfilter.core.explain import explain
 from memfilter.core.filter import HISTORY_MESSAGES, parse_ms
+from memfilter.core.filtered import whole
 from memfilter.store.history import Save
 
 pytestmark = pytest.mark.containers
