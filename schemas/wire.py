@@ -261,10 +261,39 @@ class PersistMessagesOf(Struct, Generic[M], omit_defaults=True):
 PersistMessages = PersistMessagesOf[MessageDict]
 
 
+class ReplyChunk(Struct):
+    """A value on `reply-streams`: one chunk of a reply as the agent runner makes it, keyed by
+    thread, for the gateway to relay to the browser (`memfilter.core.reply_stream`).
+
+    Not part of the history: the saved reply goes through `persist-messages`, exactly once,
+    and equals what its chunks add up to. `attempt` names one run of the model for the
+    request: a runner that takes an input up again (its last owner died mid-reply) begins a
+    new attempt, from a `start` chunk.
+    """
+
+    requestId: str  # the filtered input's
+    threadId: str
+    resourceId: str
+    attempt: str
+    chunk: dict[str, Any]  # a UI message stream chunk (the `ai` package's uiMessageChunkSchema)
+
+
+class StopReply(Struct, omit_defaults=True):
+    """A value on `reply-stops`, keyed by thread: a client's stop of the reply being made in
+    its thread (the gateway's `POST /api/chat/{id}/stop`). The runner making it ends the model
+    call and saves what was made, with finish reason `interrupted`."""
+
+    threadId: str
+    resourceId: str
+    requestId: str = ""  # the reply's request, when known: another request's reply is not stopped
+
+
 TOPIC_VALUES: dict[str, type] = {
     "chat-requests": ChatRequest,
     "filtered-inputs": FilteredInput,
     "persist-messages": PersistMessages,
+    "reply-streams": ReplyChunk,
+    "reply-stops": StopReply,
 }
 
 

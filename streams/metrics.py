@@ -94,6 +94,8 @@ class AgentMetrics(LoopMetrics):
         self.inputs = Counter("memfilter_agent_inputs", "Filtered inputs handled, by result", ["result"], registry=r)
         self.outputs = Counter("memfilter_agent_outputs", "Records committed, by kind", ["kind"], registry=r)
         self.model_seconds = Histogram("memfilter_agent_model_seconds", "One model call", buckets=_LATENCY_BUCKETS, registry=r)
+        self.finishes = Counter("memfilter_agent_replies", "Replies saved, by finish reason", ["finish"], registry=r)
+        self.tokens = Counter("memfilter_agent_tokens", "Tokens the model reported, input and output", ["kind"], registry=r)
 
 
 class GatewayMetrics(_Registry):

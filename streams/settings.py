@@ -35,6 +35,9 @@ Seconds = Annotated[float, Meta(gt=0)]
 # kept for retries, and how many of a thread's last requests are retry-checked.
 PROCESSED_TTL_S = 7 * 24 * 3600
 RETRY_WINDOW = 8
+# How long the relay topics (`Topics.relays`) keep a record: long enough to resume any reply
+# still being made (MEMFILTER_GATEWAY_REPLY_S at most), short because they copy message content.
+RELAY_RETENTION_MS = 3600 * 1000
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 _BOOTSTRAP = re.compile(r"^[^\s,:]+:\d{1,5}(,[^\s,:]+:\d{1,5})*$")
@@ -84,17 +87,32 @@ class Redis(
 class Topics(
     msgspec.Struct,
     frozen=True,
-    rename={"requests": "MEMFILTER_TOPIC_REQUESTS", "filtered": "MEMFILTER_TOPIC_FILTERED", "persist": "MEMFILTER_TOPIC_PERSIST", "dlq": "MEMFILTER_TOPIC_DLQ"},
+    rename={
+        "requests": "MEMFILTER_TOPIC_REQUESTS",
+        "filtered": "MEMFILTER_TOPIC_FILTERED",
+        "persist": "MEMFILTER_TOPIC_PERSIST",
+        "dlq": "MEMFILTER_TOPIC_DLQ",
+        "streams": "MEMFILTER_TOPIC_STREAMS",
+        "stops": "MEMFILTER_TOPIC_STOPS",
+    },
 ):
-    """The product's four topics (docs/contracts: what each carries)."""
+    """The product's topics (docs/contracts: what each carries). The first four hold the
+    history's inputs and decisions; `streams` (replies as they are made) and `stops` (a
+    client's stop of a reply) are short-lived relays, outside the exactly-once history."""
 
     requests: str = "chat-requests"
     filtered: str = "filtered-inputs"
     persist: str = "persist-messages"
     dlq: str = "chat-requests-dlq"
+    streams: str = "reply-streams"
+    stops: str = "reply-stops"
 
-    def all(self) -> tuple[str, str, str, str]:
-        return self.requests, self.filtered, self.persist, self.dlq
+    def all(self) -> tuple[str, ...]:
+        return self.requests, self.filtered, self.persist, self.dlq, self.streams, self.stops
+
+    def relays(self) -> tuple[str, str]:
+        """The short-lived topics, kept for RELAY_RETENTION_MS (the others are kept for ever)."""
+        return self.streams, self.stops
 
 
 class Decisions(
@@ -154,6 +172,13 @@ class Agent(
         "web_port": "MEMFILTER_AGENT_WEB_PORT",
         "openai_api_key": "OPENAI_API_KEY",
         "start": "MEMFILTER_AGENT_START",
+        "system": "MEMFILTER_AGENT_SYSTEM",
+        "tools": "MEMFILTER_AGENT_TOOLS",
+        "temperature": "MEMFILTER_AGENT_TEMPERATURE",
+        "top_p": "MEMFILTER_AGENT_TOP_P",
+        "max_output_tokens": "MEMFILTER_AGENT_MAX_OUTPUT_TOKENS",
+        "seed": "MEMFILTER_AGENT_SEED",
+        "stop_sequences": "MEMFILTER_AGENT_STOP_SEQUENCES",
     },
 ):
     """`memfilter agent`, the reference agent runner."""
@@ -167,6 +192,14 @@ class Agent(
     # where a new group (no committed offsets) starts on filtered-inputs: `latest` answers only
     # what comes after it starts, `earliest` the whole backlog (every old input, with a paid model)
     start: Literal["latest", "earliest"] = "latest"
+    # what the model is called with (`openai`; None: the endpoint's default, not sent)
+    system: str = ""  # a system prompt put first, before the context's own system messages
+    tools: str = ""  # a JSON file of tools the model may call (docs/agent.md: Tools)
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    max_output_tokens: Positive | None = None
+    seed: int | None = None
+    stop_sequences: str = ""  # sequences that end the reply, separated by `|`
 
 
 class Gateway(

@@ -66,6 +66,7 @@ class Settings:
     brokers: int = 1
     redis_cluster: bool = False
     topics: tuple[str, ...] = product_settings.Topics().all()  # the product's topics, as the settings name them
+    relays: tuple[str, ...] = product_settings.Topics().relays()  # of which those kept for RELAY_RETENTION_MS only
 
     @classmethod
     def of(cls, s: product_settings.Settings, partitions: int | None = None, brokers: int = 1, redis_cluster: bool = False) -> Settings:
@@ -80,6 +81,7 @@ class Settings:
             brokers,
             redis_cluster,
             s.topics.all(),
+            s.topics.relays(),
         )
 
     @property
@@ -124,7 +126,7 @@ class Running:
     def settings(self, s: Settings) -> Settings:
         """`s` with this stack's ports and shape."""
         return Settings(
-            s.dir, self.kafka_port, self.controller_port, self.redis_port, s.partitions, s.maven_settings, self.brokers, self.redis_cluster, s.topics
+            s.dir, self.kafka_port, self.controller_port, self.redis_port, s.partitions, s.maven_settings, self.brokers, self.redis_cluster, s.topics, s.relays
         )
 
     def exports(self, s: Settings, secret: str) -> str:
@@ -445,6 +447,12 @@ async def broker_answers(bootstrap: str, timeout: float) -> bool:
         quiet.setLevel(level)
 
 
+def topic_configs(relay: bool) -> dict[str, str]:
+    """A topic's settings: the relay topics keep a record for RELAY_RETENTION_MS; the others,
+    as the broker's `log.retention.ms=-1`, for ever."""
+    return {"retention.ms": str(product_settings.RELAY_RETENTION_MS)} if relay else {}
+
+
 async def _create_topics(s: Settings, deadline: float) -> None:
     """Create the topics that are missing; refuse a partition count other than the existing."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -456,7 +464,7 @@ async def _create_topics(s: Settings, deadline: float) -> None:
             existing = set(await admin.list_topics()) & set(s.topics)
             counts = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(sorted(existing))} if existing else {}
             partitions = s.partitions or next(iter(counts.values()), DEFAULT_PARTITIONS)
-            missing = [NewTopic(t, partitions, s.brokers) for t in s.topics if t not in existing]
+            missing = [NewTopic(t, partitions, s.brokers, topic_configs=topic_configs(t in s.relays)) for t in s.topics if t not in existing]
             if not missing:
                 break
             await admin.create_topics(missing)  # refused per topic while brokers are still joining: asked again

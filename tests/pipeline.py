@@ -27,6 +27,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
 
 from memfilter.settings import Topics
+from memfilter.stack import topic_configs
 from memfilter.store.history import HistoryStore
 from memfilter.store.redis_driver import connect
 
@@ -77,7 +78,7 @@ class Pipeline:
 
     @property
     def topics(self) -> Topics:
-        return Topics(*(f"{t}-{self.name}" for t in ("chat-requests", "filtered-inputs", "persist-messages", "dlq")))
+        return Topics(*(f"{t}-{self.name}" for t in ("chat-requests", "filtered-inputs", "persist-messages", "dlq", "reply-streams", "reply-stops")))
 
     @property
     def prefix(self) -> str:
@@ -98,6 +99,8 @@ class Pipeline:
             "MEMFILTER_TOPIC_FILTERED": t.filtered,
             "MEMFILTER_TOPIC_PERSIST": t.persist,
             "MEMFILTER_TOPIC_DLQ": t.dlq,
+            "MEMFILTER_TOPIC_STREAMS": t.streams,
+            "MEMFILTER_TOPIC_STOPS": t.stops,
             "MEMFILTER_DATA_DIR": f"/tmp/memfilter-test-{self.name}",
             "MEMFILTER_SECRET": self.secret.decode(),
             **self.settings,
@@ -109,7 +112,8 @@ class Pipeline:
         await admin.start()
         replicas = min(3, len(self.bootstrap.split(",")))  # each broker of a replicated stack holds a copy
         try:
-            await admin.create_topics([NewTopic(t, self.partitions, replicas) for t in self.topics.all()])
+            relays = self.topics.relays()
+            await admin.create_topics([NewTopic(t, self.partitions, replicas, topic_configs=topic_configs(t in relays)) for t in self.topics.all()])
         finally:
             await admin.close()
 

@@ -38,7 +38,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from memfilter.core.filter import Limits, Rejected, Rejection, decode_request
 from memfilter.core.filtered import decode_whole
 from memfilter.core.replies import reply_event
-from memfilter.schemas.wire import ChatRequest, FilteredInput
+from memfilter.schemas.wire import ChatRequest, FilteredInput, StopReply
 from memfilter.settings import Topics
 
 
@@ -179,6 +179,14 @@ class Client:
         worker applies it, once however often it is sent. Waits until the broker has it."""
         producer = await self._started()
         await (await producer.send(self.topics.persist, reply_event(event, message), key=event.threadId.encode()))
+
+    async def stop_reply(self, thread: str, resource: str, request_id: str = "") -> None:
+        """Ask the runner making the reply in `thread` (to `request_id`, when given) to stop it:
+        a StopReply on the stops topic, keyed by the thread. The reply is saved as it stands,
+        finish reason `interrupted`. Waits until the broker has it."""
+        producer = await self._started()
+        value = msgspec.json.encode(StopReply(thread, resource, request_id))
+        await (await producer.send(self.topics.stops, value, key=thread.encode()))
 
     async def consume(self, group: str, from_beginning: bool = True) -> AsyncIterator[Delivery]:
         """Filtered inputs as a member of consumer group `group` (read_committed: each once),

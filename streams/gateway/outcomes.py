@@ -1,19 +1,28 @@
 """What became of the gateway's requests: one reader per gateway of the topics that say so.
 
 A request published by the gateway is answered by two other services: the worker (a filtered
-input on `filtered-inputs`, or a dead letter) and the agent runner (its reply, saved through
-`persist-messages` as the event `<requestId>/reply`). One consumer per gateway, in no group,
-reads every partition of those three topics from their ends at start (read_committed), and
-hands each record to the requests of the gateway waiting on its thread (the record key):
+input on `filtered-inputs`, or a dead letter) and the agent runner (its reply as it is made,
+chunk by chunk on `reply-streams`, then saved through `persist-messages` as the event
+`<requestId>/reply`). One consumer per gateway, in no group, reads every partition of those
+four topics (read_committed), and hands each record to the requests of the gateway waiting on
+its thread (the record key):
 
 - a decision is matched by where the request landed on `chat-requests` (partition, offset),
   which no other client can claim (`memfilter.client.outcome_of`); a request waits from
   before it is published, so a decision that comes before the publish is acknowledged is
   kept for it;
+- a reply's chunks are matched by their `requestId` and resource, and queued for the request
+  as they come;
 - a reply is matched by its event's `requestId` (`<the request's id>/reply`) in the thread, and must be for the request's resource.
 
-No state outlives a request, and nothing is shared between gateways: each reads the topics
-whole, so any gateway can serve any request.
+It also keeps, for a resume (`GET /api/chat/{id}/stream`), every reply still being made: the
+chunks of each thread's latest stream, from its `start` to its end (`finish`, `error` or
+`abort`), when it is dropped. So that a gateway started while replies are being made can
+resume them, `reply-streams` is read from `since_s` seconds back (the longest a reply is
+waited for); the other topics from their ends.
+
+Nothing is shared between gateways: each reads the topics whole, so any gateway can serve any
+request and resume any reply.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +40,12 @@ from aiokafka.structs import ConsumerRecord
 
 from memfilter.client import Client, outcome_of
 from memfilter.core.filter import Rejection
-from memfilter.schemas.wire import FilteredInput
+from memfilter.schemas.wire import FilteredInput, ReplyChunk
 from memfilter.settings import Topics
 
 log = logging.getLogger("memfilter")
+_CHUNK = msgspec.json.Decoder(ReplyChunk)
+ENDS = frozenset({"finish", "error", "abort"})  # the chunks that end a stream
 
 
 class _Saved(msgspec.Struct):
@@ -58,29 +70,54 @@ class Waiting:
     at: tuple[int, int] | None = None  # where it landed, once published
     decided: asyncio.Future[FilteredInput | Rejection] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     reply: asyncio.Future[dict[str, Any]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    chunks: asyncio.Queue[ReplyChunk] = field(default_factory=asyncio.Queue)  # its reply's, as they come
     early: list[ConsumerRecord] = field(default_factory=list)  # decisions on its thread before `at` was known
 
 
+@dataclass(eq=False)
+class Live:
+    """A reply being made: its chunks so far, and the resumes following it."""
+
+    request_id: str
+    resource: str
+    attempt: str
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    followers: list[asyncio.Queue[dict[str, Any] | None]] = field(default_factory=list)  # None: the stream was replaced
+
+    def follow(self) -> tuple[list[dict[str, Any]], asyncio.Queue[dict[str, Any] | None]]:
+        """The chunks so far, and a queue of those to come."""
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.followers.append(queue)
+        return list(self.chunks), queue
+
+
 class Outcomes:
-    def __init__(self, bootstrap: str, topics: Topics):
+    def __init__(self, bootstrap: str, topics: Topics, since_s: float):
         self.bootstrap = bootstrap
         self.topics = topics
+        self.since_s = since_s
         self._waiting: dict[bytes, list[Waiting]] = {}  # thread (record key) -> its requests waiting here
+        self._live: dict[bytes, Live] = {}  # thread -> the reply being made in it
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task | None = None
 
     async def start(self, client: Client) -> None:
         """Read from the topics' ends as of now (`client` says what partitions they have)."""
-        topics = (self.topics.filtered, self.topics.dlq, self.topics.persist)
+        topics = (self.topics.filtered, self.topics.dlq, self.topics.persist, self.topics.streams)
         tps = [TopicPartition(t, p) for t in topics for p in await client.partitions(t)]
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=50, group_id=None
+            bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=20, group_id=None
         )
         await consumer.start()
         consumer.assign(tps)
         await consumer.seek_to_end(*tps)
         for tp in tps:  # the ends as of now: every record after is read
             await consumer.position(tp)
+        streams = [tp for tp in tps if tp.topic == self.topics.streams]
+        since = int((time.time() - self.since_s) * 1000)
+        for tp, found in (await consumer.offsets_for_times({tp: since for tp in streams})).items():
+            if found is not None:  # replies begun in the last `since_s` seconds: resumable here too
+                consumer.seek(tp, found.offset)
         self._consumer = consumer
         self._task = asyncio.create_task(self._run())
 
@@ -128,6 +165,9 @@ class Outcomes:
                 continue
             for records in batch.values():
                 for record in records:
+                    if record.topic == self.topics.streams:
+                        self._chunk(record)
+                        continue
                     for w in self._waiting.get(record.key, ()) if record.key is not None else ():
                         if record.topic == self.topics.persist:
                             self._saved(w, record)
@@ -135,6 +175,36 @@ class Outcomes:
                             w.early.append(record)
                         else:
                             self._decision(w, record)
+
+    def live(self, thread: str) -> Live | None:
+        """The reply being made in `thread`, if any."""
+        return self._live.get(thread.encode())
+
+    def _chunk(self, record: ConsumerRecord) -> None:
+        if record.key is None:
+            return
+        try:
+            c = _CHUNK.decode(record.value)
+        except (msgspec.DecodeError, TypeError):
+            return
+        if c.threadId.encode() != record.key:
+            return
+        for w in self._waiting.get(record.key, ()):
+            if w.request_id == c.requestId and w.resource == c.resourceId:
+                w.chunks.put_nowait(c)
+        live = self._live.get(record.key)
+        if c.chunk.get("type") == "start":
+            if live is not None:  # replaced: its runner died, or it never ended
+                for q in live.followers:
+                    q.put_nowait(None)
+            live = self._live[record.key] = Live(c.requestId, c.resourceId, c.attempt)
+        elif live is None or (live.request_id, live.resource, live.attempt) != (c.requestId, c.resourceId, c.attempt):
+            return  # a stream begun before this gateway's window, or a stale attempt's
+        live.chunks.append(c.chunk)
+        for q in live.followers:
+            q.put_nowait(c.chunk)
+        if c.chunk.get("type") in ENDS:
+            del self._live[record.key]
 
     def _decision(self, w: Waiting, record: ConsumerRecord) -> None:
         found = outcome_of(record, self.topics)

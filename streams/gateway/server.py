@@ -4,14 +4,26 @@
   `trigger`, `messageId`; other body fields are ignored) and publishes it as a ChatRequest for
   the caller's resource (`memfilter.gateway.identity`), with `requestId` from the
   `Idempotency-Key` header when given, else a fresh one. It waits for the worker's decision
-  and then, if the request asks for an answer, for the agent's reply, published and applied to the
-  thread (so a reload right after shows it), and answers in the
-  UI message stream protocol (`memfilter.core.ui_stream`) with the stored message id; a
-  request that asks for no answer (a tool result the model does not need yet) gets an empty
-  stream. A rejection is an HTTP error whose JSON body names it: `{"error": {"code", "message"}}`
-  (`STATUS` maps each reason code to a status). Every wait is bounded
-  (MEMFILTER_GATEWAY_OUTCOME_S, MEMFILTER_GATEWAY_REPLY_S) and a timeout (504) says what it
-  waited for; at most MEMFILTER_GATEWAY_MAX_IN_FLIGHT requests wait at once (more: 503).
+  and then, if the request asks for an answer, relays the agent's reply as the runner makes
+  it, in the UI message stream protocol (`memfilter.core.ui_stream`): the chunks the runner
+  streams on `reply-streams`, as they come, with the stored message id. The stream's `finish`
+  is held until the reply is saved and applied to the thread (so a reload right after shows
+  it). A reply saved by a runner that does not stream (`Client.reply`) is sent whole once
+  saved. A request that asks for no answer (a tool result the model does not need yet) gets an
+  empty stream. A rejection is an HTTP error whose JSON body names it: `{"error": {"code",
+  "message"}}` (`STATUS` maps each reason code to a status). Every wait is bounded
+  (MEMFILTER_GATEWAY_OUTCOME_S, MEMFILTER_GATEWAY_REPLY_S) and a timeout says what it waited
+  for (504, or an `error` chunk once the stream has begun); at most
+  MEMFILTER_GATEWAY_MAX_IN_FLIGHT requests wait at once (more: 503). A client that
+  disconnects does not stop the reply: it is made and saved, and a resume finds it.
+- `GET /api/chat/{id}/stream` (the AI SDK's `resumeStream`): the reply being made in the
+  thread, replayed from its first chunk and followed to its end, from any gateway; 204 when
+  none is (what the AI SDK's transport takes for "nothing to resume"). The thread's owner only.
+- `POST /api/chat/{id}/stop`: stops the reply being made in the thread (a StopReply on
+  `reply-stops`): the runner ends the model call and saves what was made, finish reason
+  `interrupted`. An abort of the fetch cannot be told from a dropped connection, so it stops
+  nothing: a client stops with this (the chat page calls it with `chat.stop()`). 202; the
+  thread's owner only.
 - `GET /api/threads/{id}/messages`: the stored conversation as UI messages (what `useChat`'s
   `messages` should be on page load), for the thread's owner only; `[]` for a thread not
   stored yet.
@@ -44,7 +56,7 @@ from memfilter.core.replies import wants_reply
 from memfilter.core.ui import to_ui
 from memfilter.core.ui_stream import DONE, HEADERS, chunks, event
 from memfilter.gateway.identity import Unauthenticated, resource_of
-from memfilter.gateway.outcomes import Outcomes
+from memfilter.gateway.outcomes import ENDS, Outcomes, Waiting
 from memfilter.metrics import GatewayMetrics
 from memfilter.runtime.records import MAX_RECORD_BYTES
 from memfilter.settings import Settings
@@ -77,6 +89,51 @@ def stream(reply: dict[str, Any] | None) -> web.Response:
     return web.Response(body=body + DONE, headers=HEADERS)
 
 
+def _first(w: Waiting, deadline: float) -> Any:
+    """The first of a reply's chunks (a ReplyChunk) or its saved message (a runner that does
+    not stream), whichever comes first; None at `deadline`."""
+
+    async def first() -> Any:
+        chunk: asyncio.Future[Any] = asyncio.ensure_future(w.chunks.get())
+        reply: asyncio.Future[Any] = w.reply
+        try:
+            await asyncio.wait({chunk, reply}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not chunk.done():
+                chunk.cancel()
+        if chunk.done() and not chunk.cancelled():
+            return chunk.result()
+        return w.reply.result() if w.reply.done() else None
+
+    return first()
+
+
+def _chunks_of(w: Waiting, attempt: str):
+    """The next chunk of a request's reply, of one attempt: "restarted" once another begins."""
+
+    async def more() -> dict[str, Any] | str:
+        while True:
+            c = await w.chunks.get()
+            if c.attempt == attempt:
+                return c.chunk
+            if c.chunk.get("type") == "start":
+                return "restarted"
+
+    return more
+
+
+async def _saved(w: Waiting, deadline: float) -> dict[str, Any] | None:
+    """The reply as its runner saved it, once on `persist-messages`; None at `deadline`."""
+    return await _before(asyncio.shield(w.reply), deadline)
+
+
+async def _before(waited: Any, deadline: float) -> Any:
+    try:
+        return await asyncio.wait_for(waited, max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        return None
+
+
 class Gateway:
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -84,7 +141,7 @@ class Gateway:
         self.identify = resource_of(settings.gateway)
         self.metrics = GatewayMetrics()
         self.client = Client(settings.kafka.bootstrap, settings.topics, settings.policy.limits)
-        self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics)
+        self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics, since_s=settings.gateway.reply_s)
         self.redis = connect(settings.redis.url)
         self.store = HistoryStore(self.redis, settings.redis.prefix)
         self.in_flight = 0
@@ -94,6 +151,8 @@ class Gateway:
         app.router.add_get("/", self.page)
         app.router.add_get("/chat.js", self.page_script)
         app.router.add_post("/api/chat", self.chat)
+        app.router.add_get("/api/chat/{thread}/stream", self.resume)
+        app.router.add_post("/api/chat/{thread}/stop", self.stop)
         app.router.add_get("/api/threads/{thread}/messages", self.messages)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -110,7 +169,7 @@ class Gateway:
         await self.client.__aexit__()
         await self.redis.aclose()
 
-    async def chat(self, request: web.Request) -> web.Response:
+    async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
             resource = self.identify(request.headers)
         except Unauthenticated as e:
@@ -129,7 +188,7 @@ class Gateway:
         self.metrics.requests.labels(outcome).inc()
         return response
 
-    async def _chat(self, request: web.Request, resource: str) -> tuple[web.Response, str]:
+    async def _chat(self, request: web.Request, resource: str) -> tuple[web.StreamResponse, str]:
         try:
             body = msgspec.json.decode(await request.read())
         except msgspec.DecodeError as e:
@@ -166,34 +225,79 @@ class Gateway:
                 return error(STATUS.get(decided.type, 422), decided.type, decided.message), decided.type
             if not wants_reply(decided.context):
                 return stream(None), "no-reply"
-            try:
-                reply = await asyncio.wait_for(asyncio.shield(waiting.reply), g.reply_s)
-            except TimeoutError:
-                message = (
-                    f"request {request_id} was saved, but no reply within {g.reply_s:g} s (MEMFILTER_GATEWAY_REPLY_S): "
-                    f"is an agent runner running on {self.settings.topics.filtered}?"
-                )
-                return error(504, "timeout", message), "timeout"
-            if not await self._stored(reply, thread, started + g.reply_s):
-                message = f"the reply to request {request_id} was published but not stored within {g.reply_s:g} s (MEMFILTER_GATEWAY_REPLY_S): see the dead-letter topic {self.settings.topics.dlq}"
-                return error(504, "timeout", message), "timeout"
+            return await self._relay(request, waiting, started)
+
+    async def _relay(self, request: web.Request, w: Waiting, started: float) -> tuple[web.StreamResponse, str]:
+        """The reply to a decided request, relayed as it is made (see the module's header)."""
+        g, deadline = self.gateway, started + self.gateway.reply_s
+        first = await _first(w, deadline)
+        waited_for = (
+            f"request {w.request_id} was saved, but no reply within {g.reply_s:g} s (MEMFILTER_GATEWAY_REPLY_S): "
+            f"is an agent runner running on {self.settings.topics.filtered}?"
+        )
+        if first is None:
+            return error(504, "timeout", waited_for), "timeout"
+        if isinstance(first, dict):  # a runner that does not stream: the reply, whole, once stored
+            if not await self._stored(first, w.thread, deadline):
+                return error(504, "timeout", self._not_stored(w)), "timeout"
             self.metrics.wait.labels("reply").observe(time.monotonic() - started)
-            return stream(reply), "answered"
+            return stream(first), "answered"
+        response = web.StreamResponse(headers=HEADERS)
+        await response.prepare(request)
+        outcome = await self._follow(response, w.thread, [first.chunk], _chunks_of(w, first.attempt), lambda: _saved(w, deadline), deadline)
+        if outcome == "answered":
+            self.metrics.wait.labels("reply").observe(time.monotonic() - started)
+        return response, outcome
+
+    async def _follow(self, response, thread, so_far, more, saved, deadline) -> str:
+        """Write a reply's chunks to `response` as they come (`so_far`, then from `more`), holding
+        its `finish` until the reply is stored; the outcome, for the metrics."""
+        pending = list(so_far)
+        try:
+            while True:
+                chunk = pending.pop(0) if pending else await _before(more(), deadline)
+                if chunk is None or chunk == "restarted":
+                    why = (
+                        "the agent runner began this reply again (its last owner stopped); resume or reload to see it"
+                        if chunk == "restarted"
+                        else f"the reply did not end within {self.gateway.reply_s:g} s (MEMFILTER_GATEWAY_REPLY_S)"
+                    )
+                    await response.write(event({"type": "error", "errorText": why}) + DONE)
+                    return "restarted" if chunk == "restarted" else "timeout"
+                if chunk.get("type") == "finish":
+                    message = await saved()
+                    if message is None or not await self._stored(message, thread, deadline):
+                        await response.write(
+                            event({"type": "error", "errorText": f"the reply was made but not stored in time: see {self.settings.topics.dlq}"}) + DONE
+                        )
+                        return "timeout"
+                await response.write(event(chunk))
+                if chunk.get("type") in ENDS:
+                    await response.write(DONE)
+                    return "answered" if chunk.get("type") == "finish" else "error"
+        except ConnectionResetError:  # the client went away; the reply goes on, and a resume finds it
+            return "disconnected"
+
+    def _not_stored(self, w: Waiting) -> str:
+        g = self.gateway
+        return f"the reply to request {w.request_id} was published but not stored within {g.reply_s:g} s (MEMFILTER_GATEWAY_REPLY_S): see the dead-letter topic {self.settings.topics.dlq}"
 
     async def _stored(self, reply: dict[str, Any], thread: str, deadline: float) -> bool:
-        """Wait until the worker has applied the reply (its id is stored in the thread), so that a
+        """Wait until the worker has applied the reply (its row is stored as saved), so that a
         reload right after the answer shows it; False at `deadline`."""
         pause = 0.005
         while True:
-            held, _ = await self.store.owners([reply["id"]])
-            if reply["id"] in held:
+            row = await self.store.row(thread, reply["id"])
+            if row is not None and json.loads(row) == reply:
                 return True
             if time.monotonic() + pause > deadline:
                 return False
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.1)
 
-    async def messages(self, request: web.Request) -> web.Response:
+    async def _owned(self, request: web.Request) -> tuple[str, str] | web.Response:
+        """The caller and the thread of a thread's route, or the answer that refuses them:
+        401 without identity, 403 for a thread of another resource."""
         try:
             resource = self.identify(request.headers)
         except Unauthenticated as e:
@@ -201,10 +305,52 @@ class Gateway:
         thread = request.match_info["thread"]
         _, owners = await self.store.owners([], [thread])
         owner = owners.get(thread)
-        if owner is None:
-            return web.json_response([])
-        if owner != resource:
-            return error(403, "ownership", f"thread {thread} belongs to another resource; {resource!r} may not read it")
+        if owner is not None and owner != resource:
+            return error(403, "ownership", f"thread {thread} belongs to another resource; {resource!r} may not use it")
+        return resource, thread
+
+    async def resume(self, request: web.Request) -> web.StreamResponse:
+        owned = await self._owned(request)
+        if isinstance(owned, web.Response):
+            return owned
+        resource, thread = owned
+        live = self.outcomes.live(thread)
+        if live is None or live.resource != resource:
+            return web.Response(status=204)
+        self.metrics.requests.labels("resumed").inc()
+        with self.outcomes.waiting(thread, resource, live.request_id) as w:
+            so_far, queue = live.follow()
+            response = web.StreamResponse(headers=HEADERS)
+            await response.prepare(request)
+
+            async def more() -> dict[str, Any] | str:
+                chunk = await queue.get()
+                return "restarted" if chunk is None else chunk
+
+            await self._follow(
+                response, thread, so_far, more, lambda: _saved(w, time.monotonic() + self.gateway.reply_s), time.monotonic() + self.gateway.reply_s
+            )
+        return response
+
+    async def stop(self, request: web.Request) -> web.Response:
+        owned = await self._owned(request)
+        if isinstance(owned, web.Response):
+            return owned
+        resource, thread = owned
+        live = self.outcomes.live(thread)
+        request_id = live.request_id if live is not None and live.resource == resource else ""
+        try:
+            await self.client.stop_reply(thread, resource, request_id)
+        except KafkaError as e:
+            return error(503, "unavailable", f"Kafka at {self.settings.kafka.bootstrap} did not take the stop ({type(e).__name__}); try again")
+        self.metrics.requests.labels("stopped").inc()
+        return web.json_response({"threadId": thread, "requestId": request_id or None}, status=202)
+
+    async def messages(self, request: web.Request) -> web.Response:
+        owned = await self._owned(request)
+        if isinstance(owned, web.Response):
+            return owned
+        _, thread = owned
         rows = await self.store.thread_rows(thread)
         return web.json_response([to_ui(json.loads(row)) for row in rows if row is not None])
 

@@ -12,16 +12,24 @@ thread's inputs in order and threads side by side (at most MODEL_CONCURRENCY cal
 then each partition's replies and its offsets are committed in one Kafka transaction. Exactly
 once, as the worker: each partition has its own transactional id, so a runner given a partition
 aborts what its last owner left open and fences it out; a re-delivered input makes the same
-reply (id and createdAt come from the input), and the persister applies a repeated event once.
+reply id, and the persister applies a repeated event once.
+
+A reply streams as it is made: the model yields UI message stream chunks, each relayed at once
+to `reply-streams` (`memfilter.runtime.relay`) for the gateway, and folded into the reply saved
+(`memfilter.core.reply_stream`), so the saved reply is what the chunks add up to. A client's
+stop (`reply-stops`) ends the model call; the reply is saved as it stands, finish reason
+`interrupted`. A model that fails midway: saved as it stands, finish reason `error`. Either
+way a tool call still being streamed is saved as `output-error`, never as a call to answer.
 
 Models (`MEMFILTER_AGENT_BACKEND`):
 - `echo` (default): offline and deterministic (`replies.echo_reply`);
 - `openai`: any OpenAI-compatible chat-completions endpoint through the official `openai`
-  package (`MEMFILTER_AGENT_BASE_URL`, `MEMFILTER_AGENT_MODEL`, `OPENAI_API_KEY`).
+  package, streamed (`memfilter.core.chat_completions`), with the system prompt, tools and
+  sampling settings of `Agent` (docs/agent.md).
 
 No input stops the runner: one that is not a filtered input, that the model refuses (an HTTP
-4xx: too long, say), or that fails in any other way goes to the dead-letter topic with the
-reason (`decode`, `model`, `internal`). A model that does not
+4xx: too long, say), or that fails in any other way before its reply begins goes to the
+dead-letter topic with the reason (`decode`, `model`, `internal`). A model that does not
 answer (connection, timeout, 429, 5xx) is retried until it does, as the worker waits for
 Redis: nothing is skipped for an outage.
 
@@ -31,20 +39,26 @@ Web server (as the worker's): `/metrics`, `/healthz`, `/readyz` on MEMFILTER_AGE
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
 
 import faust
 import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from memfilter.core import replies
+from memfilter.core import chat_completions, replies
 from memfilter.core.filter import Rejection
 from memfilter.core.filtered import decode_whole
+from memfilter.core.reply_stream import BadChunk, Reply
+from memfilter.core.ui import to_ui
 from memfilter.metrics import AgentMetrics
 from memfilter.runtime.health import serve_health
 from memfilter.runtime.loop import Batch, Handled, TaskLoop
 from memfilter.runtime.records import Out, Record, dead_letter, internal_error
+from memfilter.runtime.relay import Relay, Streaming
 from memfilter.schemas.wire import FilteredInput
 from memfilter.settings import Agent, Settings
 
@@ -57,14 +71,17 @@ class ModelRefused(Exception):
     """The model will not answer this input (not an outage): it is dead-lettered."""
 
 
-Model = Callable[[FilteredInput], Awaitable[replies.Parts]]
+# A model: the reply to a filtered input (its id given) as UI message stream chunks, ending
+# with `finish` (finish reason, and metadata for the saved reply).
+Model = Callable[[FilteredInput, str], AsyncIterator[dict[str, Any]]]
 
 
-def echo_model(secret: bytes) -> Model:
-    async def answer(event: FilteredInput) -> replies.Parts:
-        return replies.echo_reply(event.context, replies.reply_id(event, secret).replace("-", ""))
+def echo_model(event: FilteredInput, reply_id: str) -> AsyncIterator[dict[str, Any]]:
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
+        for chunk in replies.echo_reply(event.context, reply_id.replace("-", "")):
+            yield chunk
 
-    return answer
+    return chunks()
 
 
 class Health:
@@ -83,18 +100,52 @@ class Health:
 MISCONFIGURED = {401: "OPENAI_API_KEY", 403: "OPENAI_API_KEY", 404: "MEMFILTER_AGENT_MODEL or MEMFILTER_AGENT_BASE_URL"}
 
 
+class ToolsFileError(ValueError):
+    """MEMFILTER_AGENT_TOOLS names a file that is not a list of tools; the message says why."""
+
+
+def read_tools(path: str) -> list[dict[str, Any]]:
+    """The tools of MEMFILTER_AGENT_TOOLS: a JSON list of {name, description, inputSchema}
+    (or `parameters`, as OpenAI names it), as chat-completions functions."""
+    if not path:
+        return []
+    try:
+        declared = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ToolsFileError(f"MEMFILTER_AGENT_TOOLS={path!r} cannot be read as JSON: {e}") from None
+    if not isinstance(declared, list):
+        raise ToolsFileError(f"MEMFILTER_AGENT_TOOLS={path!r} is not a JSON list of tools")
+    tools = []
+    for i, tool in enumerate(declared):
+        schema = tool.get("inputSchema", tool.get("parameters", {"type": "object", "properties": {}})) if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not isinstance(schema, dict):
+            raise ToolsFileError(f"MEMFILTER_AGENT_TOOLS={path!r}: tool {i} needs a name and a JSON Schema object as inputSchema")
+        tools.append({"name": tool["name"], "description": str(tool.get("description", "")), "parameters": schema})
+    return tools
+
+
 def openai_model(agent: Agent, health: Health) -> Model:
     import openai
 
     client = openai.AsyncOpenAI(api_key=agent.openai_api_key, base_url=agent.base_url, max_retries=0, timeout=60)
+    tools = read_tools(agent.tools)
+    sampling = {
+        "temperature": agent.temperature,
+        "top_p": agent.top_p,
+        "max_completion_tokens": agent.max_output_tokens,
+        "seed": agent.seed,
+        "stop": agent.stop_sequences.split("|") if agent.stop_sequences else None,
+    }
 
-    async def answer(event: FilteredInput) -> replies.Parts:
+    async def opened(event: FilteredInput) -> Any:
+        """The streamed completion, once the endpoint takes the call."""
+        body = chat_completions.request(event.context, agent.model, agent.system, tools, **sampling)
         delay = 0.5
         while True:
             try:
-                completion = await client.chat.completions.create(model=agent.model, messages=replies.chat_messages(event.context))
+                stream = await client.chat.completions.create(**body)
                 health.model_problem = None
-                return replies.chat_reply(completion.choices[0].message)
+                return stream
             except (openai.APIConnectionError, openai.RateLimitError, openai.InternalServerError) as e:  # timeouts too
                 log.warning("model at %s not answering (%s); retrying in %.1fs", agent.base_url, type(e).__name__, delay)
             except openai.APIStatusError as e:
@@ -106,7 +157,26 @@ def openai_model(agent: Agent, health: Health) -> Model:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
 
+    def answer(event: FilteredInput, reply_id: str) -> AsyncIterator[dict[str, Any]]:
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            stream = await opened(event)
+            completion = chat_completions.Completion(reply_id.replace("-", "")[:12])
+            try:
+                async for chunk in stream:
+                    for out in completion.add(chunk.to_dict()):
+                        yield out
+            finally:
+                await stream.close()
+            for out in completion.finish():
+                yield out
+
+        return chunks()
+
     return answer
+
+
+class Stopped(Exception):
+    """A client stopped the reply."""
 
 
 def transactional_id(group: str, partition: int) -> str:
@@ -120,11 +190,12 @@ class AgentHandler:
     stops_on: tuple[type[Exception], ...] = ()
     rejoins_on: tuple[type[Exception], ...] = ()
 
-    def __init__(self, settings: Settings, model: Model, metrics: AgentMetrics):
+    def __init__(self, settings: Settings, model: Model, metrics: AgentMetrics, relay: Relay):
         self.settings = settings
         self.topics = settings.topics
         self.model = model
         self.metrics = metrics
+        self.relay = relay
         self._calls = asyncio.Semaphore(MODEL_CONCURRENCY)
 
     def describe(self) -> str:
@@ -170,10 +241,10 @@ class AgentHandler:
                 if not replies.wants_reply(event.context):
                     self.metrics.inputs.labels("no-reply").inc()
                     continue
-                async with self._calls:
+                async with self._calls, self.relay.streaming(event) as live:
                     with self.metrics.model_seconds.time():
-                        parts = await self.model(event)
-                value = replies.reply_event(event, replies.reply_message(event, parts, r.timestamp, self.settings.secret))
+                        reply = await self._reply(event, live)
+                value = replies.reply_event(event, replies.reply_message(event, reply.ui(), r.timestamp, self.settings.secret))
             except ModelRefused as e:
                 out.append(self._dead(r, Rejection("model", str(e))))
                 continue
@@ -181,8 +252,69 @@ class AgentHandler:
                 out.append(self._dead(r, internal_error(Record.of(r), e)))
                 continue
             self.metrics.inputs.labels("answered").inc()
+            self._count(reply.metadata)
             out.append(Out(self.topics.persist, r.key, value, None))
         return out
+
+    async def _reply(self, event: FilteredInput, live: Streaming) -> Reply:
+        """The model's reply to `event`, each chunk relayed as it comes; cut short by a stop or
+        by a failure midway, it is what was made, closed (see the module's header)."""
+        reply_id, base = replies.continued(event, self.settings.secret)
+        reply = Reply(reply_id, to_ui(base) if base is not None else None)
+        await live.send({"type": "start", "messageId": reply_id})
+        began = False
+
+        async def made() -> None:
+            nonlocal began
+            async for chunk in self.model(event, reply_id):
+                reply.add(chunk)
+                began = True
+                await live.send(chunk)
+
+        making = asyncio.ensure_future(made())
+        stop = asyncio.ensure_future(live.stopped.wait())
+        try:
+            await asyncio.wait({making, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not making.done():
+            making.cancel()
+            await asyncio.gather(making, return_exceptions=True)
+            await self._cut(reply, live, "interrupted", "stopped by the client before the call was complete")
+            return reply
+        try:
+            making.result()
+        except ModelRefused as e:
+            if began:
+                raise
+            await live.send({"type": "error", "errorText": str(e)})
+            raise
+        except (BadChunk, Exception) as e:  # the model failed midway: what it made is saved, marked
+            log.warning("memfilter agent: the model failed midway through request %s's reply: %s", event.requestId, e)
+            await self._cut(reply, live, "error", f"the reply failed: {type(e).__name__}: {str(e)[:300]}")
+        return reply
+
+    async def _cut(self, reply: Reply, live: Streaming, reason: str, why: str) -> None:
+        """Close a reply cut short, and tell the client so."""
+        for chunk in reply.ended(why):
+            await live.send(chunk)
+        metadata: dict[str, Any] = {"finishReason": reason} | ({"error": why} if reason == "error" else {})
+        closing: list[dict[str, Any]]
+        if reason == "error":
+            closing = [{"type": "message-metadata", "messageMetadata": metadata}, {"type": "error", "errorText": why}]
+        else:
+            closing = [{"type": "finish", "finishReason": reason, "messageMetadata": metadata}]
+        for end in closing:
+            reply.add(end)
+            await live.send(end)
+
+    def _count(self, metadata: Any) -> None:
+        metadata = metadata if isinstance(metadata, dict) else {}
+        self.metrics.finishes.labels(str(metadata.get("finishReason", "unknown"))).inc()
+        usage = metadata["usage"] if isinstance(metadata.get("usage"), dict) else {}
+        for kind in ("input", "output"):
+            if isinstance(usage.get(f"{kind}Tokens"), int):
+                self.metrics.tokens.labels(kind).inc(usage[f"{kind}Tokens"])
 
     def _dead(self, r, error: Rejection) -> Out:
         self.metrics.inputs.labels("dead-letter").inc()
@@ -191,15 +323,16 @@ class AgentHandler:
 
 def create_agent_app(settings: Settings) -> faust.App:
     health = Health()
-    model = echo_model(settings.secret) if settings.agent.backend == "echo" else openai_model(settings.agent, health)
+    model = echo_model if settings.agent.backend == "echo" else openai_model(settings.agent, health)
     metrics = AgentMetrics()
     group = settings.agent.group
+    relay = Relay(settings.kafka, settings.topics)
     loop = TaskLoop(
         "agent",
         settings.kafka,
         group,
         [settings.topics.filtered],
-        AgentHandler(settings, model, metrics),
+        AgentHandler(settings, model, metrics, relay),
         metrics,
         lambda task: transactional_id(group, task),
         max_records=500,
@@ -213,5 +346,6 @@ def create_agent_app(settings: Settings) -> faust.App:
         metrics,
         lambda: health.problems() + loop.problems(),
     )
+    app.add_dependency(relay)
     app.add_dependency(loop)
     return app

@@ -496,6 +496,11 @@ class HistoryStore(Keys):
         ids = await self.redis.lrange(order, 0, -1)
         return await self.redis.hmget(rows, ids) if ids else []
 
+    async def row(self, thread: str, message_id: str) -> bytes | None:
+        """One stored row of a thread (superseded or not), by message id."""
+        rows, *_ = self.keys(thread)
+        return await self.redis.hget(rows, message_id)
+
     async def superseded_rows(self, thread: str) -> list[tuple[str, bytes]]:
         """A thread's superseded rows, each with the id of the request that superseded it."""
         rows, *_, superseded = self.keys(thread)

@@ -6,20 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import msgspec
 import pytest
 import redis.asyncio as aioredis
 from factories import SECRET
-from pipeline import WORKER_LOGS, Pipeline, free_port, header, publish, read, wait_for_line
+from fake_openai import FakeOpenAI
+from pipeline import WORKER_LOGS, Pipeline, header, publish, read, wait_for_line
 
 from memfilter.client import Client
 from memfilter.core import replies
+from memfilter.core.reply_stream import Reply
+from memfilter.core.ui import to_stored, to_ui
 from memfilter.schemas.wire import FilteredInput, Source
 from memfilter.store.history import HistoryStore
 
@@ -80,25 +81,49 @@ class TestWhatTheModelIsGiven:
         ]
 
 
+def echoed(context, key="k"):
+    """The echo model's reply to `context`, as its chunks add up."""
+    reply = Reply("m")
+    for chunk in replies.echo_reply(context, key):
+        reply.add(chunk)
+    return reply.ui()
+
+
 class TestTheEchoModel:
-    def test_it_echoes_the_last_user_text(self):
-        assert replies.echo_reply([text("u1", "user", "hello")], "k")[-1] == {"type": "text", "text": "echo: hello"}
+    def test_it_echoes_the_last_user_text_a_word_at_a_time(self):
+        chunks = replies.echo_reply([text("u1", "user", "hello there")], "k")
+        assert [c["delta"] for c in chunks if c["type"] == "text-delta"] == ["echo: ", "hello ", "there"]
+        assert echoed([text("u1", "user", "hello there")])["parts"][-1] == {"type": "text", "text": "echo: hello there", "state": "done"}
 
     def test_a_tool_command_makes_a_pending_client_call(self):
-        [_, part] = replies.echo_reply([text("u1", "user", '/tool pickSeat {"flight": "TP1"}')], "abc")
-        assert part["toolInvocation"] == {"state": "call", "toolCallId": "call_abc", "toolName": "pickSeat", "args": {"flight": "TP1"}}
+        part = echoed([text("u1", "user", '/tool pickSeat {"flight": "TP1"}')], "abc")["parts"][-1]
+        assert part == {"type": "tool-pickSeat", "toolCallId": "call_abc", "state": "input-available", "input": {"flight": "TP1"}}
 
     def test_a_tool_outcome_is_reported(self):
-        [_, part] = replies.echo_reply([text("u1", "user", "x"), tool("a1", "result", result={"seat": "2A"})], "k")
+        part = echoed([text("u1", "user", "x"), tool("a1", "result", result={"seat": "2A"})])["parts"][-1]
         assert part["text"] == 'lookup returned {"seat": "2A"}'
 
 
 class TestTheSavedReply:
     def test_a_redelivered_input_saves_the_same_reply(self):
         event = filtered([text("u1", "user", "hi", createdAt="2026-03-01T10:00:00.000Z")])
-        once = replies.reply_event(event, replies.reply_message(event, [{"type": "text", "text": "a"}], 5, SECRET))
-        again = replies.reply_event(event, replies.reply_message(event, [{"type": "text", "text": "a"}], 5, SECRET))
-        assert once == again
+        ui = {"id": "x", "role": "assistant", "parts": [{"type": "text", "text": "a"}]}
+        assert replies.reply_event(event, replies.reply_message(event, ui, 5, SECRET)) == replies.reply_event(
+            event, replies.reply_message(event, ui, 5, SECRET)
+        )
+
+    def test_a_continuation_after_the_clients_tool_outcome_is_the_same_message_with_a_step_more(self):
+        answered = tool("a1", "result", result={"seat": "2A"}) | {"createdAt": "2026-03-01T10:00:01.000Z"}
+        event = filtered([text("u1", "user", "x"), answered])
+        reply_id, base = replies.continued(event, SECRET)
+        assert (reply_id, base) == ("a1", answered)
+        reply = Reply(reply_id, to_ui(base))
+        for chunk in replies.echo_reply(event.context, "k"):
+            reply.add(chunk)
+        saved = replies.reply_message(event, reply.ui(), 5, SECRET)
+        assert (saved["id"], saved["createdAt"]) == ("a1", "2026-03-01T10:00:01.000Z")
+        assert saved["content"]["parts"][:2] == answered["content"]["parts"]
+        assert [p["type"] for p in saved["content"]["parts"][2:]] == ["step-start", "text"]
 
     def test_its_id_is_the_requests_own_and_unknowable_without_the_secret(self):
         event = filtered([])
@@ -107,7 +132,7 @@ class TestTheSavedReply:
 
     def test_it_follows_everything_in_the_context(self):
         event = filtered([text("u1", "user", "hi", createdAt="2026-03-01T10:00:00.000Z")])
-        assert replies.reply_message(event, [], 0, SECRET)["createdAt"] == "2026-03-01T10:00:00.001Z"
+        assert replies.reply_message(event, {"parts": []}, 0, SECRET)["createdAt"] == "2026-03-01T10:00:00.001Z"
 
     def test_the_event_saves_it_in_the_inputs_thread_for_its_resource(self):
         event = json.loads(replies.reply_event(filtered([], thread="t9"), {"id": "m", "role": "assistant", "content": {"format": 2, "parts": []}}))
@@ -115,102 +140,94 @@ class TestTheSavedReply:
         assert (event["messages"][0]["threadId"], event["messages"][0]["resourceId"]) == ("t9", "r1")
 
 
-class FakeOpenAI:
-    """An OpenAI-compatible chat-completions endpoint on loopback: answers with the text
-    "model says N" (N the number of messages it got); a first request whose last message says
-    "flaky" gets a 500, one that says "refuse" a 400. Keeps what it was sent."""
-
-    def __init__(self):
-        self.received: list[dict] = []
-        self.refuse_key = False  # answer 401, as for a wrong key, while set
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.received.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
-                last = body["messages"][-1].get("content") or ""
-                if fake.refuse_key:
-                    return self.answer(401, {"error": {"message": "Incorrect API key provided", "type": "invalid_request_error"}})
-                if "refuse" in last:
-                    return self.answer(400, {"error": {"message": "context too long", "type": "invalid_request_error"}})
-                if "flaky" in last and sum("flaky" in (r["messages"][-1].get("content") or "") for r in fake.received) == 1:
-                    return self.answer(500, {"error": {"message": "overloaded", "type": "server_error"}})
-                return self.answer(
-                    200,
-                    {
-                        "id": "chatcmpl-1",
-                        "object": "chat.completion",
-                        "created": 0,
-                        "model": body["model"],
-                        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": f"model says {len(body['messages'])}"}}],
-                    },
-                )
-
-            def answer(self, status, value):
-                raw = json.dumps(value).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-
 @pytest.fixture
 def fake_openai():
     fake = FakeOpenAI()
     yield fake
-    fake.server.shutdown()
+    fake.close()
 
 
 def request(thread, request_id, *messages):
     return thread.encode(), json.dumps({"requestId": request_id, "threadId": thread, "resourceId": "r1", "messages": list(messages)}).encode(), None
 
 
-def test_the_openai_backend_answers_with_the_endpoints_reply_retries_an_outage_and_dead_letters_a_refusal(services, fake_openai):
+def test_the_openai_backend_streams_replies_and_saves_what_the_chunks_add_up_to_retries_an_outage_and_dead_letters_a_refusal(services, fake_openai, tmp_path):
+    tools = tmp_path / "tools.json"
+    weather = {"name": "weather", "description": "the weather in a city", "inputSchema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    tools.write_text(json.dumps([weather]))
     pipeline = Pipeline(services.bootstrap, services.redis_url)
     asyncio.run(pipeline.create_topics())
     pipeline.start_worker()
-    pipeline.start_agent(MEMFILTER_AGENT_BACKEND="openai", MEMFILTER_AGENT_BASE_URL=fake_openai.url, MEMFILTER_AGENT_MODEL="m-1", OPENAI_API_KEY="sk-test")
-    ui_user = lambda mid, words: {"id": mid, "role": "user", "parts": [{"type": "text", "text": words}]}  # noqa: E731
+    pipeline.start_agent(
+        MEMFILTER_AGENT_BACKEND="openai",
+        MEMFILTER_AGENT_BASE_URL=fake_openai.url,
+        MEMFILTER_AGENT_MODEL="m-1",
+        OPENAI_API_KEY="sk-test",
+        MEMFILTER_AGENT_SYSTEM="you are terse",
+        MEMFILTER_AGENT_TEMPERATURE="0.2",
+        MEMFILTER_AGENT_MAX_OUTPUT_TOKENS="50",
+        MEMFILTER_AGENT_TOOLS=str(tools),
+    )
+    ui_user = lambda mid, words, *more: {"id": mid, "role": "user", "parts": [{"type": "text", "text": words}, *more]}  # noqa: E731
+    image = {"type": "file", "mediaType": "image/png", "url": "https://example.com/cat.png"}
     t = pipeline.topics
+    asks = {
+        "oa-1": [{"role": "system", "parts": [{"type": "text", "text": "be brief"}], "id": "s"}, ui_user("oa-1-u1", "hello")],
+        "oa-2": [ui_user("oa-2-u1", "flaky")],
+        "oa-3": [ui_user("oa-3-u1", "refuse")],
+        "oa-4": [ui_user("oa-4-u1", 'call weather {"city": "Oslo"}')],
+        "oa-5": [ui_user("oa-5-u1", "fail")],
+        "oa-6": [ui_user("oa-6-u1", "think")],
+        "oa-7": [ui_user("oa-7-u1", "what is this", image)],
+    }
     try:
-        asyncio.run(
-            publish(
-                services.bootstrap,
-                t.requests,
-                [
-                    request("oa-1", "q1", {"role": "system", "parts": [{"type": "text", "text": "be brief"}], "id": "s"}, ui_user("oa-1-u1", "hello")),
-                    request("oa-2", "q2", ui_user("oa-2-u1", "flaky")),
-                    request("oa-3", "q3", ui_user("oa-3-u1", "refuse")),
-                ],
-            )
-        )
+        asyncio.run(publish(services.bootstrap, t.requests, [request(thread, f"q-{thread}", *messages) for thread, messages in asks.items()]))
         records = asyncio.run(
             read(
                 services.bootstrap,
-                [t.persist, t.dlq],
-                until=lambda rs: sum(r.topic == t.dlq or json.loads(r.value)["requestId"].endswith("/reply") for r in rs) >= 3,
+                [t.persist, t.dlq, t.streams],
+                until=lambda rs: sum(r.topic == t.dlq or (r.topic == t.persist and json.loads(r.value)["requestId"].endswith("/reply")) for r in rs) >= 7,
             )
         )
     finally:
         pipeline.stop_all()
-    saved = {r.key.decode(): json.loads(r.value) for r in records if r.topic == t.persist and json.loads(r.value)["requestId"].endswith("/reply")}
-    assert saved["oa-1"]["messages"][0]["content"]["parts"][-1] == {"type": "text", "text": "model says 2"}
-    assert saved["oa-2"]["messages"][0]["content"]["parts"][-1]["text"] == "model says 1"  # after its 500
+    saved = {
+        r.key.decode(): json.loads(r.value)["messages"][0] for r in records if r.topic == t.persist and json.loads(r.value)["requestId"].endswith("/reply")
+    }
+    parts = {thread: message["content"]["parts"] for thread, message in saved.items()}
+    metadata = {thread: message["content"].get("metadata") for thread, message in saved.items()}
+    assert parts["oa-1"][-1] == {"type": "text", "text": "model says 3", "state": "done"}  # the system prompt, the request's own, the user's
+    assert metadata["oa-1"] == {"model": "m-1", "finishReason": "stop", "usage": {"inputTokens": 11, "outputTokens": 3, "totalTokens": 14}}
+    assert parts["oa-2"][-1]["text"] == "model says 2"  # after its 500
+    call = parts["oa-4"][-1]["toolInvocation"]
+    assert (call["state"], call["toolName"], call["args"]) == ("call", "weather", {"city": "Oslo"}) and metadata["oa-4"]["finishReason"] == "tool-calls"
+    assert parts["oa-5"][-1]["text"] == "half way " and metadata["oa-5"]["finishReason"] == "error"  # failed midway: what was made, marked
+    assert [p["type"] for p in parts["oa-6"]] == ["step-start", "reasoning", "text"] and parts["oa-6"][1]["reasoning"] == "let me see"
     [dead] = [r for r in records if r.topic == t.dlq]
     assert (dead.key, header(dead, "error.type"), header(dead, "source.topic")) == (b"oa-3", "model", t.filtered)
     assert "HTTP 400" in header(dead, "error.message")
+    # What the endpoint was sent: the system prompt first, the settings, the tools, the image.
     first = next(r for r in fake_openai.received if r["messages"][-1]["content"] == "hello")
-    assert (first["path"], first["auth"], first["model"]) == ("/v1/chat/completions", "Bearer sk-test", "m-1")
-    assert first["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    assert (first["path"], first["auth"], first["model"], first["stream"]) == ("/v1/chat/completions", "Bearer sk-test", "m-1", True)
+    assert first["messages"] == [
+        {"role": "system", "content": "you are terse"},
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+    ]
+    assert (first["temperature"], first["max_completion_tokens"], first["stream_options"]) == (0.2, 50, {"include_usage": True})
+    assert first["tools"] == [
+        {"type": "function", "function": {"name": "weather", "description": weather["description"], "parameters": weather["inputSchema"]}}
+    ]
+    seen = next(r for r in fake_openai.received if r["messages"][-1]["content"][0] == {"type": "text", "text": "what is this"})
+    assert seen["messages"][-1]["content"][1] == {"type": "image_url", "image_url": {"url": image["url"]}}
+    # The saved reply is what its chunks on the streams topic add up to.
+    for thread, message in saved.items():
+        chunks = [json.loads(r.value)["chunk"] for r in records if r.topic == t.streams and r.key == thread.encode()]
+        assert chunks[0] == {"type": "start", "messageId": message["id"]}
+        reply = Reply(message["id"])
+        for chunk in chunks:
+            reply.add(chunk)
+        assert to_stored(reply.ui())["content"] == message["content"], thread
 
 
 def test_a_record_that_is_not_a_filtered_input_is_dead_lettered_the_next_answered_and_metrics_say_so(services):

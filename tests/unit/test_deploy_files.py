@@ -7,7 +7,7 @@ from __future__ import annotations
 import yaml
 from pipeline import REPO
 
-from memfilter.settings import VARIABLES
+from memfilter.settings import RELAY_RETENTION_MS, VARIABLES, Topics
 
 
 def names_the_worker_reads() -> set[str]:
@@ -26,7 +26,8 @@ def test_compose_runs_kafka_redis_topics_two_workers_and_the_agent_with_settings
     assert {"kafka", "redis", "topics", "worker-1", "worker-2", "agent"} <= services.keys()
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
     created = " ".join(services["topics"]["command"]).replace(";", " ").split()
-    assert {"chat-requests", "filtered-inputs", "persist-messages", "chat-requests-dlq"} <= set(created)
+    assert set(Topics().all()) <= set(created)
+    assert f"retention.ms={RELAY_RETENTION_MS}" in created  # the relay topics copy content: kept an hour
     read = names_the_worker_reads()
     for name in ("worker-1", "worker-2", "agent"):
         worker = services[name]
