@@ -50,9 +50,10 @@ class TestOneWayDependencies:
 
 class TestSettingsComeInParts:
     def test_topic_names_are_read_once_and_every_part_takes_them_from_there(self):
-        s = Settings.from_env({"MEMFILTER_TOPIC_REQUESTS": "in", "MEMFILTER_TOPIC_DLQ": "dead"})
-        assert s.topics == Topics(requests="in", filtered="filtered-inputs", persist="persist-messages", dlq="dead")
-        assert s.topics.all() == ("in", "filtered-inputs", "persist-messages", "dead")
+        s = Settings.from_env({"MEMFILTER_TOPIC_REQUESTS": "in", "MEMFILTER_TOPIC_DLQ": "dead", "MEMFILTER_TOPIC_STOPS": "stops"})
+        assert s.topics == Topics(requests="in", filtered="filtered-inputs", persist="persist-messages", dlq="dead", stops="stops")
+        assert s.topics.all() == ("in", "filtered-inputs", "persist-messages", "dead", "reply-streams", "stops")
+        assert s.topics.relays() == ("reply-streams", "stops")
 
     def test_the_decision_policy_is_one_object_made_from_its_settings(self):
         policy = Settings.from_env({"MEMFILTER_HISTORY_MESSAGES": "3", "MEMFILTER_EDITS": "off", "MEMFILTER_MAX_MESSAGES": "7"}).policy
