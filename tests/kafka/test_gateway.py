@@ -8,6 +8,11 @@ worker and the echo agent runner behind it):
   thread, missing, forged and expired tokens, an empty stream for a request that asks for no
   answer, one conversation over two gateways, and, on a gateway no worker answers, a timeout
   that says what it waited for and a request past the in-flight bound refused;
+- `tests/node/streaming.test.mjs` runs it against gateways whose agent runner streams from the
+  fake OpenAI endpoint (`tests/fake_openai.py`): tokens shown before the reply is saved, the
+  client's copy equal to the stored one, a dropped connection resumed on another gateway, a
+  stop that saves what was made and a next turn that sees it, and a tool call, its client
+  output and the model's continuation as one stored message, as the client keeps it;
 - `tests/node/page.test.mjs` opens the gateway's chat page in Debian's Chromium (puppeteer-core)
   on a gateway with header identity, as `deploy/run-local.sh` runs it: a typed message gets the
   answer and a reload shows the stored history; its screenshot is kept at SCREENSHOT."""
@@ -15,6 +20,7 @@ worker and the echo agent runner behind it):
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import shutil
 import subprocess
@@ -24,6 +30,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from fake_openai import FakeOpenAI
 from pipeline import REPO, WORKER_LOGS, free_port, wait_for_line
 
 pytestmark = pytest.mark.xdist_group("gateway")  # the module's worker, agent and gateways are shared (`--dist loadgroup`)
@@ -51,27 +58,42 @@ def start_gateway(pipeline, name: str, **env: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def gateways(services):
+def gateways(services, tmp_path_factory):
     """A worker, the echo agent and three gateways on a pipeline of the module's own (two with
-    JWT identity, one with header identity), and a JWT gateway on topics no worker reads, that
-    waits 5 s for a decision and lets one request wait at once: their ports, by name."""
-    pipeline, unserved = services.pipeline(), services.pipeline()
-    asyncio.run(pipeline.create_topics())
-    asyncio.run(unserved.create_topics())
-    worker = pipeline.start_worker()
+    JWT identity, one with header identity); a worker, an `openai` agent on the fake endpoint
+    (`tests/fake_openai.py`: slow tokens, tool calls) and two JWT gateways on another; and a
+    JWT gateway on topics no worker reads, that waits 5 s for a decision and lets one request
+    wait at once: their ports, by name."""
+    pipeline, model, unserved = services.pipeline(), services.pipeline(), services.pipeline()
+    for p in (pipeline, model, unserved):
+        asyncio.run(p.create_topics())
+    fake = FakeOpenAI()
+    tools = tmp_path_factory.mktemp("tools") / "tools.json"
+    tools.write_text(json.dumps([{"name": "weather", "description": "the weather in a city", "inputSchema": {"type": "object"}}]))
+    workers = [pipeline.start_worker(), model.start_worker()]
     pipeline.start_agent()
-    wait_for_line(worker.log_path, "memfilter worker ready", timeout=60)
+    model.start_agent(
+        MEMFILTER_AGENT_BACKEND="openai",
+        MEMFILTER_AGENT_BASE_URL=fake.url,
+        MEMFILTER_AGENT_MODEL="m",
+        OPENAI_API_KEY="sk-test",
+        MEMFILTER_AGENT_TOOLS=str(tools),
+    )
+    for worker in workers:
+        wait_for_line(worker.log_path, "memfilter worker ready", timeout=60)
     reply, jwt = {"MEMFILTER_GATEWAY_REPLY_S": "30"}, {"MEMFILTER_GATEWAY_AUTH": "jwt", "MEMFILTER_GATEWAY_JWT_KEY": JWT_KEY}
     yield {
         "jwt": start_gateway(pipeline, "jwt", **jwt, **reply),
         "jwt-2": start_gateway(pipeline, "jwt-2", **jwt, **reply),
         "header": start_gateway(pipeline, "header", MEMFILTER_GATEWAY_AUTH="header", **reply),
         "unserved": start_gateway(unserved, "unserved", **jwt, MEMFILTER_GATEWAY_OUTCOME_S="5", MEMFILTER_GATEWAY_MAX_IN_FLIGHT="1"),
+        "model": start_gateway(model, "model", **jwt, **reply),
+        "model-2": start_gateway(model, "model-2", **jwt, **reply),
     }
-    pipeline.stop_all()
-    unserved.stop_all()
-    asyncio.run(pipeline.delete_topics())
-    asyncio.run(unserved.delete_topics())
+    fake.close()
+    for p in (pipeline, model, unserved):
+        p.stop_all()
+        asyncio.run(p.delete_topics())
 
 
 def node_test(file: str, **env: str) -> subprocess.CompletedProcess:
@@ -96,6 +118,15 @@ def test_the_ai_sdks_client_gets_answers_tool_round_trips_regenerations_edits_an
     assert 'memfilter_gateway_requests_total{outcome="answered"}' in metrics["jwt-2"]  # the conversation's second half
     for outcome in ("timeout", "busy"):
         assert f'memfilter_gateway_requests_total{{outcome="{outcome}"}} 1.0' in metrics["unserved"], outcome
+
+
+def test_the_ai_sdks_client_sees_tokens_as_they_come_resumes_on_another_gateway_stops_and_keeps_one_message_per_turn(gateways):
+    urls = {f"{name.upper().replace('-', '_')}_URL": f"http://127.0.0.1:{port}" for name, port in gateways.items()}
+    result = node_test("streaming.test.mjs", JWT_KEY=JWT_KEY, **urls)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    metrics = {name: scrape(gateways[name]) for name in ("model", "model-2")}
+    assert 'memfilter_gateway_requests_total{outcome="resumed"} 1.0' in metrics["model-2"]
+    assert 'memfilter_gateway_requests_total{outcome="stopped"}' in metrics["model"]
 
 
 def scrape(port: int) -> str:

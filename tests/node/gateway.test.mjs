@@ -4,50 +4,22 @@
 // passes GATEWAY_URL and JWT_KEY (the gateway's HS256 secret).
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { createHmac, randomUUID } from "node:crypto";
-import { AbstractChat, DefaultChatTransport, lastAssistantMessageIsCompleteWithToolCalls } from "ai";
+import { randomUUID } from "node:crypto";
+import { DefaultChatTransport, lastAssistantMessageIsCompleteWithToolCalls } from "ai";
+import { Chat as AnyChat, stored as storedOn, text, token } from "./client.mjs";
 
 const GATEWAY = process.env.GATEWAY_URL;
 const SECOND = process.env.JWT_2_URL; // another gateway on the same topics and Redis
 const UNSERVED = process.env.UNSERVED_URL; // a gateway on topics no worker reads: 5 s for a decision, one request at once
-const KEY = process.env.JWT_KEY;
 const RUN = randomUUID().slice(0, 8);
 
-function token(sub, { expiresIn = 600, key = KEY } = {}) {
-  const b64 = (o) => Buffer.from(JSON.stringify(o)).toString("base64url");
-  const body = `${b64({ alg: "HS256", typ: "JWT" })}.${b64({ sub, exp: Math.floor(Date.now() / 1000) + expiresIn })}`;
-  return `${body}.${createHmac("sha256", key).update(body).digest("base64url")}`;
-}
-
-// What `useChat` keeps a chat's messages in: a plain in-memory state.
-class State {
-  status = "ready";
-  error = undefined;
-  messages = [];
-  pushMessage = (m) => { this.messages = [...this.messages, m]; };
-  popMessage = () => { this.messages = this.messages.slice(0, -1); };
-  replaceMessage = (i, m) => { this.messages = this.messages.map((old, j) => (j === i ? m : old)); };
-  snapshot = (thing) => structuredClone(thing);
-}
-
-class Chat extends AbstractChat {
-  constructor({ user, headers = {}, gateway = GATEWAY, messages = [], ...init }) {
-    const state = new State();
-    state.messages = messages;
-    super({
-      state,
-      transport: new DefaultChatTransport({ api: `${gateway}/api/chat`, headers: () => ({ Authorization: `Bearer ${token(user)}`, ...headers }) }),
-      ...init,
-    });
+class Chat extends AnyChat {
+  constructor({ gateway = GATEWAY, ...init }) {
+    super({ gateway, ...init });
   }
 }
 
-const text = (m) => m.parts.filter((p) => p.type === "text").map((p) => p.text).join("");
-
-async function stored(chatId, user) {
-  const r = await fetch(`${GATEWAY}/api/threads/${encodeURIComponent(chatId)}/messages`, { headers: { Authorization: `Bearer ${token(user)}` } });
-  return { status: r.status, body: await r.json() };
-}
+const stored = (chatId, user) => storedOn(GATEWAY, chatId, user);
 
 async function post(body, headers = {}) {
   const r = await fetch(`${GATEWAY}/api/chat`, { method: "POST", headers: { "content-type": "application/json", ...headers }, body: JSON.stringify(body) });

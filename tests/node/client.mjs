@@ -1,0 +1,48 @@
+// The AI SDK's own client (`AbstractChat`, the logic `useChat` runs, over `DefaultChatTransport`),
+// set up as the gateway tests use it: a user's JWT under the gateway's HS256 key (JWT_KEY),
+// messages kept in a plain in-memory state, and the stored conversation read back through
+// `GET /api/threads/{id}/messages`.
+import { createHmac } from "node:crypto";
+import { AbstractChat, DefaultChatTransport } from "ai";
+
+const KEY = process.env.JWT_KEY;
+
+export function token(sub, { expiresIn = 600, key = KEY } = {}) {
+  const b64 = (o) => Buffer.from(JSON.stringify(o)).toString("base64url");
+  const body = `${b64({ alg: "HS256", typ: "JWT" })}.${b64({ sub, exp: Math.floor(Date.now() / 1000) + expiresIn })}`;
+  return `${body}.${createHmac("sha256", key).update(body).digest("base64url")}`;
+}
+
+// What `useChat` keeps a chat's messages in: a plain in-memory state; `onChange` sees each change.
+class State {
+  status = "ready";
+  error = undefined;
+  messages = [];
+  constructor(onChange) { this.onChange = onChange ?? (() => {}); }
+  pushMessage = (m) => { this.messages = [...this.messages, m]; this.onChange(this.messages); };
+  popMessage = () => { this.messages = this.messages.slice(0, -1); };
+  replaceMessage = (i, m) => { this.messages = this.messages.map((old, j) => (j === i ? m : old)); this.onChange(this.messages); };
+  snapshot = (thing) => structuredClone(thing);
+}
+
+export class Chat extends AbstractChat {
+  constructor({ user, gateway, headers = {}, messages = [], onChange, ...init }) {
+    const state = new State(onChange);
+    state.messages = messages;
+    super({
+      state,
+      transport: new DefaultChatTransport({ api: `${gateway}/api/chat`, headers: () => ({ Authorization: `Bearer ${token(user)}`, ...headers }) }),
+      ...init,
+    });
+  }
+}
+
+export const text = (m) => m.parts.filter((p) => p.type === "text").map((p) => p.text).join("");
+
+export async function stored(gateway, chatId, user) {
+  const r = await fetch(`${gateway}/api/threads/${encodeURIComponent(chatId)}/messages`, { headers: { Authorization: `Bearer ${token(user)}` } });
+  return { status: r.status, body: await r.json() };
+}
+
+// A message as both sides keep it: what the client shows and what is stored must agree on these.
+export const kept = (m) => JSON.parse(JSON.stringify({ id: m.id, role: m.role, parts: m.parts, metadata: m.metadata }));

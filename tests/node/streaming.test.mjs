@@ -1,0 +1,126 @@
+// Replies as they stream, through `memfilter gateway`, with the AI SDK's own client: the agent
+// runner behind MODEL_URL calls the fake OpenAI endpoint (tests/fake_openai.py: `slow N` is N
+// tokens 0.15 s apart, `call NAME {json}` a tool call, a tool result gets "tool said ...", else
+// "model says N" for N messages sent). MODEL_2_URL is another gateway on the same topics.
+// Run by tests/kafka/test_gateway.py.
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { randomUUID } from "node:crypto";
+import { lastAssistantMessageIsCompleteWithToolCalls } from "ai";
+import { Chat, kept, stored, text, token } from "./client.mjs";
+
+const MODEL = process.env.MODEL_URL;
+const MODEL_2 = process.env.MODEL_2_URL;
+const RUN = randomUUID().slice(0, 8);
+
+const until = async (what, ok, ms = 20_000) => {
+  for (const end = Date.now() + ms; Date.now() < end; await new Promise((r) => setTimeout(r, 50))) {
+    const got = await what();
+    if (ok(got)) return got;
+  }
+  throw new Error(`timed out waiting: ${JSON.stringify(await what()).slice(0, 500)}`);
+};
+
+const answer = (messages) => messages.find((m) => m.role === "assistant");
+
+test("tokens reach the client before the reply is saved, and the client's copy is the stored one", async () => {
+  const user = `ann-${RUN}`;
+  const shown = [];
+  const chat = new Chat({ id: `tokens-${RUN}`, user, gateway: MODEL, onChange: (ms) => answer(ms) && shown.push(text(answer(ms))) });
+  let storedWhilePartial;
+  const sending = chat.sendMessage({ text: "slow 12" });
+  await until(() => shown.length, (n) => n > 0 && shown.at(-1).split(" ").length > 2);
+  storedWhilePartial = (await stored(MODEL, chat.id, user)).body;
+  await sending;
+  assert.equal(chat.status, "ready", chat.error?.message);
+  const full = Array.from({ length: 12 }, (_, i) => `t${i} `).join("");
+  assert.ok(shown.some((t) => t.length > 0 && t.length < full.length), "no partial text was ever shown");
+  assert.deepEqual(storedWhilePartial.map((m) => m.role), ["user"]); // tokens shown while nothing was saved yet
+  assert.equal(text(chat.messages[1]), full);
+  const { body } = await stored(MODEL, chat.id, user);
+  assert.deepEqual(body.map(kept), chat.messages.map(kept)); // the saved reply is what the chunks added up to
+  assert.deepEqual(body[1].metadata, { model: "m", finishReason: "stop", usage: { inputTokens: 11, outputTokens: 12, totalTokens: 23 } });
+});
+
+test("a dropped connection is resumed on another gateway, which replays the reply from its first token to its end", async () => {
+  const user = `bob-${RUN}`;
+  const shown = [];
+  const first = new Chat({ id: `resume-${RUN}`, user, gateway: MODEL, onChange: (ms) => answer(ms) && shown.push(text(answer(ms))) });
+  const sending = first.sendMessage({ text: "slow 20" });
+  await until(() => shown.length, (n) => n > 0 && shown.at(-1).length > 0);
+  await first.stop(); // the client's side of the connection goes; no stop request: the reply goes on
+  await sending;
+  const question = first.messages[0];
+  const partial = text(first.messages[1]);
+
+  // A new page on the other gateway: the stored messages, then the AI SDK's resume.
+  const second = new Chat({ id: first.id, user, gateway: MODEL_2, messages: (await stored(MODEL_2, first.id, user)).body });
+  assert.deepEqual(second.messages.map((m) => m.id), [question.id]);
+  await second.resumeStream();
+  assert.equal(second.status, "ready", second.error?.message);
+  assert.equal(text(second.messages[1]), Array.from({ length: 20 }, (_, i) => `t${i} `).join(""));
+  assert.ok(partial.length > 0 && partial.length < text(second.messages[1]).length, "the first page saw part of the reply only");
+  const { body } = await stored(MODEL_2, first.id, user);
+  assert.deepEqual(body.map(kept), second.messages.map(kept));
+  const after = await fetch(`${MODEL_2}/api/chat/${first.id}/stream`, { headers: { Authorization: `Bearer ${token(user)}` } });
+  assert.equal(after.status, 204); // nothing in flight any more: what the AI SDK takes for "nothing to resume"
+});
+
+test("another user can neither resume nor stop a reply in a thread not theirs", async () => {
+  const chat = new Chat({ id: `mine-${RUN}`, user: `cat-${RUN}`, gateway: MODEL });
+  const sending = chat.sendMessage({ text: "slow 8" });
+  await until(() => chat.messages.length, (n) => n === 2);
+  const as = { Authorization: `Bearer ${token(`mallory-${RUN}`)}` };
+  assert.equal((await fetch(`${MODEL_2}/api/chat/${chat.id}/stream`, { headers: as })).status, 403);
+  assert.equal((await fetch(`${MODEL_2}/api/chat/${chat.id}/stop`, { method: "POST", headers: as })).status, 403);
+  await sending;
+  assert.equal(text(chat.messages[1]).split(" ").length, 9); // never stopped: 8 tokens
+});
+
+test("a stop saves what was made, marked interrupted, and the next turn's context holds it", async () => {
+  const user = `dan-${RUN}`;
+  const shown = [];
+  const chat = new Chat({ id: `stop-${RUN}`, user, gateway: MODEL, onChange: (ms) => answer(ms) && shown.push(text(answer(ms))) });
+  const sending = chat.sendMessage({ text: "slow 40" });
+  await until(() => shown.length, (n) => n > 0 && shown.at(-1).split(" ").length > 3);
+  const stop = await fetch(`${MODEL}/api/chat/${chat.id}/stop`, { method: "POST", headers: { Authorization: `Bearer ${token(user)}` } });
+  assert.equal(stop.status, 202);
+  await chat.stop();
+  await sending;
+  const seen = text(chat.messages[1]);
+  const { body } = await until(() => stored(MODEL, chat.id, user), (r) => r.body.length === 2);
+  const saved = text(body[1]);
+  assert.equal(body[1].metadata.finishReason, "interrupted");
+  assert.ok(saved.startsWith(seen) && saved.length < 40 * 4, `saved ${JSON.stringify(saved)}, seen ${JSON.stringify(seen)}`);
+  assert.equal((await fetch(`${MODEL}/api/chat/${chat.id}/stream`, { headers: { Authorization: `Bearer ${token(user)}` } })).status, 204);
+
+  const next = new Chat({ id: chat.id, user, gateway: MODEL, messages: body });
+  await next.sendMessage({ text: "and then?" });
+  assert.equal(next.status, "ready", next.error?.message);
+  assert.equal(text(next.messages.at(-1)), "model says 3"); // the model was sent the question, the partial reply and this
+});
+
+test("a tool call, the client's output and the model's continuation are one stored message, as the client keeps it", async () => {
+  const user = `eve-${RUN}`;
+  const calls = [];
+  const chat = new Chat({
+    id: `turn-${RUN}`,
+    user,
+    gateway: MODEL,
+    sendAutomaticallyWhen: lastAssistantMessageIsCompleteWithToolCalls,
+    onToolCall: async ({ toolCall }) => {
+      calls.push(toolCall);
+      chat.addToolOutput({ tool: toolCall.toolName, toolCallId: toolCall.toolCallId, output: { celsius: 21 } });
+    },
+  });
+  await chat.sendMessage({ text: 'call weather {"city": "Oslo"}' });
+  await until(() => text(chat.messages.at(-1)), (t) => t.startsWith("tool said"));
+  await until(() => chat.status, (s) => s === "ready");
+  assert.deepEqual(calls.map((c) => [c.toolName, c.input]), [["weather", { city: "Oslo" }]]);
+  assert.equal(chat.messages.length, 2); // the question, and one answer holding the call, its output and the continuation
+  const [, turn] = chat.messages;
+  assert.deepEqual(turn.parts.map((p) => p.type), ["step-start", "tool-weather", "step-start", "text"]);
+  assert.equal(turn.metadata.finishReason, "stop");
+  const { body } = await until(() => stored(MODEL, chat.id, user), (r) => r.body.length === 2 && text(r.body[1]).startsWith("tool said"));
+  assert.deepEqual(body.map(kept), chat.messages.map(kept));
+});
