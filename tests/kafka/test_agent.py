@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from factories import SECRET
 from fake_openai import FakeOpenAI
-from pipeline import WORKER_LOGS, Pipeline, header, publish, read, wait_for_line
+from pipeline import WORKER_LOGS, Collector, Pipeline, header, publish, read, wait_for_line
 
 from memfilter.client import Client
 from memfilter.core import replies
@@ -355,3 +355,43 @@ def test_a_new_agent_group_starts_after_the_inputs_already_on_the_topic_unless_t
     finally:
         pipeline.stop_all()
     assert json.loads(first.value)["requestId"] == "new/reply"
+
+
+def test_an_agent_killed_mid_reply_loses_no_turn_and_its_next_owner_answers_it_once_from_a_new_start(services, fake_openai):
+    pipeline = Pipeline(services.bootstrap, services.redis_url)
+    asyncio.run(pipeline.create_topics())
+    pipeline.start_worker()
+    openai = {"MEMFILTER_AGENT_BACKEND": "openai", "MEMFILTER_AGENT_BASE_URL": fake_openai.url, "OPENAI_API_KEY": "sk-test"}
+    first = pipeline.start_agent(**openai)
+    t = pipeline.topics
+    texts = lambda rs: [json.loads(r.value)["chunk"] for r in rs if r.topic == t.streams]  # noqa: E731
+
+    async def go():
+        await publish(
+            services.bootstrap, t.requests, [request("kill-1", "q-kill", {"id": "kill-1-u", "role": "user", "parts": [{"type": "text", "text": "slow 20"}]})]
+        )
+        await read(services.bootstrap, [t.streams], until=lambda rs: sum(c["type"] == "text-delta" for c in texts(rs)) >= 3)
+        pipeline.kill(first)  # mid-reply: its chunks are out, its transaction is not
+        pipeline.start_agent(**openai)
+        async with Collector(services.bootstrap, [t.persist], isolation_level="read_committed") as saved:
+            assert await saved.wait_for(lambda rs: any(json.loads(r.value)["requestId"] == "q-kill/reply" for r in rs), timeout=120)
+            await asyncio.sleep(1)  # a second reply, were there one, would be here by now
+            replies_ = [json.loads(r.value) for r in saved.records if json.loads(r.value)["requestId"] == "q-kill/reply"]
+        streamed = await read(services.bootstrap, [t.streams], until=lambda rs: [c["type"] for c in texts(rs)].count("finish") >= 1)
+        redis, store = pipeline.store()
+        rows = [json.loads(r) for r in await store.thread_rows("kill-1")]
+        await redis.aclose()
+        return replies_, streamed, rows
+
+    try:
+        replies_, streamed, rows = asyncio.run(go())
+    finally:
+        pipeline.stop_all()
+    [reply] = replies_  # answered once
+    full = "".join(f"t{i} " for i in range(20))
+    assert reply["messages"][0]["content"]["parts"][-1]["text"] == full
+    attempts = [json.loads(r.value)["attempt"] for r in streamed if r.topic == t.streams]
+    assert len(set(attempts)) == 2  # the killed runner's, cut off, and the next owner's, whole from its start
+    second = [json.loads(r.value)["chunk"] for r in streamed if json.loads(r.value)["attempt"] == attempts[-1]]
+    assert second[0]["type"] == "start" and second[-1]["type"] == "finish"
+    assert [r["role"] for r in rows] == ["user", "assistant"] and rows[1]["content"]["parts"][-1]["text"] == full
