@@ -12,7 +12,7 @@ from memfilter.settings import Agent, Settings, variables
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from memfilter.runtime.agent import create_agent_app
+    from memfilter.runtime.agent import ToolsFileError, create_agent_app, read_tools
     from memfilter.runtime.process import Worker
 
     settings = Settings.from_env()
@@ -25,6 +25,11 @@ def run(args: argparse.Namespace) -> int:
             "memfilter agent: MEMFILTER_AGENT_BACKEND=openai needs OPENAI_API_KEY, the endpoint's key (for an endpoint that takes none, set it to any text)",
             file=sys.stderr,
         )
+        return 2
+    try:
+        read_tools(settings.agent.tools)
+    except ToolsFileError as e:
+        print(f"memfilter agent: {e}", file=sys.stderr)
         return 2
     if reason := no_secret(settings) or data_dir_missing(settings):
         print(f"memfilter agent: {reason}", file=sys.stderr)

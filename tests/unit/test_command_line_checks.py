@@ -38,6 +38,16 @@ class TestRefusedBeforeStarting:
         result = memfilter("agent", MEMFILTER_AGENT_BASE_URL="not a url")
         assert result.returncode == 2 and "MEMFILTER_AGENT_BASE_URL='not a url' is not valid: expected an http:// or https:// URL" in result.stderr
 
+    def test_an_agent_tools_file_that_is_not_a_list_of_tools_is_refused_naming_the_tool(self, tmp_path):
+        for content, says in (
+            ("[{", "cannot be read as JSON"),
+            ('{"name": "f"}', "is not a JSON list of tools"),
+            ('[{"name": "f", "inputSchema": 3}]', "tool 0 needs a name"),
+        ):
+            (tmp_path / "tools.json").write_text(content)
+            result = memfilter("agent", MEMFILTER_AGENT_TOOLS=str(tmp_path / "tools.json"))
+            assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+
     @pytest.mark.parametrize("command", ["worker", "agent"])
     def test_a_data_dir_whose_folder_does_not_exist_is_one_line(self, command, tmp_path):
         result = memfilter(command, MEMFILTER_DATA_DIR=str(tmp_path / "missing" / "data"))

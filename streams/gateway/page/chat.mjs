@@ -3,7 +3,9 @@
 // into chat.js by `npm run build` (deploy/setup.sh runs it). The gateway serves index.html with
 // its identity mode in `window.MEMFILTER`; `?user=` names the caller in header mode (a local
 // demo: anyone on the page may name anyone), `?token=` carries a JWT in jwt mode; `?chat=`
-// names the thread (a new one otherwise, kept in the address so a reload shows it).
+// names the thread (a new one otherwise, kept in the address so a reload shows it). A reload
+// while a reply is being made resumes it (`resumeStream`); "stop" stops it on the server
+// (`POST /api/chat/{id}/stop`: the reply is saved as it stands) as well as in the page.
 import { AbstractChat, DefaultChatTransport, lastAssistantMessageIsCompleteWithToolCalls } from "ai";
 
 const config = window.MEMFILTER;
@@ -79,6 +81,13 @@ function render() {
     }),
   );
   document.getElementById("status").textContent = chat.status === "error" ? `error: ${chat.error?.message}` : chat.status;
+  document.getElementById("stop").hidden = !["submitted", "streaming"].includes(chat.status);
+}
+
+// A stop the server hears: the fetch's abort alone cannot be told from a dropped connection.
+async function stop() {
+  await fetch(`/api/chat/${encodeURIComponent(chatId)}/stop`, { method: "POST", headers });
+  await chat.stop();
 }
 
 async function start() {
@@ -97,7 +106,9 @@ async function start() {
     if (input.value.trim()) chat.sendMessage({ text: input.value });
     input.value = "";
   };
+  document.getElementById("stop").onclick = stop;
   render();
+  await chat.resumeStream(); // a reply still being made (a reload mid-reply): replayed and followed; none: nothing
 }
 
 start();
