@@ -6,8 +6,9 @@ AI SDK UI messages with every request, waits for the request's filtered input an
 model is asked to answer (`replies.wants_reply`), for the reply saved on `persist-messages`,
 which it appends before the next turn. A turn is a user text (`sendMessage`: trigger
 `submit-message`); one of the form `/tool NAME {json}` makes the echo model answer with a
-client tool call, which the client answers at once (as `addToolResult` with
-`sendAutomaticallyWhen` does): a second request, whose answer is appended too. `/regenerate`
+client tool call, which the client answers at once (as `addToolOutput` with
+`sendAutomaticallyWhen` does): a second request, whose answer continues that same message (as
+`useChat` keeps it: the same id, a step more). `/regenerate`
 drops the last answer and asks for another (`regenerate()`); `/edit TEXT` replaces the last
 user message's text and drops what follows it (`sendMessage({text, messageId})`).
 
@@ -177,7 +178,10 @@ class Driver:
         reply = None
         if wants_reply(event.context):
             reply = await self._wait(self._replies, request_id, f"no reply saved for request {request_id} of thread {c.thread}: is an agent runner running?")
-            c.messages.append(reply)
+            if c.messages and c.messages[-1].get("id") == reply.get("id"):
+                c.messages[-1] = reply  # a continuation after the client's tool outcome: the same message, a step more
+            else:
+                c.messages.append(reply)
         c.turns.append(Turn(request_id, view, new, event.context, event.superseded, reply))
         return reply
 

@@ -60,7 +60,7 @@ def check(pipeline: Pipeline, conversations: list[Conversation]) -> None:
     for c in conversations:
         assert [essentials(m) for m in rows[c.thread]] == [essentials(m) for m in c.messages], c.thread
         turns = sum(1 for text in c.script if not text.startswith(("/regenerate", "/edit ")))
-        assert len(c.messages) == 2 * turns + 1  # a reply per turn, and one to the tool's result
+        assert len(c.messages) == 2 * turns  # a reply per turn; the answer to the tool's result continues the call's message
         for turn in c.turns:
             # the window is the last rows before the request, less what it supersedes (after its last message)
             gone = len(turn.superseded)
