@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from memfilter.cli.common import no_secret
 from memfilter.settings import Gateway, Settings, variables
 
 log = logging.getLogger("memfilter")
@@ -27,6 +28,9 @@ def run(args: argparse.Namespace) -> int:
             "or MEMFILTER_GATEWAY_AUTH=header behind a proxy that sets the caller's resource",
             file=sys.stderr,
         )
+        return 2
+    if reason := no_secret(settings):  # it verifies the replies the agent runner streams
+        print(f"memfilter gateway: {reason}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO if args.loglevel == "info" else logging.WARNING, format="[%(asctime)s] [%(levelname)s] %(message)s")
     log.setLevel(logging.INFO)
@@ -54,7 +58,7 @@ def add(sub) -> None:
         help="run the HTTP backend of useChat: POST /api/chat publishes, waits for the decision and the reply, streams it",
         description="The backend a useChat app points its transport at; settings from the environment ("
         + ", ".join(variables(Gateway))
-        + ", and KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, MEMFILTER_REDIS_PREFIX, the topics; not MEMFILTER_SECRET: the gateway is a client).",
+        + ", and KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, MEMFILTER_REDIS_PREFIX, the topics, MEMFILTER_SECRET: it verifies the replies the agent runner streams).",
     )
     p.add_argument("--port", type=int, help="port to listen on (default MEMFILTER_GATEWAY_PORT or 6068)")
     p.add_argument("--loglevel", default="warn", choices=["crit", "error", "warn", "info", "debug"])

@@ -1,4 +1,5 @@
-"""The processor's mark on its own `persist-messages` events, which no other writer can forge.
+"""Marks no writer can forge without the deployment's secret: the processor's on its own
+`persist-messages` events, and the agent runner's on the replies it streams.
 
 The processor saves a request's rows in Redis itself and also publishes them on
 `persist-messages`, so that the log holds every write. A worker must skip those events (they
@@ -11,6 +12,12 @@ So the processor signs each event it publishes: header `memfilter.origin: proces
 `memfilter.signature`, the HMAC-SHA256 of the value under the deployment's secret
 (MEMFILTER_SECRET). Live and in a rebuild alike, an event is the processor's exactly when its
 signature verifies; one that claims the origin without it is refused in both (`origin`).
+
+A reply streamed on `reply-streams` is relayed by the gateway to the browser of the request's
+resource. So that no other writer of that topic can put words in a reply (or end it), each
+attempt's id is a nonce and the HMAC of the nonce, the request, the thread and the resource
+(`attempt`): the gateway relays a chunk only when its attempt verifies for the request,
+thread and resource it names (`is_attempt`).
 """
 
 from __future__ import annotations
@@ -33,3 +40,15 @@ def is_processors(value: bytes | None, headers, secret: bytes) -> bool:
         return False
     signature = next((v for k, v in headers if k == SIGNATURE), b"")
     return hmac.compare_digest(signature, hmac.digest(secret, value, hashlib.sha256).hex().encode())
+
+
+def attempt(secret: bytes, request_id: str, thread: str, resource: str, nonce: str) -> str:
+    """The id of one attempt at a reply, bound to its request, thread and resource."""
+    mac = hmac.digest(secret, f"attempt\n{request_id}\n{thread}\n{resource}\n{nonce}".encode(), hashlib.sha256).hex()[:32]
+    return f"{nonce}.{mac}"
+
+
+def is_attempt(value: str, secret: bytes, request_id: str, thread: str, resource: str) -> bool:
+    """Was this attempt id made under the secret for that request, thread and resource?"""
+    nonce, dot, _ = value.partition(".")
+    return bool(dot) and hmac.compare_digest(value, attempt(secret, request_id, thread, resource, nonce))

@@ -12,7 +12,8 @@ its thread (the record key):
   before it is published, so a decision that comes before the publish is acknowledged is
   kept for it;
 - a reply's chunks are matched by their `requestId` and resource, and queued for the request
-  as they come;
+  as they come, once their attempt verifies under the deployment's secret (only the agent
+  runner can make one: `memfilter.core.origin`);
 - a reply is matched by its event's `requestId` (`<the request's id>/reply`) in the thread, and must be for the request's resource.
 
 It also keeps, for a resume (`GET /api/chat/{id}/stream`), every reply still being made: the
@@ -39,6 +40,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
 from memfilter.client import Client, outcome_of
+from memfilter.core import origin
 from memfilter.core.filter import Rejection
 from memfilter.schemas.wire import FilteredInput, ReplyChunk
 from memfilter.settings import Topics
@@ -92,10 +94,11 @@ class Live:
 
 
 class Outcomes:
-    def __init__(self, bootstrap: str, topics: Topics, since_s: float):
+    def __init__(self, bootstrap: str, topics: Topics, since_s: float, secret: bytes):
         self.bootstrap = bootstrap
         self.topics = topics
         self.since_s = since_s
+        self.secret = secret  # MEMFILTER_SECRET, which verifies a reply's attempt (`memfilter.core.origin`)
         self._waiting: dict[bytes, list[Waiting]] = {}  # thread (record key) -> its requests waiting here
         self._live: dict[bytes, Live] = {}  # thread -> the reply being made in it
         self._consumer: AIOKafkaConsumer | None = None
@@ -187,8 +190,8 @@ class Outcomes:
             c = _CHUNK.decode(record.value)
         except (msgspec.DecodeError, TypeError):
             return
-        if c.threadId.encode() != record.key:
-            return
+        if c.threadId.encode() != record.key or not origin.is_attempt(c.attempt, self.secret, c.requestId, c.threadId, c.resourceId):
+            return  # not the runner's: no writer without the secret puts words in a reply
         for w in self._waiting.get(record.key, ()):
             if w.request_id == c.requestId and w.resource == c.resourceId:
                 w.chunks.put_nowait(c)

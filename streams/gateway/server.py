@@ -141,7 +141,7 @@ class Gateway:
         self.identify = resource_of(settings.gateway)
         self.metrics = GatewayMetrics()
         self.client = Client(settings.kafka.bootstrap, settings.topics, settings.policy.limits)
-        self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics, since_s=settings.gateway.reply_s)
+        self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics, settings.gateway.reply_s, settings.secret)
         self.redis = connect(settings.redis.url)
         self.store = HistoryStore(self.redis, settings.redis.prefix)
         self.in_flight = 0

@@ -326,7 +326,7 @@ def create_agent_app(settings: Settings) -> faust.App:
     model = echo_model if settings.agent.backend == "echo" else openai_model(settings.agent, health)
     metrics = AgentMetrics()
     group = settings.agent.group
-    relay = Relay(settings.kafka, settings.topics)
+    relay = Relay(settings.kafka, settings.topics, settings.secret)
     loop = TaskLoop(
         "agent",
         settings.kafka,

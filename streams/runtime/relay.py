@@ -29,6 +29,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 from mode import Service
 
+from memfilter.core import origin
 from memfilter.schemas.wire import FilteredInput, ReplyChunk, StopReply
 from memfilter.settings import Kafka, Topics
 
@@ -42,7 +43,7 @@ class Streaming:
 
     relay: Relay
     event: FilteredInput
-    attempt: str = field(default_factory=lambda: uuid.uuid4().hex)
+    attempt: str  # `memfilter.core.origin.attempt`: a gateway relays only chunks whose attempt verifies
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     _last: asyncio.Future | None = None
 
@@ -63,10 +64,11 @@ class Streaming:
 
 
 class Relay(Service):
-    def __init__(self, kafka: Kafka, topics: Topics, **kwargs: Any):
+    def __init__(self, kafka: Kafka, topics: Topics, secret: bytes, **kwargs: Any):
         super().__init__(**kwargs)
         self.kafka = kafka
         self.topics = topics
+        self.secret = secret
         self.producer: AIOKafkaProducer | None = None  # made on start (in the event loop)
         self._stops: AIOKafkaConsumer | None = None
         self._making: dict[str, Streaming] = {}  # thread -> the reply being made in it here
@@ -87,7 +89,7 @@ class Relay(Service):
     @contextlib.asynccontextmanager
     async def streaming(self, event: FilteredInput):
         """A reply to `event` being made, stoppable for as long as the block runs."""
-        s = Streaming(self, event)
+        s = Streaming(self, event, origin.attempt(self.secret, event.requestId, event.threadId, event.resourceId, uuid.uuid4().hex))
         self._making[event.threadId] = s
         try:
             yield s

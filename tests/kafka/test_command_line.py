@@ -323,12 +323,14 @@ def test_run_local_runs_the_loop_and_shows_what_the_model_saw_and_what_is_stored
     assert "< assistant: echo: Find me a flight from Lisbon to Oslo on May 3." in out
     assert '< assistant: [pickSeat({"flight": "TP1234"}) call]' in out
     assert '> assistant: [pickSeat({"flight": "TP1234"}) result -> ' in out  # the client's answer to the call
-    assert "< assistant: pickSeat returned" in out
+    # the model's answer to the result continues the call's message, as useChat keeps it
+    assert any(line.startswith('< assistant: [pickSeat({"flight": "TP1234"}) result -> ') and "pickSeat returned" in line for line in out.splitlines())
     assert out.count("    superseded (out of the conversation, still stored): ") == 2
     assert "> user: Thanks. Print my itinerary and the seat map." in out
     stored = out.split("--- the thread as it is stored")[1]
     assert stored.count("(superseded by request ") == 2
-    assert stored.count("assistant") == 4 + 2 and "Print my itinerary and the seat map." in stored
+    # three answers (the answer to the tool's result continues the call's message) and the two superseded
+    assert stored.count("assistant") == 3 + 2 and "Print my itinerary and the seat map." in stored
 
 
 @pytest.mark.xdist_group("default-topics")  # run-local uses the default topics, groups and prefix: one at a time

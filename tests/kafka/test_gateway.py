@@ -29,9 +29,14 @@ import time
 import urllib.error
 import urllib.request
 
+import aiohttp
+import jwt
+import msgspec
 import pytest
 from fake_openai import FakeOpenAI
-from pipeline import REPO, WORKER_LOGS, free_port, wait_for_line
+from pipeline import REPO, WORKER_LOGS, free_port, publish, wait_for_line
+
+from memfilter.schemas.wire import ReplyChunk
 
 pytestmark = pytest.mark.xdist_group("gateway")  # the module's worker, agent and gateways are shared (`--dist loadgroup`)
 
@@ -58,15 +63,13 @@ def start_gateway(pipeline, name: str, **env: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def gateways(services, tmp_path_factory):
+def gateways(pipelines, tmp_path_factory):
     """A worker, the echo agent and three gateways on a pipeline of the module's own (two with
     JWT identity, one with header identity); a worker, an `openai` agent on the fake endpoint
     (`tests/fake_openai.py`: slow tokens, tool calls) and two JWT gateways on another; and a
     JWT gateway on topics no worker reads, that waits 5 s for a decision and lets one request
     wait at once: their ports, by name."""
-    pipeline, model, unserved = services.pipeline(), services.pipeline(), services.pipeline()
-    for p in (pipeline, model, unserved):
-        asyncio.run(p.create_topics())
+    pipeline, model, unserved = pipelines["echo"], pipelines["model"], pipelines["unserved"]
     fake = FakeOpenAI()
     tools = tmp_path_factory.mktemp("tools") / "tools.json"
     tools.write_text(json.dumps([{"name": "weather", "description": "the weather in a city", "inputSchema": {"type": "object"}}]))
@@ -91,7 +94,16 @@ def gateways(services, tmp_path_factory):
         "model-2": start_gateway(model, "model-2", **jwt, **reply),
     }
     fake.close()
-    for p in (pipeline, model, unserved):
+
+
+@pytest.fixture(scope="module")
+def pipelines(services):
+    """The module's pipelines, by name (`gateways` starts their processes)."""
+    made = {name: services.pipeline() for name in ("echo", "model", "unserved")}
+    for p in made.values():
+        asyncio.run(p.create_topics())
+    yield made
+    for p in made.values():
         p.stop_all()
         asyncio.run(p.delete_topics())
 
@@ -127,6 +139,55 @@ def test_the_ai_sdks_client_sees_tokens_as_they_come_resumes_on_another_gateway_
     metrics = {name: scrape(gateways[name]) for name in ("model", "model-2")}
     assert 'memfilter_gateway_requests_total{outcome="resumed"} 1.0' in metrics["model-2"]
     assert 'memfilter_gateway_requests_total{outcome="stopped"}' in metrics["model"]
+
+
+def test_a_gateway_started_while_a_reply_is_being_made_resumes_it_from_its_first_chunk_and_relays_no_forged_chunk(gateways, pipelines):
+    """What the AI SDK's resume gets from a gateway that was not running when the reply began:
+    it reads `reply-streams` from MEMFILTER_GATEWAY_REPLY_S back, so it replays the same chunks
+    the first gateway relayed, from `start`, and follows them to `finish`. Chunks another writer
+    puts on the topic for the same request (a new start, words of its own) are relayed by
+    neither: their attempt does not verify."""
+    user, thread, request_id = (f"late-{secrets.token_hex(4)}" for _ in range(3))
+    auth = {"Authorization": f"Bearer {jwt.encode({'sub': user, 'exp': int(time.time()) + 600}, JWT_KEY, algorithm='HS256')}"}
+    model = pipelines["model"]
+    forged = [
+        msgspec.json.encode(ReplyChunk(request_id, thread, user, "forged.0", chunk))
+        for chunk in ({"type": "start", "messageId": "x"}, {"type": "text-start", "id": "f"}, {"type": "text-delta", "id": "f", "delta": "FORGED"})
+    ]
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            body = {"id": thread, "messages": [{"id": f"{thread}-u", "role": "user", "parts": [{"type": "text", "text": "slow 40"}]}]}
+            posted = await http.post(f"http://127.0.0.1:{gateways['model']}/api/chat", json=body, headers={**auth, "Idempotency-Key": request_id})
+            relayed = [await _chunk(posted)]
+            while relayed[-1]["type"] != "text-delta":  # the reply has begun
+                relayed.append(await _chunk(posted))
+            await publish(model.bootstrap, model.topics.streams, [(thread.encode(), value, None) for value in forged])
+            late = await asyncio.to_thread(start_gateway, pipelines["model"], "late", MEMFILTER_GATEWAY_AUTH="jwt", MEMFILTER_GATEWAY_JWT_KEY=JWT_KEY)
+            resumed = await http.get(f"http://127.0.0.1:{late}/api/chat/{thread}/stream", headers=auth)
+            assert resumed.status == 200
+            replayed = [await _chunk(resumed)]
+            while replayed[-1] is not None:
+                replayed.append(await _chunk(resumed))
+            while relayed[-1] is not None:
+                relayed.append(await _chunk(posted))
+            return relayed[:-1], replayed[:-1]
+
+    relayed, replayed = asyncio.run(go())
+    assert replayed == relayed  # the same chunks, from the first
+    assert replayed[0]["type"] == "start" and replayed[-1]["type"] == "finish"
+    assert "".join(c["delta"] for c in replayed if c["type"] == "text-delta") == "".join(f"t{i} " for i in range(40))  # no FORGED
+
+
+async def _chunk(response) -> dict | None:
+    """The next chunk of a UI message stream; None at its `[DONE]`."""
+    while True:
+        line = (await response.content.readline()).decode().strip()
+        if line == "data: [DONE]":
+            return None
+        if line.startswith("data: "):
+            return json.loads(line.removeprefix("data: "))
+        assert line or not response.content.at_eof(), "the stream ended without [DONE]"
 
 
 def scrape(port: int) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from memfilter.core import origin
 from memfilter.core.chat_completions import Completion, request
 from memfilter.core.reply_stream import BadChunk, Reply
 
@@ -185,3 +186,13 @@ class TestWhatTheModelIsSent:
             {"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
             {"type": "file", "file": {"file_data": "data:application/pdf;base64,AAAA", "filename": "a.pdf"}},
         ]
+
+
+class TestOnlyTheRunnerMakesAReplyStream:
+    def test_an_attempt_verifies_for_its_request_thread_and_resource_only(self):
+        made = origin.attempt(b"s" * 32, "q1", "t1", "r1", "nonce")
+        assert origin.is_attempt(made, b"s" * 32, "q1", "t1", "r1")
+        for request_id, thread, resource in (("q2", "t1", "r1"), ("q1", "t2", "r1"), ("q1", "t1", "r2")):
+            assert not origin.is_attempt(made, b"s" * 32, request_id, thread, resource)
+        assert not origin.is_attempt(made, b"another secret!!", "q1", "t1", "r1")
+        assert not origin.is_attempt("nonce", b"s" * 32, "q1", "t1", "r1") and not origin.is_attempt("", b"s" * 32, "q1", "t1", "r1")
