@@ -24,6 +24,12 @@ def _readable(topic_kind: str, record) -> str:
         event = msgspec.json.decode(record.value)
     except msgspec.DecodeError:
         return f"{key}  (not JSON) {record.value[:80]!r}"
+    if topic_kind == "streams":  # a chunk of a reply being made
+        chunk = event.get("chunk") or {}
+        said = chunk.get("delta") or chunk.get("finishReason") or chunk.get("errorText") or chunk.get("toolName") or ""
+        return f"{key}  {event.get('requestId')}  {chunk.get('type')}  {said}".rstrip()
+    if topic_kind == "stops":
+        return f"{key}  stop {event.get('requestId') or '(the reply in flight)'} for {event.get('resourceId')}"
     messages = event.get("messages", [])
     if topic_kind == "filtered":  # format 2 refers into the context
         with contextlib.suppress(BadReference):

@@ -18,9 +18,10 @@ its thread (the record key):
 
 It also keeps, for a resume (`GET /api/chat/{id}/stream`), every reply still being made: the
 chunks of each thread's latest stream, from its `start` to its end (`finish`, `error` or
-`abort`), when it is dropped. So that a gateway started while replies are being made can
-resume them, `reply-streams` is read from `since_s` seconds back (the longest a reply is
-waited for); the other topics from their ends.
+`abort`), when it is dropped (or `since_s` after its start, when no runner is left to end
+it). So that a gateway started while replies are being made can resume them, `reply-streams`
+is read from `since_s` seconds back (the longest a reply is waited for); the other topics
+from their ends.
 
 Nothing is shared between gateways: each reads the topics whole, so any gateway can serve any
 request and resume any reply.
@@ -83,6 +84,7 @@ class Live:
     request_id: str
     resource: str
     attempt: str
+    began: float = field(default_factory=time.monotonic)
     chunks: list[dict[str, Any]] = field(default_factory=list)
     followers: list[asyncio.Queue[dict[str, Any] | None]] = field(default_factory=list)  # None: the stream was replaced
 
@@ -159,7 +161,12 @@ class Outcomes:
 
     async def _run(self) -> None:
         assert self._consumer is not None
+        pruned = time.monotonic()
         while True:
+            if time.monotonic() - pruned > self.since_s:  # replies that never ended (no runner left to end them)
+                pruned = time.monotonic()
+                for thread in [t for t, live in self._live.items() if pruned - live.began > self.since_s]:
+                    del self._live[thread]
             try:
                 batch = await self._consumer.getmany(timeout_ms=500)
             except Exception:
