@@ -56,7 +56,7 @@ from memfilter.core.replies import wants_reply
 from memfilter.core.ui import to_ui
 from memfilter.core.ui_stream import DONE, HEADERS, chunks, event
 from memfilter.gateway.identity import Unauthenticated, resource_of
-from memfilter.gateway.outcomes import ENDS, Outcomes, Waiting
+from memfilter.gateway.outcomes import ENDS, Live, Outcomes, Waiting
 from memfilter.metrics import GatewayMetrics
 from memfilter.runtime.records import MAX_RECORD_BYTES
 from memfilter.settings import Settings
@@ -120,6 +120,18 @@ def _chunks_of(w: Waiting, attempt: str):
                 return "restarted"
 
     return more
+
+
+def _following(live: Live):
+    """A reply being made, from its first chunk: the chunks so far, and the next one's getter
+    ("restarted" once another attempt replaces it)."""
+    so_far, queue = live.follow()
+
+    async def more() -> dict[str, Any] | str:
+        chunk = await queue.get()
+        return "restarted" if chunk is None else chunk
+
+    return so_far, more
 
 
 async def _saved(w: Waiting, deadline: float) -> dict[str, Any] | None:
@@ -242,9 +254,13 @@ class Gateway:
                 return error(504, "timeout", self._not_stored(w)), "timeout"
             self.metrics.wait.labels("reply").observe(time.monotonic() - started)
             return stream(first), "answered"
+        so_far, more = [first.chunk], _chunks_of(w, first.attempt)
+        live = self.outcomes.live(w.thread)
+        if first.chunk.get("type") != "start" and live is not None and (live.request_id, live.attempt) == (w.request_id, first.attempt):
+            so_far, more = _following(live)  # joined mid-reply (a retry of a request being answered): from its start
         response = web.StreamResponse(headers=HEADERS)
         await response.prepare(request)
-        outcome = await self._follow(response, w.thread, [first.chunk], _chunks_of(w, first.attempt), lambda: _saved(w, deadline), deadline)
+        outcome = await self._follow(response, w.thread, so_far, more, lambda: _saved(w, deadline), deadline)
         if outcome == "answered":
             self.metrics.wait.labels("reply").observe(time.monotonic() - started)
         return response, outcome
@@ -319,14 +335,9 @@ class Gateway:
             return web.Response(status=204)
         self.metrics.requests.labels("resumed").inc()
         with self.outcomes.waiting(thread, resource, live.request_id) as w:
-            so_far, queue = live.follow()
+            so_far, more = _following(live)
             response = web.StreamResponse(headers=HEADERS)
             await response.prepare(request)
-
-            async def more() -> dict[str, Any] | str:
-                chunk = await queue.get()
-                return "restarted" if chunk is None else chunk
-
             await self._follow(
                 response, thread, so_far, more, lambda: _saved(w, time.monotonic() + self.gateway.reply_s), time.monotonic() + self.gateway.reply_s
             )

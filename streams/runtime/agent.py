@@ -52,7 +52,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from memfilter.core import chat_completions, replies
 from memfilter.core.filter import Rejection
 from memfilter.core.filtered import decode_whole
-from memfilter.core.reply_stream import BadChunk, Reply
+from memfilter.core.reply_stream import Reply
 from memfilter.core.ui import to_ui
 from memfilter.metrics import AgentMetrics
 from memfilter.runtime.health import serve_health
@@ -275,9 +275,13 @@ class AgentHandler:
         stop = asyncio.ensure_future(live.stopped.wait())
         try:
             await asyncio.wait({making, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if not making.done():
+        except BaseException:  # the runner itself is stopping: the model call ends too
+            for task in (stop, making):
+                task.cancel()
+            await asyncio.gather(stop, making, return_exceptions=True)
+            raise
+        stop.cancel()
+        if not making.done():  # a client's stop
             making.cancel()
             await asyncio.gather(making, return_exceptions=True)
             await self._cut(reply, live, "interrupted", "stopped by the client before the call was complete")
@@ -289,7 +293,7 @@ class AgentHandler:
                 raise
             await live.send({"type": "error", "errorText": str(e)})
             raise
-        except (BadChunk, Exception) as e:  # the model failed midway: what it made is saved, marked
+        except Exception as e:  # the model failed midway (or made chunks no client takes: BadChunk): what it made is saved, marked
             log.warning("memfilter agent: the model failed midway through request %s's reply: %s", event.requestId, e)
             await self._cut(reply, live, "error", f"the reply failed: {type(e).__name__}: {str(e)[:300]}")
         return reply
