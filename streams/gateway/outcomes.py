@@ -186,9 +186,10 @@ class Outcomes:
                         else:
                             self._decision(w, record)
 
-    def live(self, thread: str) -> Live | None:
-        """The reply being made in `thread`, if any."""
-        return self._live.get(thread.encode())
+    def live(self, thread: str, resource: str) -> Live | None:
+        """The reply being made in `thread` for `resource`, if any."""
+        live = self._live.get(thread.encode())
+        return live if live is not None and live.resource == resource else None
 
     def _chunk(self, record: ConsumerRecord) -> None:
         if record.key is None:

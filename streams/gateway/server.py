@@ -255,7 +255,7 @@ class Gateway:
             self.metrics.wait.labels("reply").observe(time.monotonic() - started)
             return stream(first), "answered"
         so_far, more = [first.chunk], _chunks_of(w, first.attempt)
-        live = self.outcomes.live(w.thread)
+        live = self.outcomes.live(w.thread, w.resource)
         if first.chunk.get("type") != "start" and live is not None and (live.request_id, live.attempt) == (w.request_id, first.attempt):
             so_far, more = _following(live)  # joined mid-reply (a retry of a request being answered): from its start
         response = web.StreamResponse(headers=HEADERS)
@@ -330,17 +330,16 @@ class Gateway:
         if isinstance(owned, web.Response):
             return owned
         resource, thread = owned
-        live = self.outcomes.live(thread)
-        if live is None or live.resource != resource:
+        live = self.outcomes.live(thread, resource)
+        if live is None:
             return web.Response(status=204)
         self.metrics.requests.labels("resumed").inc()
+        deadline = time.monotonic() + self.gateway.reply_s
         with self.outcomes.waiting(thread, resource, live.request_id) as w:
             so_far, more = _following(live)
             response = web.StreamResponse(headers=HEADERS)
             await response.prepare(request)
-            await self._follow(
-                response, thread, so_far, more, lambda: _saved(w, time.monotonic() + self.gateway.reply_s), time.monotonic() + self.gateway.reply_s
-            )
+            await self._follow(response, thread, so_far, more, lambda: _saved(w, deadline), deadline)
         return response
 
     async def stop(self, request: web.Request) -> web.Response:
@@ -348,8 +347,8 @@ class Gateway:
         if isinstance(owned, web.Response):
             return owned
         resource, thread = owned
-        live = self.outcomes.live(thread)
-        request_id = live.request_id if live is not None and live.resource == resource else ""
+        live = self.outcomes.live(thread, resource)
+        request_id = live.request_id if live is not None else ""
         try:
             await self.client.stop_reply(thread, resource, request_id)
         except KafkaError as e:

@@ -362,6 +362,7 @@ def test_an_agent_killed_mid_reply_loses_no_turn_and_its_next_owner_answers_it_o
     asyncio.run(pipeline.create_topics())
     pipeline.start_worker()
     openai = {"MEMFILTER_AGENT_BACKEND": "openai", "MEMFILTER_AGENT_BASE_URL": fake_openai.url, "OPENAI_API_KEY": "sk-test"}
+    openai["MEMFILTER_SESSION_TIMEOUT"] = "3"  # the group gives the killed runner's partitions on sooner
     first = pipeline.start_agent(**openai)
     t = pipeline.topics
     texts = lambda rs: [json.loads(r.value)["chunk"] for r in rs if r.topic == t.streams]  # noqa: E731
