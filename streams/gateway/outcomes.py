@@ -63,6 +63,10 @@ class _Saved(msgspec.Struct):
 _SAVED = msgspec.json.Decoder(_Saved)
 
 
+class MissingTopics(Exception):
+    """A topic the gateway reads does not exist; the message names them and the fix."""
+
+
 @dataclass(eq=False)
 class Waiting:
     """One request's wait: for its decision, then for its reply."""
@@ -109,11 +113,17 @@ class Outcomes:
     async def start(self, client: Client) -> None:
         """Read from the topics' ends as of now (`client` says what partitions they have)."""
         topics = (self.topics.filtered, self.topics.dlq, self.topics.persist, self.topics.streams)
-        tps = [TopicPartition(t, p) for t in topics for p in await client.partitions(t)]
         consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=20, group_id=None
         )
         await consumer.start()
+        missing = sorted(set(topics) - await consumer.topics())
+        if missing:
+            await consumer.stop()
+            raise MissingTopics(
+                f"topics {', '.join(missing)} do not exist on {self.bootstrap}: `memfilter stack up` makes them (docs/operations.md: Upgrading)"
+            )
+        tps = [TopicPartition(t, p) for t in topics for p in await client.partitions(t)]
         consumer.assign(tps)
         await consumer.seek_to_end(*tps)
         for tp in tps:  # the ends as of now: every record after is read

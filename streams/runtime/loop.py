@@ -482,7 +482,7 @@ def _collector_paused() -> Iterator[None]:
         gc.enable()
 
 
-async def wait_for_topics(consumer: AIOKafkaConsumer, topics: list[str]) -> None:
+async def wait_for_topics(consumer: AIOKafkaConsumer, topics: Sequence[str]) -> None:
     """Subscribing to a topic the broker does not yet know would leave it unassigned."""
     for attempt in itertools.count():
         missing = set(topics) - await consumer.topics()

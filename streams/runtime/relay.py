@@ -9,10 +9,11 @@ A client's stop comes the other way, on `reply-stops`: every runner reads all of
 partitions from their ends (no group: the reply may be made by any runner) and sets the
 `stopped` event of the reply it names, when that reply is being made here, for that resource.
 
-What it promises: a chunk is sent only after the one before it (one producer, ordered); a
-chunk that cannot be sent does not stop the reply (the browser misses it and a resume
-fetches the reply saved); a stop for another resource, or for a reply not being made here, is
-ignored.
+What it promises: it waits out a Kafka that does not answer and topics not made yet, as the
+task loop does (a reply waits for it); a chunk is sent only after the one before it (one
+producer, ordered); a chunk that cannot be sent does not stop the reply (the browser misses it
+and a resume fetches the reply saved); a stop for another resource, or for a reply not being
+made here, is ignored.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from aiokafka.errors import KafkaError
 from mode import Service
 
 from memfilter.core import origin
+from memfilter.runtime.loop import wait_for_topics
 from memfilter.schemas.wire import FilteredInput, ReplyChunk, StopReply
 from memfilter.settings import Kafka, Topics
 
@@ -50,7 +52,8 @@ class Streaming:
     async def send(self, chunk: dict[str, Any]) -> None:
         e = self.event
         value = msgspec.json.encode(ReplyChunk(e.requestId, e.threadId, e.resourceId, self.attempt, chunk))
-        assert self.relay.producer is not None, "the relay is started before any reply"
+        await self.relay.ready.wait()
+        assert self.relay.producer is not None
         try:
             self._last = await self.relay.producer.send(self.relay.topics.streams, value, key=e.threadId.encode())
         except Exception as err:  # the live view only: the reply goes on, and is saved
@@ -70,15 +73,35 @@ class Relay(Service):
         self.topics = topics
         self.secret = secret
         self.producer: AIOKafkaProducer | None = None  # made on start (in the event loop)
+        self.ready = asyncio.Event()  # connected, and the topics are there
         self._stops: AIOKafkaConsumer | None = None
         self._making: dict[str, Streaming] = {}  # thread -> the reply being made in it here
 
     async def on_start(self) -> None:
-        self.producer = AIOKafkaProducer(bootstrap_servers=self.kafka.bootstrap, enable_idempotence=True, linger_ms=2)
-        await self.producer.start()
-        self._stops = AIOKafkaConsumer(bootstrap_servers=self.kafka.bootstrap, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=100)
-        await self._stops.start()
-        self.add_future(self._read_stops())
+        self.add_future(self._run())
+
+    async def _run(self) -> None:
+        """Connect (waiting out a Kafka that does not answer, and the topics, as the task loop
+        does), then read stops for as long as the runner runs."""
+        while self.producer is None:
+            producer = AIOKafkaProducer(bootstrap_servers=self.kafka.bootstrap, enable_idempotence=True, linger_ms=2)
+            consumer = AIOKafkaConsumer(bootstrap_servers=self.kafka.bootstrap, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=100)
+            try:
+                await producer.start()
+                await consumer.start()
+            except KafkaError as e:
+                log.warning("memfilter agent: Kafka at %s not answering for the relay topics (%s); retrying", self.kafka.bootstrap, e)
+                await asyncio.gather(producer.stop(), consumer.stop(), return_exceptions=True)
+                await asyncio.sleep(1)
+                continue
+            self.producer, self._stops = producer, consumer
+        assert self._stops is not None
+        await wait_for_topics(self._stops, self.topics.relays())  # a chunk sent to a topic that is not there would wait for it
+        tps = [TopicPartition(self.topics.stops, p) for p in sorted(await self.producer.partitions_for(self.topics.stops))]
+        self._stops.assign(tps)
+        await self._stops.seek_to_end(*tps)
+        self.ready.set()
+        await self._read_stops()
 
     async def on_stop(self) -> None:
         if self._stops is not None:
@@ -100,18 +123,6 @@ class Relay(Service):
 
     async def _read_stops(self) -> None:
         assert self._stops is not None
-        assert self.producer is not None
-        topic = self.topics.stops
-        while True:
-            try:
-                partitions = await self.producer.partitions_for(topic)  # waits for the topic's metadata
-                break
-            except KafkaError as e:
-                log.warning("memfilter agent: no partitions of topic %s yet (%s): `memfilter stack up` makes it; stops wait for it", topic, e)
-                await asyncio.sleep(1)
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-        self._stops.assign(tps)
-        await self._stops.seek_to_end(*tps)
         while not self.should_stop:
             try:
                 batch = await self._stops.getmany(timeout_ms=500)
