@@ -117,7 +117,9 @@ class Outcomes:
             bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=20, group_id=None
         )
         await consumer.start()
-        missing = sorted(set(topics) - await consumer.topics())
+        deadline = time.monotonic() + 10  # topics made a moment ago may not be in the brokers' metadata yet
+        while (missing := sorted(set(topics) - await consumer.topics())) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
         if missing:
             await consumer.stop()
             raise MissingTopics(

@@ -18,7 +18,7 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from pipeline import REPO, Pipeline, free_port, read, redis_config, wait_for_line
+from pipeline import REPO, WORKER_LOGS, Pipeline, free_port, read, redis_config, wait_for_line
 from stacks import memfilter
 
 from memfilter.client import Client, InvalidRequest
@@ -132,6 +132,21 @@ class TestTheWorkerSaysWhatItDoes:
         waits = [line for line in log.splitlines() if "Redis unavailable while handling a batch" in line]
         assert len(waits) >= 2 and "()" not in "".join(waits), log[-2000:]
         assert "(no answer within 10 s)" in waits[0]
+
+
+class TestMissingRelayTopics:
+    """An upgraded deployment whose relay topics are not made yet (docs/operations.md: Upgrading)."""
+
+    def test_a_gateway_names_them_in_one_line_and_exits_1(self, pipeline):
+        result = pipeline.memfilter(
+            "gateway", "--port", str(free_port()), MEMFILTER_TOPIC_STREAMS=f"missing-{pipeline.name}", MEMFILTER_GATEWAY_AUTH="header", timeout=60
+        )
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert f"topics missing-{pipeline.name} do not exist on {pipeline.bootstrap}: `memfilter stack up` makes them" in result.stderr
+
+    def test_an_agent_runner_waits_for_them_saying_which(self, pipeline):
+        pipeline.start_agent(MEMFILTER_TOPIC_STOPS=f"missing-{pipeline.name}")
+        wait_for_line(WORKER_LOGS / f"memfilter-test-{pipeline.name}-agent0.log", f"waiting for topics missing-{pipeline.name}: create them")
 
 
 class TestRepeatedLogLinesAreHeldBack:
