@@ -44,6 +44,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -265,7 +266,15 @@ class Gateway:
             self.metrics.wait.labels("reply").observe(time.monotonic() - started)
         return response, outcome
 
-    async def _follow(self, response, thread, so_far, more, saved, deadline) -> str:
+    async def _follow(
+        self,
+        response: web.StreamResponse,
+        thread: str,
+        so_far: list[dict[str, Any]],
+        more: Callable[[], Awaitable[dict[str, Any] | str]],
+        saved: Callable[[], Awaitable[dict[str, Any] | None]],
+        deadline: float,
+    ) -> str:
         """Write a reply's chunks to `response` as they come (`so_far`, then from `more`), holding
         its `finish` until the reply is stored; the outcome, for the metrics."""
         pending = list(so_far)
