@@ -17,9 +17,10 @@ its thread (the record key):
 - a reply is matched by its event's `requestId` (`<the request's id>/reply`) in the thread, and must be for the request's resource.
 
 It also keeps, for a resume (`GET /api/chat/{id}/stream`), every reply still being made: the
-chunks of each thread's latest stream, from its `start` to its end (`finish`, `error` or
-`abort`), when it is dropped (or `since_s` after its start, when no runner is left to end
-it). So that a gateway started while replies are being made can resume them, `reply-streams`
+chunks of each thread's latest stream, from its `start` to its end (`error` or `abort`; or
+`finish` and its reply read on `persist-messages`, so a page reloaded in between resumes
+it rather than find it nowhere), when it is dropped (or `since_s` after its start, when no
+runner is left to end it). So that a gateway started while replies are being made can resume them, `reply-streams`
 is read from `since_s` seconds back (the longest a reply is waited for); the other topics
 from their ends.
 
@@ -89,6 +90,8 @@ class Live:
     resource: str
     attempt: str
     began: float = field(default_factory=time.monotonic)
+    finished: bool = False  # its `finish` is read
+    saved: bool = False  # its reply is read on `persist-messages`
     chunks: list[dict[str, Any]] = field(default_factory=list)
     followers: list[asyncio.Queue[dict[str, Any] | None]] = field(default_factory=list)  # None: the stream was replaced
 
@@ -190,6 +193,8 @@ class Outcomes:
                     if record.topic == self.topics.streams:
                         self._chunk(record)
                         continue
+                    if record.topic == self.topics.persist and record.key in self._live:
+                        self._reply_saved(record)
                     for w in self._waiting.get(record.key, ()) if record.key is not None else ():
                         if record.topic == self.topics.persist:
                             self._saved(w, record)
@@ -226,8 +231,23 @@ class Outcomes:
         live.chunks.append(c.chunk)
         for q in live.followers:
             q.put_nowait(c.chunk)
-        if c.chunk.get("type") in ENDS:
+        if c.chunk.get("type") == "finish":
+            live.finished = True
+        if c.chunk.get("type") in ENDS and (live.saved or c.chunk.get("type") != "finish"):
             del self._live[record.key]
+
+    def _reply_saved(self, record: ConsumerRecord) -> None:
+        """A reply in flight stays resumable until it is saved: a page reloaded between its
+        `finish` and its save would find it neither stored nor resumable."""
+        live = self._live[record.key]
+        try:
+            saved = _SAVED.decode(record.value)
+        except (msgspec.DecodeError, TypeError):
+            return
+        if saved.requestId == f"{live.request_id}/reply" and saved.resourceId == live.resource:
+            live.saved = True
+            if live.finished:
+                del self._live[record.key]
 
     def _decision(self, w: Waiting, record: ConsumerRecord) -> None:
         found = outcome_of(record, self.topics)

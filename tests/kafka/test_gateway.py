@@ -63,25 +63,33 @@ def start_gateway(pipeline, name: str, **env: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def gateways(pipelines, tmp_path_factory):
+def model_agent(tmp_path_factory):
+    """The `openai` agent runner's settings: the fake endpoint (`tests/fake_openai.py`: slow
+    tokens, tool calls) and a tools file."""
+    fake = FakeOpenAI()
+    tools = tmp_path_factory.mktemp("tools") / "tools.json"
+    tools.write_text(json.dumps([{"name": "weather", "description": "the weather in a city", "inputSchema": {"type": "object"}}]))
+    yield {
+        "MEMFILTER_AGENT_BACKEND": "openai",
+        "MEMFILTER_AGENT_BASE_URL": fake.url,
+        "MEMFILTER_AGENT_MODEL": "m",
+        "OPENAI_API_KEY": "sk-test",
+        "MEMFILTER_AGENT_TOOLS": str(tools),
+    }
+    fake.close()
+
+
+@pytest.fixture(scope="module")
+def gateways(pipelines, model_agent):
     """A worker, the echo agent and three gateways on a pipeline of the module's own (two with
     JWT identity, one with header identity); a worker, an `openai` agent on the fake endpoint
     (`tests/fake_openai.py`: slow tokens, tool calls) and two JWT gateways on another; and a
     JWT gateway on topics no worker reads, that waits 5 s for a decision and lets one request
     wait at once: their ports, by name."""
     pipeline, model, unserved = pipelines["echo"], pipelines["model"], pipelines["unserved"]
-    fake = FakeOpenAI()
-    tools = tmp_path_factory.mktemp("tools") / "tools.json"
-    tools.write_text(json.dumps([{"name": "weather", "description": "the weather in a city", "inputSchema": {"type": "object"}}]))
     workers = [pipeline.start_worker(), model.start_worker()]
     pipeline.start_agent()
-    model.start_agent(
-        MEMFILTER_AGENT_BACKEND="openai",
-        MEMFILTER_AGENT_BASE_URL=fake.url,
-        MEMFILTER_AGENT_MODEL="m",
-        OPENAI_API_KEY="sk-test",
-        MEMFILTER_AGENT_TOOLS=str(tools),
-    )
+    model.start_agent(**model_agent)
     for worker in workers:
         wait_for_line(worker.log_path, "memfilter worker ready", timeout=60)
     reply, jwt = {"MEMFILTER_GATEWAY_REPLY_S": "30"}, {"MEMFILTER_GATEWAY_AUTH": "jwt", "MEMFILTER_GATEWAY_JWT_KEY": JWT_KEY}
@@ -93,7 +101,6 @@ def gateways(pipelines, tmp_path_factory):
         "model": start_gateway(model, "model", **jwt, **reply),
         "model-2": start_gateway(model, "model-2", **jwt, **reply),
     }
-    fake.close()
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +209,40 @@ def test_the_chat_page_in_a_browser_answers_a_typed_message_and_shows_the_stored
     result = node_test("page.test.mjs", GATEWAY_URL=f"http://127.0.0.1:{gateways['header']}", CHROMIUM=chromium, SCREENSHOT=str(SCREENSHOT), HOME="/tmp")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+def test_a_reply_whose_runner_dies_ends_its_stream_saying_so_and_the_next_owners_reply_is_resumed_and_saved_once(gateways, pipelines, model_agent):
+    """Last in the module: it replaces the `openai` runner. The gateway relaying the first
+    attempt cannot take back what the client was shown, so it ends the stream with an error
+    saying the reply began again; a resume on another gateway gets the next owner's reply,
+    from its start, and it is the one stored, once."""
+    model = pipelines["model"]
+    [runner] = [p for p in model.workers if "agent" in getattr(p, "log_path", WORKER_LOGS).name and p.poll() is None]
+    user, thread, request_id = (f"restart-{secrets.token_hex(4)}" for _ in range(3))
+    auth = {"Authorization": f"Bearer {jwt.encode({'sub': user, 'exp': int(time.time()) + 600}, JWT_KEY, algorithm='HS256')}"}
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            body = {"id": thread, "messages": [{"id": f"{thread}-u", "role": "user", "parts": [{"type": "text", "text": "slow 30"}]}]}
+            posted = await http.post(f"http://127.0.0.1:{gateways['model']}/api/chat", json=body, headers={**auth, "Idempotency-Key": request_id})
+            relayed = [await _chunk(posted)]
+            while relayed[-1]["type"] != "text-delta":
+                relayed.append(await _chunk(posted))
+            model.kill(runner)  # mid-reply
+            model.start_agent(**model_agent)
+            while relayed[-1] is not None:
+                relayed.append(await _chunk(posted))
+            resumed = await http.get(f"http://127.0.0.1:{gateways['model-2']}/api/chat/{thread}/stream", headers=auth)
+            assert resumed.status == 200
+            replayed = [await _chunk(resumed)]
+            while replayed[-1] is not None:
+                replayed.append(await _chunk(resumed))
+            stored = await (await http.get(f"http://127.0.0.1:{gateways['model-2']}/api/threads/{thread}/messages", headers=auth)).json()
+            return relayed[:-1], replayed[:-1], stored
+
+    relayed, replayed, stored = asyncio.run(go())
+    assert relayed[-1]["type"] == "error" and "began this reply again" in relayed[-1]["errorText"]
+    full = "".join(f"t{i} " for i in range(30))
+    assert replayed[0]["type"] == "start" and replayed[-1]["type"] == "finish"
+    assert "".join(c["delta"] for c in replayed if c["type"] == "text-delta") == full
+    assert [m["role"] for m in stored] == ["user", "assistant"] and stored[1]["parts"][-1]["text"] == full
