@@ -18,8 +18,8 @@ its thread (the record key):
 
 It also keeps, for a resume (`GET /api/chat/{id}/stream`), every reply still being made: the
 chunks of each thread's latest stream, from its `start` to its end (`error` or `abort`; or
-`finish` and its reply read on `persist-messages`, so a page reloaded in between resumes
-it rather than find it nowhere), when it is dropped (or `since_s` after its start, when no
+`finish` and its reply stored in Redis, so a page reloaded in between resumes it rather
+than find it nowhere), when it is dropped (or `since_s` after its start, when no
 runner is left to end it). So that a gateway started while replies are being made can resume them, `reply-streams`
 is read from `since_s` seconds back (the longest a reply is waited for); the other topics
 from their ends.
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from memfilter.core import origin
 from memfilter.core.filter import Rejection
 from memfilter.schemas.wire import FilteredInput, ReplyChunk
 from memfilter.settings import Topics
+from memfilter.store.history import HistoryStore
 
 log = logging.getLogger("memfilter")
 _CHUNK = msgspec.json.Decoder(ReplyChunk)
@@ -62,6 +64,20 @@ class _Saved(msgspec.Struct):
 
 
 _SAVED = msgspec.json.Decoder(_Saved)
+
+
+async def stored(store: HistoryStore, reply: dict[str, Any], thread: str, deadline: float) -> bool:
+    """Wait until the worker has applied a saved reply (its row is stored as saved); False at
+    `deadline`."""
+    pause = 0.005
+    while True:
+        row = await store.row(thread, reply["id"])
+        if row is not None and json.loads(row) == reply:
+            return True
+        if time.monotonic() + pause > deadline:
+            return False
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.1)
 
 
 class MissingTopics(Exception):
@@ -91,7 +107,7 @@ class Live:
     attempt: str
     began: float = field(default_factory=time.monotonic)
     finished: bool = False  # its `finish` is read
-    saved: bool = False  # its reply is read on `persist-messages`
+    saved: dict[str, Any] | None = None  # its reply, once read on `persist-messages`
     chunks: list[dict[str, Any]] = field(default_factory=list)
     followers: list[asyncio.Queue[dict[str, Any] | None]] = field(default_factory=list)  # None: the stream was replaced
 
@@ -103,13 +119,15 @@ class Live:
 
 
 class Outcomes:
-    def __init__(self, bootstrap: str, topics: Topics, since_s: float, secret: bytes):
+    def __init__(self, bootstrap: str, topics: Topics, since_s: float, secret: bytes, store: HistoryStore):
+        self.store = store  # where a reply in flight is looked for, to know when it is stored
         self.bootstrap = bootstrap
         self.topics = topics
         self.since_s = since_s
         self.secret = secret  # MEMFILTER_SECRET, which verifies a reply's attempt (`memfilter.core.origin`)
         self._waiting: dict[bytes, list[Waiting]] = {}  # thread (record key) -> its requests waiting here
         self._live: dict[bytes, Live] = {}  # thread -> the reply being made in it
+        self._forgetting: set[asyncio.Task] = set()  # replies ended, waited for in Redis
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task | None = None
 
@@ -142,6 +160,8 @@ class Outcomes:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        for task in list(self._forgetting):
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -233,21 +253,36 @@ class Outcomes:
             q.put_nowait(c.chunk)
         if c.chunk.get("type") == "finish":
             live.finished = True
-        if c.chunk.get("type") in ENDS and (live.saved or c.chunk.get("type") != "finish"):
+            self._forget_once_stored(record.key, live)
+        elif c.chunk.get("type") in ENDS:
             del self._live[record.key]
 
     def _reply_saved(self, record: ConsumerRecord) -> None:
-        """A reply in flight stays resumable until it is saved: a page reloaded between its
-        `finish` and its save would find it neither stored nor resumable."""
         live = self._live[record.key]
         try:
             saved = _SAVED.decode(record.value)
         except (msgspec.DecodeError, TypeError):
             return
-        if saved.requestId == f"{live.request_id}/reply" and saved.resourceId == live.resource:
-            live.saved = True
-            if live.finished:
-                del self._live[record.key]
+        replies = [m for m in saved.messages if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("id"), str)]
+        if saved.requestId == f"{live.request_id}/reply" and saved.resourceId == live.resource and replies:
+            live.saved = replies[-1]
+            self._forget_once_stored(record.key, live)
+
+    def _forget_once_stored(self, key: bytes, live: Live) -> None:
+        """A reply stays resumable until it is stored, not only until its `finish`: a page
+        reloaded in between would find it neither in the thread nor in flight."""
+        if not (live.finished and live.saved is not None):
+            return
+
+        async def forget() -> None:
+            with contextlib.suppress(Exception):  # Redis not answering: forgotten at `since_s`, as a reply that never ended
+                await stored(self.store, live.saved or {}, key.decode(), time.monotonic() + self.since_s)
+            if self._live.get(key) is live:
+                del self._live[key]
+
+        task = asyncio.create_task(forget())
+        self._forgetting.add(task)
+        task.add_done_callback(self._forgetting.discard)
 
     def _decision(self, w: Waiting, record: ConsumerRecord) -> None:
         found = outcome_of(record, self.topics)

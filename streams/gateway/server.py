@@ -57,7 +57,7 @@ from memfilter.core.replies import wants_reply
 from memfilter.core.ui import to_ui
 from memfilter.core.ui_stream import DONE, HEADERS, chunks, event
 from memfilter.gateway.identity import Unauthenticated, resource_of
-from memfilter.gateway.outcomes import ENDS, Live, Outcomes, Waiting
+from memfilter.gateway.outcomes import ENDS, Live, Outcomes, Waiting, stored
 from memfilter.metrics import GatewayMetrics
 from memfilter.runtime.records import MAX_RECORD_BYTES
 from memfilter.settings import Settings
@@ -135,9 +135,10 @@ def _following(live: Live):
     return so_far, more
 
 
-async def _saved(w: Waiting, deadline: float) -> dict[str, Any] | None:
-    """The reply as its runner saved it, once on `persist-messages`; None at `deadline`."""
-    return await _before(asyncio.shield(w.reply), deadline)
+async def _saved(w: Waiting, deadline: float, already: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The reply as its runner saved it (`already`, if read before the wait began), once on
+    `persist-messages`; None at `deadline`."""
+    return already if already is not None else await _before(asyncio.shield(w.reply), deadline)
 
 
 async def _before(waited: Any, deadline: float) -> Any:
@@ -154,9 +155,9 @@ class Gateway:
         self.identify = resource_of(settings.gateway)
         self.metrics = GatewayMetrics()
         self.client = Client(settings.kafka.bootstrap, settings.topics, settings.policy.limits)
-        self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics, settings.gateway.reply_s, settings.secret)
         self.redis = connect(settings.redis.url)
         self.store = HistoryStore(self.redis, settings.redis.prefix)
+        self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics, settings.gateway.reply_s, settings.secret, self.store)
         self.in_flight = 0
 
     def app(self) -> web.Application:
@@ -308,17 +309,9 @@ class Gateway:
         return f"the reply to request {w.request_id} was published but not stored within {g.reply_s:g} s (MEMFILTER_GATEWAY_REPLY_S): see the dead-letter topic {self.settings.topics.dlq}"
 
     async def _stored(self, reply: dict[str, Any], thread: str, deadline: float) -> bool:
-        """Wait until the worker has applied the reply (its row is stored as saved), so that a
-        reload right after the answer shows it; False at `deadline`."""
-        pause = 0.005
-        while True:
-            row = await self.store.row(thread, reply["id"])
-            if row is not None and json.loads(row) == reply:
-                return True
-            if time.monotonic() + pause > deadline:
-                return False
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.1)
+        """Wait until the worker has applied the reply, so that a reload right after the answer
+        shows it; False at `deadline`."""
+        return await stored(self.store, reply, thread, deadline)
 
     async def _owned(self, request: web.Request) -> tuple[str, str] | web.Response:
         """The caller and the thread of a thread's route, or the answer that refuses them:
@@ -348,7 +341,8 @@ class Gateway:
             so_far, more = _following(live)
             response = web.StreamResponse(headers=HEADERS)
             await response.prepare(request)
-            await self._follow(response, thread, so_far, more, lambda: _saved(w, deadline), deadline)
+            # its save may have been read before this resume began waiting for it
+            await self._follow(response, thread, so_far, more, lambda: _saved(w, deadline, live.saved), deadline)
         return response
 
     async def stop(self, request: web.Request) -> web.Response:
