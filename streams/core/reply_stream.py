@@ -85,8 +85,6 @@ class Reply:
                 part["providerMetadata"] = chunk["providerMetadata"]
         elif kind == "start-step":
             self.parts.append({"type": "step-start"})
-        elif kind == "finish-step":
-            self._texts.clear()
         elif kind == "tool-input-start":
             self._inputs[chunk["toolCallId"]] = ""
             self._tool(chunk, "input-streaming", input=None)
@@ -108,7 +106,8 @@ class Reply:
             part |= {"output": chunk["output"]} if state == "output-available" else {"errorText": chunk["errorText"]}
         elif kind in ("file", "source-url", "source-document"):
             self.parts.append({k: v for k, v in chunk.items() if v is not None})
-        # `error` and `abort` end the stream; they change no part
+        # `finish-step` changes no part (as in the client, a text not ended stays open across it);
+        # `error` and `abort` end the stream and change none either
 
     def _find(self, call: str) -> Msg:
         for part in reversed(self.parts):
