@@ -238,6 +238,7 @@ class FilteredInput(Struct):
     historyVersion: int = 0
     superseded: list[str] = []  # ids of the rows this request took out of the conversation (regenerate, edit)
     format: Literal[2] | UnsetType = UNSET  # 2: `messages` refer into `context`; absent: format 1, all whole
+    contextTokens: float | UnsetType = UNSET  # with a token budget (MEMFILTER_CONTEXT_TOKENS): what the context weighs
 
 
 # Generic like `ChatRequestOf`: the persister reads the same bytes typed and raw.

@@ -16,6 +16,7 @@ the client and `memfilter stack up` (which makes them) all take `Settings.topics
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import tempfile
@@ -26,6 +27,8 @@ import msgspec
 from msgspec import Meta
 
 from memfilter.core.filter import HISTORY_MESSAGES, Limits, Policy
+from memfilter.core.tokens import COUNTERS
+from memfilter.core.window import Budget
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Positive = Annotated[int, Meta(ge=1)]
@@ -123,6 +126,8 @@ class Decisions(
         "max_messages": "MEMFILTER_MAX_MESSAGES",
         "history_messages": "MEMFILTER_HISTORY_MESSAGES",
         "edits": "MEMFILTER_EDITS",
+        "context_tokens": "MEMFILTER_CONTEXT_TOKENS",
+        "token_counter": "MEMFILTER_TOKEN_COUNTER",
     },
 ):
     """How requests are decided: made into the filter's `Policy` (`Settings.policy`)."""
@@ -131,6 +136,8 @@ class Decisions(
     max_messages: Positive = 1000
     history_messages: Annotated[int, Meta(ge=0, le=1000)] = HISTORY_MESSAGES  # rows of the conversation in each context
     edits: Literal["on", "off"] = "on"  # regenerate and edit supersede rows; off: the stored copy wins (Mastra)
+    context_tokens: Annotated[int, Meta(ge=0)] = 0  # the context's token budget; 0: none (rows only)
+    token_counter: Literal["estimate", "o200k"] = "estimate"  # how tokens are counted (memfilter.core.tokens)
 
 
 class Worker(
@@ -296,6 +303,8 @@ class Settings(msgspec.Struct, frozen=True):
                 f"REDIS_URL={redis.url!r} is not valid: expected redis://HOST:PORT/DB (or rediss://, unix://), "
                 "or redis+cluster://HOST:PORT[,HOST:PORT...] (nodes of a Redis Cluster)"
             )
+        if parts["decisions"].token_counter == "o200k" and importlib.util.find_spec("bpe_openai") is None:
+            raise SettingError("MEMFILTER_TOKEN_COUNTER=o200k needs the bpe-openai package (the o200k_base encoding, offline): pip install 'memfilter[tokens]'")
         if not parts["agent"].base_url.startswith(("http://", "https://")):
             raise SettingError(f"MEMFILTER_AGENT_BASE_URL={parts['agent'].base_url!r} is not valid: expected an http:// or https:// URL")
         parts["worker"] = msgspec.structs.replace(worker, data_dir=worker.data_dir or os.path.join(tempfile.gettempdir(), f"memfilter-{worker.group}"))
@@ -305,7 +314,8 @@ class Settings(msgspec.Struct, frozen=True):
     @property
     def policy(self) -> Policy:
         d = self.decisions
-        return Policy(Limits(max_bytes=d.max_bytes, max_messages=d.max_messages), d.history_messages, d.edits == "on")
+        budget = Budget(d.context_tokens, COUNTERS[d.token_counter]) if d.context_tokens else None
+        return Policy(Limits(max_bytes=d.max_bytes, max_messages=d.max_messages), d.history_messages, d.edits == "on", budget)
 
     @property
     def secret(self) -> bytes:

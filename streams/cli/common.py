@@ -125,7 +125,14 @@ def history_store(url: str, prefix: str, settings: Settings):
     from memfilter.store.history import HistoryStore
     from memfilter.store.redis_driver import connect
 
-    return HistoryStore(connect(url), prefix, processed_ttl=settings.worker.processed_ttl, retry_window=settings.worker.retry_window)
+    budget = settings.policy.budget  # a rebuild writes the rows' token counts as the worker does
+    return HistoryStore(
+        connect(url),
+        prefix,
+        processed_ttl=settings.worker.processed_ttl,
+        retry_window=settings.worker.retry_window,
+        counter=budget.counter if budget is not None else None,
+    )
 
 
 async def workers_of(settings) -> int:

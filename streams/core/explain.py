@@ -13,6 +13,8 @@ from typing import Any, Literal
 import msgspec
 
 from memfilter.core.filter import HISTORY_MESSAGES, Limits, Policy, Rejected, Rejection, StoredView, decide, decode_request, parse_ms
+from memfilter.core.tokens import COUNTERS
+from memfilter.core.window import Budget, Why, reasons
 from memfilter.schemas.wire import Dropped
 
 
@@ -34,6 +36,17 @@ class Case(msgspec.Struct):
     historyMessages: int = HISTORY_MESSAGES  # N of the context's window (MEMFILTER_HISTORY_MESSAGES)
     superseded: list[str] = []  # ids of `stored` rows superseded already
     edits: Literal["on", "off"] = "on"  # MEMFILTER_EDITS
+    contextTokens: int | None = None  # the context's token budget (MEMFILTER_CONTEXT_TOKENS); none by default
+    tokenCounter: Literal["estimate", "o200k"] = "estimate"  # MEMFILTER_TOKEN_COUNTER
+
+
+class WindowRow(msgspec.Struct):
+    """A stored row, as the context's window saw it: its tokens, and whether it is in the
+    context or why not (`memfilter.core.window.reasons`)."""
+
+    id: str
+    tokens: float
+    why: Why
 
 
 class Explanation(msgspec.Struct, omit_defaults=True):
@@ -44,6 +57,8 @@ class Explanation(msgspec.Struct, omit_defaults=True):
     context: list[Any]
     superseded: list[str]
     error: Rejection | None = None
+    contextTokens: float | None = None  # with a budget: the context's total
+    window: list[WindowRow] | None = None  # with a budget: every stored row, oldest first, and why it is in or out
 
 
 class UnusableInput(Exception):
@@ -73,8 +88,9 @@ def view_of(thread_id: str, case: Case) -> StoredView:
 
 
 def policy_of(case: Case) -> Policy:
-    """The case's policy: its context size and edits setting, the default limits."""
-    return Policy(Limits(), case.historyMessages, case.edits == "on")
+    """The case's policy: its context's size and budget, its edits setting, the default limits."""
+    budget = Budget(case.contextTokens, COUNTERS[case.tokenCounter]) if case.contextTokens else None
+    return Policy(Limits(), case.historyMessages, case.edits == "on", budget)
 
 
 def explain_case(case: Case, position: int = 0, id_key: bytes = b"") -> Explanation:
@@ -84,8 +100,17 @@ def explain_case(case: Case, position: int = 0, id_key: bytes = b"") -> Explanat
     except Rejected as e:
         return Explanation("rejected", [], [], [], [], [], error=Rejection(e.type, e.message))
     view = view_of(request.shape.threadId, case)
-    d = decide(request, view, case.timestamp, policy.history, policy.edits)
-    return Explanation(d.outcome, d.messages, d.dropped, d.persist, d.context if d.error is None else [], d.superseded, error=d.error)
+    d = decide(request, view, case.timestamp, policy.history, policy.edits, policy.budget)
+    explanation = Explanation(d.outcome, d.messages, d.dropped, d.persist, d.context if d.error is None else [], d.superseded, error=d.error)
+    if policy.budget is not None and d.fit is not None:
+        explanation.contextTokens = round(d.fit.tokens or 0, 1)
+        counter, counted = policy.budget.counter, d.fit.counts
+        order = [mid for mid in view.rows]  # saved order
+        explanation.window = [
+            WindowRow(mid, round(counted[mid] if mid in counted else counter.row(view.rows[mid]), 1), why)
+            for mid, why in reasons(d.fit, order, [*view.superseded, *d.superseded])
+        ]
+    return explanation
 
 
 def explain(raw: bytes, id_key: bytes = b"") -> bytes:

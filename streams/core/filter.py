@@ -16,9 +16,10 @@ Wherever a kept message has the id of a stored message, the stored copy goes on 
 echo, with at most the advancing tool outcomes applied. The rules, and where they deliberately
 differ from Mastra's `MemoryInputFilter`, are in `docs/filter.md`.
 
-With the decision comes the model's `context` (`_context`): the request's system messages,
-the last `history` rows of the conversation with the request's updates in place, then what
-else the request contributes (`docs/agent.md`).
+With the decision comes the model's `context`: the request's system messages, a window of the
+conversation's last rows with the request's updates in place, then what else the request
+contributes; the window is chosen by `memfilter.core.window`, by rows and, with a budget, by
+tokens (`docs/agent.md`).
 
 This is the functional core: pure functions from (request bytes, `StoredView`, record
 timestamp) to a `Decision`; no I/O. `lookup_ids` says which stored rows a decision needs, and
@@ -43,14 +44,13 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 from msgspec import UNSET
 
-from memfilter.core import ui
+from memfilter.core import tokens, ui, window
 from memfilter.schemas.wire import ChatRequestOf, Content, Dropped, EitherMessage, Message, Part
 
 Msg = dict[str, Any]
@@ -92,11 +92,13 @@ class Limits(msgspec.Struct, frozen=True):
 class Policy(msgspec.Struct, frozen=True):
     """How requests are decided, the same wherever they are (the worker, `replay`, `explain`):
     what a request may be (`limits`), how many rows of the conversation the model's context
-    carries (`history`), and whether a regenerate or an edit supersedes stored rows (`edits`)."""
+    carries (`history`), within how many tokens (`budget`, none by default), and whether a
+    regenerate or an edit supersedes stored rows (`edits`)."""
 
     limits: Limits = Limits()
     history: int = HISTORY_MESSAGES
     edits: bool = True
+    budget: window.Budget | None = None
 
 
 class Request(msgspec.Struct):
@@ -124,6 +126,7 @@ class StoredView(msgspec.Struct):
     # in `tail`): at least those of the request's ids.
     superseded: frozenset[str] = frozenset()
     decoded: dict[str, Msg] = {}  # rows decoded so far (see `row`)
+    counts: dict[str, float] = {}  # token counts stored beside rows (`memfilter.core.tokens`), where read
 
     def row(self, mid: str) -> Msg:
         row = self.decoded.get(mid)
@@ -137,9 +140,16 @@ class Decision(msgspec.Struct):
     messages: list[Any]  # dicts, or a stored row's JSON (msgspec.Raw) where it goes on unchanged
     dropped: list[Dropped]
     persist: list[Msg]  # whole rows to save
-    context: list[Any] = []  # the model's input (see `_context`); like `messages`, dicts or stored JSON
+    context: list[Any] = []  # the model's input (`memfilter.core.window`); like `messages`, dicts or stored JSON
     superseded: list[str] = []  # ids of the rows the request takes out of the conversation (`_action`)
     error: Rejection | None = None
+    fit: window.Window | None = None  # how the context's window was chosen (its tokens, with a budget)
+
+    def counts(self, counter: tokens.Counter) -> list[float]:
+        """The token count of each row to save, in `persist`'s order (counted once: the window
+        counted those it weighed)."""
+        known = self.fit.counts if self.fit is not None else {}
+        return [known[row["id"]] if row["id"] in known else counter.message(row) for row in self.persist]
 
 
 # ---- decoding and validation (the edge of the core) -------------------------------------
@@ -338,7 +348,7 @@ def lookup_ids(request: Request) -> list[str]:
 def window_reach(request: Request, view: StoredView) -> list[str]:
     """The ids of the conversation's rows (stored here, not superseded) the request may keep,
     and its last message's if it may regenerate or edit: the context's window reaches back to
-    the first of them (`_context`) and a regenerate or edit supersedes what follows the last,
+    the first of them (`memfilter.core.window`) and a regenerate or edit supersedes what follows the last,
     so the shell reads the thread's order from there before deciding."""
     shape = request.shape
     _, kept = _select(shape.messages, request.ids, shape.retainFullInput, view, exact=False)
@@ -466,10 +476,13 @@ def _select(messages: list[Message], ids: list[str | None], retain_full: bool, v
     return "unpersisted-assistant-kept", dict.fromkeys(conversation)
 
 
-def decide(request: Request, view: StoredView, timestamp_ms: int, history: int = HISTORY_MESSAGES, edits: bool = True) -> Decision:
+def decide(
+    request: Request, view: StoredView, timestamp_ms: int, history: int = HISTORY_MESSAGES, edits: bool = True, budget: window.Budget | None = None
+) -> Decision:
     """The filter's decision for one validated request against its thread's stored view, with
-    the model's context made of the last `history` rows of the conversation; a regenerate or
-    an edit the request asks for, unless `edits` is off (MEMFILTER_EDITS)."""
+    the model's context made of the last `history` rows of the conversation, within `budget`
+    tokens if one is given (`memfilter.core.window`); a regenerate or an edit the request asks
+    for, unless `edits` is off (MEMFILTER_EDITS)."""
     shape = request.shape
     ids = request.ids
     try:
@@ -520,9 +533,13 @@ def decide(request: Request, view: StoredView, timestamp_ms: int, history: int =
         if row:
             persist.append(row)
         contributed.append((mid, row or out[-1]))
-    context = system + _context(contributed, view, history, superseding)
+    tail = [mid for mid in view.tail if mid not in superseding] if superseding else view.tail
+    try:
+        chosen = window.choose(contributed, tail, view.rows, history, budget, system, view.counts)
+    except window.OverBudget as e:
+        return Decision("rejected", [], [], [], error=Rejection("context-budget", str(e)))
     dropped = _dropped(shape, kept, superseded_kept, view, outcome)
-    return Decision(outcome, out, dropped, persist, context, superseding)
+    return Decision(outcome, out, dropped, persist, system + chosen.messages, superseding, fit=chosen)
 
 
 def _action(request: Request, view: StoredView) -> tuple[str, int] | None:
@@ -546,23 +563,6 @@ def _action(request: Request, view: StoredView) -> tuple[str, int] | None:
         if _as_dict(request, last)["content"].get("parts") != view.row(mid).get("content", {}).get("parts"):
             return "edited", last
     return None
-
-
-def _context(contributed: list[tuple[str, Any]], view: StoredView, history: int, superseding: Sequence[str] = ()) -> list[Any]:
-    """The model's input after the system messages: the window (the last `history` rows of
-    the conversation, reaching back to the first stored row the request contributes), without
-    the rows the request supersedes and with what it contributes to its rows in place; then
-    the rest of what it contributes. A row the request saves is in it as saved."""
-    if history <= 0:
-        return [m for _, m in contributed]
-    tail = [mid for mid in view.tail if mid not in superseding] if superseding else view.tail
-    start = max(0, len(tail) - history)
-    stored = {mid for mid, _ in contributed if mid in view.rows}
-    start = min(start, next((i for i, mid in enumerate(tail) if mid in stored), start))
-    window = tail[start:]
-    placed = dict(contributed)
-    in_window = set(window)
-    return [placed[mid] if mid in placed else msgspec.Raw(view.rows[mid]) for mid in window] + [m for mid, m in contributed if mid not in in_window]
 
 
 def _as_dict(request: Request, pos: int) -> Msg:

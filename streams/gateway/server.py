@@ -77,6 +77,7 @@ STATUS = {
     "foreign-message-id": 409,
     "duplicate": 409,
     "too-large": 413,
+    "context-budget": 413,
 }
 
 

@@ -68,12 +68,13 @@ from memfilter.core.filter import (
     window_reach,
 )
 from memfilter.core.filtered import FORMAT, compact
+from memfilter.core.tokens import stored_count
 from memfilter.metrics import Metrics
 from memfilter.runtime.records import MAX_OUTPUT_BYTES, Out, Record, dead_letter, internal_error
 from memfilter.schemas.wire import FilteredInput, PersistMessages, Source
 from memfilter.settings import Topics
 from memfilter.store.history import HistoryStore, ThreadState, Write
-from memfilter.store.layout import WINDOW_ENTRY, Recorded, encode_recorded, in_window, pack_rows, record_field, thread_tag, window_key
+from memfilter.store.layout import NO_COUNTS, WINDOW_ENTRY, Recorded, encode_recorded, in_window, pack, pack_rows, record_field, thread_tag, window_key
 
 log = logging.getLogger("memfilter")
 
@@ -173,6 +174,9 @@ class Processor:
         # they are now (None, live), or as an audit replay recorded them.
         self.seen = seen
         self.history = policy.history  # the rows of the conversation in each context
+        self.budget = policy.budget  # the context's tokens (MEMFILTER_CONTEXT_TOKENS), if any
+        if self.budget is not None:  # every row saved gets its count, and reads return them (`HistoryStore`)
+            store.counter = self.budget.counter
         self.edits = policy.edits  # regenerate and edit supersede rows
         self.filtered_format = filtered_format  # of the filtered inputs (MEMFILTER_FILTERED_FORMAT, `memfilter.core.filtered`)
         self._recorded: list[tuple[str, bytes]] = []  # `take_recorded`
@@ -372,9 +376,9 @@ class Processor:
         """One request's decision, its write (None for a rejection) and what it emits; what it
         saves goes into `state`, the overlay the thread's next request of the batch sees."""
         request = p.request
-        view = StoredView(state.rows, state.elsewhere, state.owner, state.size, state.newest_ms, state.tail, state.superseded)
+        view = StoredView(state.rows, state.elsewhere, state.owner, state.size, state.newest_ms, state.tail, state.superseded, counts=state.counts)
         started = perf_counter()
-        decision = decide(request, view, p.record.timestamp_ms, self.history, self.edits)
+        decision = decide(request, view, p.record.timestamp_ms, self.history, self.edits, self.budget)
         self.metrics.decision.observe(perf_counter() - started)
         p.outcome = decision.outcome
         if decision.error is not None:
@@ -387,9 +391,23 @@ class Processor:
         shape = request.shape
         entry = WINDOW_ENTRY.pack(p.key, p.record.partition, p.record.offset, p.record.timestamp_ms)
         gone = decision.superseded
+        counts = decision.counts(self.budget.counter) if self.budget is not None else []
         write = Write(
-            shape.threadId, state.version, after, shape.resourceId, newest, pack_rows(rows), encode_recorded(rec), new_ids, entry, gone, request.request_id
+            shape.threadId,
+            state.version,
+            after,
+            shape.resourceId,
+            newest,
+            pack_rows(rows),
+            encode_recorded(rec),
+            new_ids,
+            entry,
+            gone,
+            request.request_id,
+            pack([stored_count(self.budget.counter, c) for c in counts]) if self.budget is not None else NO_COUNTS,
         )
+        if counts:
+            state.counts.update((mid, c) for (mid, _), c in zip(rows, counts))
         if rows or gone:
             state.tail = state.tail + new_ids
             if gone:
@@ -418,6 +436,7 @@ class Processor:
             version,
             decision.superseded,
             FORMAT if compacted else UNSET,
+            round(decision.fit.tokens, 1) if decision.fit is not None and decision.fit.tokens is not None else UNSET,
         )
         rows = [(row["id"], msgspec.json.encode(row)) for row in decision.persist]
         persist = None

@@ -73,10 +73,11 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, NoScriptError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from memfilter.core.tokens import Counter, read_count, stored_count
 from memfilter.metrics import Metrics
 from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
 from memfilter.store import redis_driver, scripts
-from memfilter.store.layout import RECORDED, STATE_RANKS_PACKED, WINDOW_ENTRY, Keys, Recorded, pack, pack_rows, thread_tag
+from memfilter.store.layout import NO_COUNTS, RECORDED, STATE_RANKS_PACKED, WINDOW_ENTRY, Keys, Recorded, pack, pack_rows, thread_tag
 
 
 class Fenced(Exception):
@@ -103,6 +104,7 @@ class ThreadState:
     window: bytes = b""  # the retry window (`recent`)
     superseded: frozenset[str] = frozenset()  # ids of its rows out of the conversation (`superseded`)
     tail: list[str] = field(default_factory=list)  # the ids of the thread's last rows, in order (`read`, `read_tails`)
+    counts: dict[str, float] = field(default_factory=dict)  # token counts stored beside the rows read (with a counter)
 
 
 class Write(msgspec.Struct, frozen=True, gc=False):
@@ -119,6 +121,7 @@ class Write(msgspec.Struct, frozen=True, gc=False):
     entry: bytes  # the request's `WINDOW_ENTRY` (its `window_key` first)
     superseded: list[str]  # ids it takes out of the conversation
     request_id: str
+    counts: bytes = NO_COUNTS  # packed: each row's `stored_count`, in order (with a budget)
 
 
 class Save(msgspec.Struct, frozen=True, gc=False):
@@ -157,8 +160,12 @@ class HistoryStore(Keys):
         retry_window: int = RETRY_WINDOW,
         replicas: int = 0,
         replica_timeout: float = 1.0,
+        counter: Counter | None = None,
     ):
         super().__init__(prefix)
+        # With a context budget (MEMFILTER_CONTEXT_TOKENS), how tokens are counted: every row
+        # saved gets its count beside it (`tokens`), and reads return the counts of the rows read.
+        self.counter = counter
         self.redis = client
         self.processed_ttl = processed_ttl  # seconds: the retry window's time bound (see the header)
         self.retry_window = retry_window  # requests: the retry window's size
@@ -260,12 +267,15 @@ class HistoryStore(Keys):
         the thread; so is `pending` (`read_pending`); the tail's rows are those of `wanted`
         (`read_tails` reads the others)."""
         commands: list[tuple] = []
+        counting = self.counter is not None
         for thread, ids in wanted.items():
-            rows, order, meta, _, recent, superseded = self.keys(thread)
+            rows, order, meta, _, recent, superseded, tokens = self.keys(thread)
             commands.append(("HMGET", meta, "owner", "version", "newest"))  # first: a write after it is caught as stale
             commands.append(("HLEN", rows))
             if ids:
                 commands.append(("HMGET", rows, *ids))
+                if counting:
+                    commands.append(("HMGET", tokens, *ids))
             commands.append(("HKEYS", superseded))  # empty but after a regenerate or an edit
             commands.append(("GET", recent))
             if tail:
@@ -275,6 +285,7 @@ class HistoryStore(Keys):
         for thread, ids in wanted.items():
             (owner, version, newest), size = next(replies), next(replies)
             rows = next(replies) if ids else ()
+            counts = self._counts(ids, next(replies)) if ids and counting else {}
             gone = next(replies)
             states[thread] = ThreadState(
                 owner=owner.decode() if owner else None,
@@ -286,8 +297,18 @@ class HistoryStore(Keys):
                 window=next(replies) or b"",
                 superseded=frozenset(mid.decode() for mid in gone) if gone else frozenset(),
                 tail=[mid.decode() for mid in next(replies)] if tail else [],
+                counts=counts,
             )
         return states
+
+    def _counts(self, ids: Sequence[str], stored: list[bytes | None]) -> dict[str, float]:
+        """The stored counts of these ids that are the counter's."""
+        assert self.counter is not None
+        out = {}
+        for mid, raw in zip(ids, stored):
+            if (count := read_count(self.counter, raw)) is not None:
+                out[mid] = count
+        return out
 
     async def read_tails(self, states: dict[str, ThreadState], reach: dict[str, list[str]]) -> None:
         """Complete the threads' tails (`read`) in one round trip, if any needs it: the rows of
@@ -296,23 +317,31 @@ class HistoryStore(Keys):
         calls: list[tuple] = []
         commands: list[tuple] = []
         reaching, missing = [], []
+        counting = self.counter is not None
         for thread, state in states.items():
-            rows, order, *_ = self.keys(thread)
+            rows, order, *_, tokens = self.keys(thread)
             if thread in reach:
                 reaching.append(state)
-                calls.append(scripts.TAIL.command(*reach[thread], rows_key=rows, order_key=order))
+                calls.append(scripts.TAIL.command(*reach[thread], rows_key=rows, order_key=order, tokens_key=tokens))
             if ids := [mid for mid in state.tail if mid not in state.rows]:  # a reach that finds none of its ids needs them too
                 missing.append((state, ids))
                 commands.append(("HMGET", rows, *ids))
+                if counting:
+                    commands.append(("HMGET", tokens, *ids))
         if not calls and not commands:
             return
         replies = await self._pipeline([*calls, *commands])
-        for state, (ids, rows) in zip(reaching, replies):
+        for state, (ids, rows, counts) in zip(reaching, replies):
             if ids:
                 state.tail = [mid.decode() for mid in ids]
                 state.rows.update((mid, row) for mid, row in zip(state.tail, rows) if row is not None)
-        for (state, ids), rows in zip(missing, replies[len(calls) :]):
-            state.rows.update((mid, row) for mid, row in zip(ids, rows) if row is not None)
+                if counting:
+                    state.counts.update(self._counts(state.tail, counts))
+        found = iter(replies[len(calls) :])
+        for state, ids in missing:
+            state.rows.update((mid, row) for mid, row in zip(ids, next(found)) if row is not None)
+            if counting:
+                state.counts.update(self._counts(ids, next(found)))
 
     async def read_pending(self, records: list[tuple[str, bytes]]) -> list[Recorded | None]:
         """The records of these (thread, `window_key`) still waiting for a Kafka commit: one
@@ -408,7 +437,7 @@ class HistoryStore(Keys):
         ttl, size = self.processed_ttl, self.window_bytes
         calls = []
         for w in writes:
-            rows, order, meta, _, recent, superseded = self.keys(w.thread)
+            rows, order, meta, _, recent, superseded, tokens = self.keys(w.thread)
             pending = self.pending_key(w.thread, w.entry[:8])
             after = self.pending_key(w.thread, w.after) if w.after else pending
             calls.append(
@@ -420,6 +449,7 @@ class HistoryStore(Keys):
                     pending_key=pending,
                     after_key=after,
                     superseded_key=superseded,
+                    tokens_key=tokens,
                     epoch=self.epoch,
                     record=w.recorded,
                     seen_version=w.version,
@@ -431,6 +461,7 @@ class HistoryStore(Keys):
                     window_bytes=size,
                     packed_superseded=pack(w.superseded),
                     request_id=w.request_id,
+                    packed_counts=w.counts,
                 )
             )
         out = []
@@ -463,7 +494,8 @@ class HistoryStore(Keys):
             return []
         calls = []
         for s in saves:
-            rows, order, meta, saved, _, superseded = self.keys(s.thread)
+            rows, order, meta, saved, _, superseded, tokens = self.keys(s.thread)
+            counts = [stored_count(self.counter, self.counter.row(row)) for _, row in s.rows] if self.counter is not None else []
             calls.append(
                 scripts.APPLY.command(
                     rows_key=rows,
@@ -471,6 +503,7 @@ class HistoryStore(Keys):
                     meta_key=meta,
                     saved_key=saved,
                     superseded_key=superseded,
+                    tokens_key=tokens,
                     epoch=self.epoch,
                     resource=s.owner,
                     newest_ms=s.newest_ms,
@@ -481,6 +514,7 @@ class HistoryStore(Keys):
                     packed_ranks=STATE_RANKS_PACKED,
                     packed_superseded=pack(s.superseded),
                     request_id=s.request_id,
+                    packed_counts=pack(counts),
                 )
             )
         out: list[int | tuple[str, str]] = []
@@ -503,7 +537,7 @@ class HistoryStore(Keys):
 
     async def superseded_rows(self, thread: str) -> list[tuple[str, bytes]]:
         """A thread's superseded rows, each with the id of the request that superseded it."""
-        rows, *_, superseded = self.keys(thread)
+        rows, *_, superseded, _ = self.keys(thread)
         by = await self.redis.hgetall(superseded)
         found = await self.redis.hmget(rows, list(by)) if by else []
         return [(request.decode(), row) for request, row in zip(by.values(), found) if row is not None]

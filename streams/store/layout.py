@@ -11,6 +11,7 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:t:{T}:order` | list | message ids in save order: the thread's order |
 | `mf:t:{T}:meta` | hash | `owner` (resourceId), `version` (writes so far), `newest` (newest createdAt, epoch ms), `epoch` (of the last worker that wrote it) |
 | `mf:t:{T}:saved` | string | the identity (`save_identity`, 8 bytes) of every other service's save applied |
+| `mf:t:{T}:tokens` | hash | message id -> the row's token count, written with the row when a budget is set (`memfilter.core.tokens.stored_count`: the counter's tag, then the count) |
 | `mf:t:{T}:superseded` | hash | message id -> the request id that superseded it: rows a regenerate or an edit took out of the conversation (out of `order`, still in `rows`) |
 | `mf:t:{T}:recent` | string | the retry window: the thread's last `retry_window` processed requests, a `WINDOW_ENTRY` each |
 | `mf:t:{T}:pending:<K>` | string | what was emitted for processed request K (`window_key`, hex), as `Recorded` JSON, until its batch's Kafka transaction commits |
@@ -19,7 +20,7 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:sync:{S}` | string | a marker `replicate` writes before WAIT, one per cluster node (`mf:sync` on one Redis); expires after a minute |
 
 Only rows and order lists grow with the conversation (and `superseded`, with regenerates and
-edits); everything else is a few bytes per message or save, or per thread (docs/operations.md, "Capacity").
+edits, and `tokens`, a few bytes a row, with a budget); everything else is a few bytes per message or save, or per thread (docs/operations.md, "Capacity").
 
 Everything here is pure: key names, digests and encodings, shared by the store
 (`memfilter.store.history`), the processor and the audit's recorded log. No I/O.
@@ -43,6 +44,7 @@ ID_BUCKETS = 4096
 WINDOW_ENTRY = struct.Struct(">8sIqq")
 pack = msgspec.msgpack.encode
 STATE_RANKS_PACKED = pack(STATE_RANKS)
+NO_COUNTS = pack([])  # a write's token counts without a budget
 
 
 def _digest(text: str, size: int) -> bytes:
@@ -117,9 +119,9 @@ class Keys:
         return f"{self.prefix}:t:{{{thread}}}"
 
     def keys(self, thread: str) -> list[str]:
-        """The thread's keys: rows, order, meta, saved, recent, superseded."""
+        """The thread's keys: rows, order, meta, saved, recent, superseded, tokens."""
         base = self._tag(thread)
-        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:saved", f"{base}:recent", f"{base}:superseded"]
+        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:saved", f"{base}:recent", f"{base}:superseded", f"{base}:tokens"]
 
     def pending_key(self, thread: str, key: bytes) -> str:
         """Where the record of a processed request (`window_key`) waits for its batch's Kafka commit."""

@@ -77,7 +77,7 @@ class TestScriptsTakeNamedArguments:
     def test_a_call_with_a_missing_or_unknown_name_is_refused(self):
         with pytest.raises(TypeError, match="tail.lua takes keys"):
             scripts.TAIL.command(rows_key="r", order="o")
-        assert scripts.TAIL.command("id1", rows_key="r", order_key="o") == ("EVALSHA", scripts.TAIL.sha, 2, "r", "o", "id1")
+        assert scripts.TAIL.command("id1", rows_key="r", order_key="o", tokens_key="k") == ("EVALSHA", scripts.TAIL.sha, 3, "r", "o", "k", "id1")
 
 
 class TestTheRedisDriverKnowsItsRedisPy:

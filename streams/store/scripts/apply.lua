@@ -13,10 +13,11 @@
 -- - a superseded id of the event that is a row of this thread, still in its conversation,
 --   leaves the conversation (its row stays, marked with the event's request id); a later save
 --   of a superseded row updates the row and leaves it out.
--- KEYS: rows_key order_key meta_key saved_key superseded_key
--- ARGV: epoch resource newest_ms packed_rows packed_roles may_own identity packed_ranks packed_superseded request_id
-local rows_key, order_key, meta_key, saved_key, superseded_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local epoch, resource, newest_ms, packed_rows, packed_roles, may_own, identity, packed_ranks, packed_superseded, request_id = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+-- - with a context budget, a row written gets its token count beside it (`tokens_key`).
+-- KEYS: rows_key order_key meta_key saved_key superseded_key tokens_key
+-- ARGV: epoch resource newest_ms packed_rows packed_roles may_own identity packed_ranks packed_superseded request_id packed_counts
+local rows_key, order_key, meta_key, saved_key, superseded_key, tokens_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local epoch, resource, newest_ms, packed_rows, packed_roles, may_own, identity, packed_ranks, packed_superseded, request_id, packed_counts = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 -- The owner epoch fences: a worker takes one each time it is given partitions, and every
 -- write stamps the thread's meta with it; an older one than the thread's is refused.
 local stored = tonumber(redis.call('HGET', meta_key, 'epoch') or '0')
@@ -72,16 +73,22 @@ end
 if mine > stored then redis.call('HSET', meta_key, 'epoch', epoch) end
 
 if saved then redis.call('SET', saved_key, saved .. identity) end
+local counts = cmsgpack.unpack(packed_counts)
 local changed = false
 for i = 1, #rows, 2 do
   local old = redis.call('HGET', rows_key, rows[i])
+  local written = false
   if not old then
     redis.call('HSET', rows_key, rows[i], rows[i + 1])
     redis.call('RPUSH', order_key, rows[i])
-    changed = true
+    written = true
   elseif old ~= rows[i + 1] and not keep[i] then
     redis.call('HSET', rows_key, rows[i], rows[i + 1])
-    changed = true
+    written = true
+  end
+  if written then changed = true end
+  if #counts > 0 and (written or redis.call('HEXISTS', tokens_key, rows[i]) == 0) then
+    redis.call('HSET', tokens_key, rows[i], counts[(i + 1) / 2])
   end
 end
 for _, id in ipairs(cmsgpack.unpack(packed_superseded)) do

@@ -1,10 +1,11 @@
 -- COMMIT: one request's effect on its thread, atomically (memfilter.store.history, `commit`).
 -- Refuses a decision made on a version that has since moved (`stale`), and a write of a
 -- worker whose partitions were given to another that has written this thread since (`fenced`).
--- KEYS: rows_key order_key meta_key recent_key pending_key after_key superseded_key
--- ARGV: epoch record seen_version resource newest_ms packed_rows ttl entry window_bytes packed_superseded request_id
-local rows_key, order_key, meta_key, recent_key, pending_key, after_key, superseded_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local epoch, record, seen_version, resource, newest_ms, packed_rows, ttl, entry, window_bytes, packed_superseded, request_id = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+-- With a context budget, each row's token count is written beside it (`tokens_key`).
+-- KEYS: rows_key order_key meta_key recent_key pending_key after_key superseded_key tokens_key
+-- ARGV: epoch record seen_version resource newest_ms packed_rows ttl entry window_bytes packed_superseded request_id packed_counts
+local rows_key, order_key, meta_key, recent_key, pending_key, after_key, superseded_key, tokens_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local epoch, record, seen_version, resource, newest_ms, packed_rows, ttl, entry, window_bytes, packed_superseded, request_id, packed_counts = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12]
 -- The owner epoch fences: a worker takes one each time it is given partitions, and every
 -- write stamps the thread's meta with it; an older one than the thread's is refused.
 local stored = tonumber(redis.call('HGET', meta_key, 'epoch') or '0')
@@ -17,6 +18,7 @@ if mine > stored then redis.call('HSET', meta_key, 'epoch', epoch) end
 
 local rows = cmsgpack.unpack(packed_rows)
 local gone = cmsgpack.unpack(packed_superseded)
+local counts = cmsgpack.unpack(packed_counts)
 if #rows > 0 or #gone > 0 then
   redis.call('HSETNX', meta_key, 'owner', resource)
   for i = 1, #rows, 2 do
@@ -25,6 +27,7 @@ if #rows > 0 or #gone > 0 then
     else
       redis.call('HSET', rows_key, rows[i], rows[i + 1])
     end
+    if #counts > 0 then redis.call('HSET', tokens_key, rows[i], counts[(i + 1) / 2]) end
   end
   for _, id in ipairs(gone) do
     if redis.call('LREM', order_key, 1, id) > 0 then redis.call('HSET', superseded_key, id, request_id) end

@@ -1,0 +1,168 @@
+"""The model's context window: which rows of the conversation the model sees, and why.
+
+A request's `context` is its system messages, a window of the conversation's last rows with
+what the request contributes to them in place, then what else it contributes
+(`memfilter.core.filter`). This module chooses the window (`docs/agent.md`, "The context's
+window"):
+
+- by rows (MEMFILTER_HISTORY_MESSAGES, Mastra's `lastMessages`): the last `history` rows,
+  reaching back to the first stored row the request contributes to;
+- within a token budget too (MEMFILTER_CONTEXT_TOKENS), counted by `memfilter.core.tokens`:
+  what the request must have is always in (its system messages, what it contributes, and the
+  turn it continues, from that turn's user row); then, newest first, each older row while the
+  whole still fits, stopping at the first that does not (Mastra's `contiguous` trim); then the
+  window moves forward to its first user row, so that it never starts inside a turn (an answer
+  without its question, a tool result without its call: they share one stored row). A request
+  whose must-haves alone exceed the budget is refused (`OverBudget`), naming both numbers.
+
+It promises: with a budget, the context's total (`Window.tokens`) is at most the budget, and
+the window starts on a user row; `reasons` says of every stored row whether it is in, and if
+not, why. Pure: rows come as the stored bytes, with the counts stored beside them where the
+store has them; a row without one is counted from its bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from memfilter.core.tokens import ESTIMATE, Counter
+
+
+class Budget(msgspec.Struct, frozen=True):
+    """MEMFILTER_CONTEXT_TOKENS, counted by MEMFILTER_TOKEN_COUNTER."""
+
+    tokens: int
+    counter: Counter = ESTIMATE
+
+
+class OverBudget(Exception):
+    """What a request must have in its context exceeds the budget."""
+
+    def __init__(self, needed: float, budget: int):
+        super().__init__(
+            f"the request's system messages and what it contributes come to {needed:.1f} tokens; the context budget is {budget} "
+            "(MEMFILTER_CONTEXT_TOKENS): send less, or raise the budget"
+        )
+        self.needed, self.budget = needed, budget
+
+
+class Window(msgspec.Struct):
+    """The window chosen: the context after the system messages, and how it was cut."""
+
+    messages: list[Any]  # dicts, or a stored row's JSON (msgspec.Raw) where it goes on unchanged
+    tail: list[str]  # the conversation's last rows read, oldest first
+    cap: int  # the first of `tail` within MEMFILTER_HISTORY_MESSAGES (and the request's reach)
+    fits: int = 0  # the first the budget leaves in, newest first (with a budget)
+    start: int = 0  # the first in: a user row from `fits` on (without a budget, `cap`)
+    tokens: float | None = None  # the context's total, with a budget
+    counts: dict[str, float] = {}  # what was counted, by message id (with a budget)
+
+
+class _Role(msgspec.Struct):
+    role: str = ""
+
+
+_ROLE = msgspec.json.Decoder(_Role)
+
+
+def choose(
+    contributed: list[tuple[str, Any]],
+    tail: list[str],
+    rows: Mapping[str, bytes],
+    history: int,
+    budget: Budget | None = None,
+    system: Sequence[Any] = (),
+    stored_counts: Mapping[str, float] = {},
+) -> Window:
+    """The window over `tail` (the conversation's last rows, without those the request
+    supersedes) for a request that contributes `contributed` ((id, message as the model sees
+    it), in order) and has the `system` messages; raise `OverBudget` when its must-haves
+    do not fit `budget`."""
+    placed = dict(contributed)
+    if history <= 0:  # no window: what the request contributes, alone
+        tail = []
+    first = next((i for i, mid in enumerate(tail) if mid in placed), len(tail))
+    cap = min(max(0, len(tail) - history), first)
+    if budget is None:
+        held = set(tail[cap:])
+        return Window(_messages(tail[cap:], placed, rows) + [m for mid, m in contributed if mid not in held], tail, cap, cap, cap)
+
+    def role(mid: str) -> str:
+        m = placed.get(mid)
+        return m.get("role", "") if isinstance(m, dict) else _ROLE.decode(rows[mid]).role
+
+    must = first  # the turn the request continues, from its user row
+    while must >= 0 and must < len(tail) and role(tail[must]) != "user":
+        must -= 1
+    must = first if must < 0 else must
+    counter = budget.counter
+    counts: dict[str, float] = {}
+
+    def cost(mid: str) -> float:
+        if mid not in counts:
+            m = placed.get(mid)
+            if isinstance(m, dict):
+                counts[mid] = counter.message(m)
+            else:
+                known = stored_counts.get(mid)
+                counts[mid] = known if known is not None else counter.row(rows[mid])
+        return counts[mid]
+
+    held = set(tail[must:])
+    rest = [(mid, m) for mid, m in contributed if mid not in held]
+    system_tokens = 0.0
+    for m in system:
+        system_tokens += counter.system(m if isinstance(m, dict) else msgspec.json.decode(m))
+    remaining = budget.tokens - system_tokens - counter.conversation
+    current, over = 0.0, False
+    for mid in reversed([*tail[must:], *(mid for mid, _ in rest)]):  # newest first, as Mastra counts
+        if current + cost(mid) <= remaining:
+            current += cost(mid)
+        else:
+            current, over = current + cost(mid), True
+    if over:
+        raise OverBudget(counter.conversation + system_tokens + current, budget.tokens)
+    fits = must
+    while fits > cap and current + cost(tail[fits - 1]) <= remaining:
+        fits -= 1
+        current += cost(tail[fits])
+    start = fits
+    while start < must and role(tail[start]) != "user":
+        start += 1
+    tokens = counter.conversation + system_tokens + sum(cost(mid) for mid in [*tail[start:], *(mid for mid, _ in rest)])
+    return Window(_messages(tail[start:], placed, rows) + [m for _, m in rest], tail, cap, fits, start, tokens, counts)
+
+
+def _messages(ids: list[str], placed: dict[str, Any], rows: Mapping[str, bytes]) -> list[Any]:
+    return [placed[mid] if mid in placed else msgspec.Raw(rows[mid]) for mid in ids]
+
+
+Why = Literal["in", "superseded", "rows", "budget", "turn"]
+
+
+def reasons(window: Window, order: Sequence[str], superseded: Sequence[str]) -> list[tuple[str, Why]]:
+    """Why each stored row (`order`: the thread's rows, superseded ones too) is in the context or
+    not: `in`, `superseded` (a regenerate or an edit took it out), `rows` (before the last
+    MEMFILTER_HISTORY_MESSAGES), `budget` (older than the last row that fit), `turn` (it fit, but
+    the window starts at a user row)."""
+    at = {mid: i for i, mid in enumerate(window.tail)}
+    gone = set(superseded)
+    out: list[tuple[str, Why]] = []
+    for mid in order:
+        i = at.get(mid)
+        why: Why
+        if mid in gone:
+            why = "superseded"
+        elif i is None or i < window.cap:
+            why = "rows"
+        elif i < window.fits:
+            why = "budget"
+        elif i < window.start:
+            why = "turn"
+        else:
+            why = "in"
+        out.append((mid, why))
+    return out
