@@ -103,7 +103,7 @@ def explain_case(case: Case, position: int = 0, id_key: bytes = b"") -> Explanat
     d = decide(request, view, case.timestamp, policy.history, policy.edits, policy.budget)
     explanation = Explanation(d.outcome, d.messages, d.dropped, d.persist, d.context if d.error is None else [], d.superseded, error=d.error)
     if policy.budget is not None and d.fit is not None:
-        explanation.contextTokens = round(d.fit.tokens or 0, 1)
+        explanation.contextTokens = d.fit.tokens
         counter, counted = policy.budget.counter, d.fit.counts
         order = [mid for mid in view.rows]  # saved order
         explanation.window = [

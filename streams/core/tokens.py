@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -246,11 +247,15 @@ class MissingEncoding(Exception):
 
 @functools.cache
 def _o200k() -> Callable[[str], int]:
-    try:
-        import bpe_openai
-    except ImportError:
-        raise MissingEncoding("MEMFILTER_TOKEN_COUNTER=o200k needs the bpe-openai package: pip install 'memfilter[tokens]'") from None
-    encoding = bpe_openai.get_encoding("o200k_base")
+    # bpe-openai 0.1.4 reads its data with a deprecated importlib.resources call, on import and on first use.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            import bpe_openai
+        except ImportError:
+            raise MissingEncoding("MEMFILTER_TOKEN_COUNTER=o200k needs the bpe-openai package: pip install 'memfilter[tokens]'") from None
+        encoding = bpe_openai.get_encoding("o200k_base")
+        encoding.encode_ordinary("loaded")
     return lambda text: len(encoding.encode_ordinary(text)) if text else 0
 
 

@@ -57,7 +57,7 @@ class Window(msgspec.Struct):
     cap: int  # the first of `tail` within MEMFILTER_HISTORY_MESSAGES (and the request's reach)
     fits: int = 0  # the first the budget leaves in, newest first (with a budget)
     start: int = 0  # the first in: a user row from `fits` on (without a budget, `cap`)
-    tokens: float | None = None  # the context's total, with a budget
+    tokens: float | None = None  # the context's total, with a budget (to one decimal)
     counts: dict[str, float] = {}  # what was counted, by message id (with a budget)
 
 
@@ -132,7 +132,9 @@ def choose(
     start = fits
     while start < must and role(tail[start]) != "user":
         start += 1
-    tokens = counter.conversation + system_tokens + sum(cost(mid) for mid in [*tail[start:], *(mid for mid, _ in rest)])
+    # The total to one decimal: the estimate's counts are tenths (3.8 a message), and a float sum
+    # in another order than the one the fit was decided in can be a hair off.
+    tokens = round(counter.conversation + system_tokens + sum(cost(mid) for mid in [*tail[start:], *(mid for mid, _ in rest)]), 1)
     return Window(_messages(tail[start:], placed, rows) + [m for _, m in rest], tail, cap, fits, start, tokens, counts)
 
 

@@ -436,7 +436,7 @@ class Processor:
             version,
             decision.superseded,
             FORMAT if compacted else UNSET,
-            round(decision.fit.tokens, 1) if decision.fit is not None and decision.fit.tokens is not None else UNSET,
+            decision.fit.tokens if decision.fit is not None and decision.fit.tokens is not None else UNSET,
         )
         rows = [(row["id"], msgspec.json.encode(row)) for row in decision.persist]
         persist = None
