@@ -54,6 +54,7 @@ class Turn:
     context: list[Msg]  # what the model was given
     superseded: list[str]  # what it took out of the conversation
     reply: Msg | None  # the saved answer, if one was asked for
+    tokens: float | None = None  # what the context weighs, with a token budget (`contextTokens`)
 
 
 @dataclass
@@ -182,7 +183,8 @@ class Driver:
                 c.messages[-1] = reply  # a continuation after the client's tool outcome: the same message, a step more
             else:
                 c.messages.append(reply)
-        c.turns.append(Turn(request_id, view, new, event.context, event.superseded, reply))
+        tokens = event.contextTokens if event.contextTokens is not msgspec.UNSET else None
+        c.turns.append(Turn(request_id, view, new, event.context, event.superseded, reply, tokens))
         return reply
 
     async def _wait(self, futures: dict, key: Any, problem: str) -> Any:

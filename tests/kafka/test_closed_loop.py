@@ -15,10 +15,12 @@ import asyncio
 import json
 import time
 
+import pytest
 import redis.asyncio as aioredis
 from pipeline import Pipeline
 
 from memfilter.client.conversations import Conversation, Driver
+from memfilter.core.tokens import ESTIMATE
 from memfilter.store.history import HistoryStore
 
 HISTORY = 10
@@ -147,5 +149,49 @@ async def superseded(pipeline: Pipeline, prefix: str, conversations: list[Conver
         for c in conversations:
             out[c.thread] = {json.loads(row)["id"]: (by, json.loads(row)) for by, row in await store.superseded_rows(c.thread)}
         return out
+    finally:
+        await client.aclose()
+
+
+BUDGET = 150
+
+
+def test_within_a_token_budget_each_context_is_the_most_recent_whole_turns_that_fit_and_a_rebuild_counts_the_same(pipeline):
+    """MEMFILTER_CONTEXT_TOKENS on the worker: every context weighs at most the budget (as the
+    filtered input says, and as Mastra's estimate counts it), starts on a user row, is the end of
+    the client's view, and the turn before it would not have fit; a rebuild from the log stores
+    the same count beside every row, and a replay decides the same."""
+    settings = {"MEMFILTER_CONTEXT_TOKENS": str(BUDGET), "MEMFILTER_HISTORY_MESSAGES": "100"}
+    pipeline.start_worker(**settings)
+    pipeline.start_agent()
+    conversations = scripts(40, 8)
+    converse(pipeline, conversations)
+    cut = 0
+    for c in conversations:
+        for turn in c.turns:
+            context, view = turn.context, turn.view
+            assert turn.tokens is not None and turn.tokens <= BUDGET and context[0]["role"] == "user", turn.request_id
+            assert turn.tokens == pytest.approx(24 + sum(ESTIMATE.message(m) for m in context))
+            assert [essentials(m) for m in context] == [essentials(m) for m in view[-len(context) :]], turn.request_id
+            older = view[: -len(context)]
+            if older:  # the whole turn before the window would not have fit
+                start = max(i for i, m in enumerate(older) if m["role"] == "user")
+                assert turn.tokens + sum(ESTIMATE.message(m) for m in older[start:]) > BUDGET - 1e-9, turn.request_id
+                cut += 1
+    assert cut > len(conversations)  # late turns were cut by the budget
+    rebuilt = pipeline.memfilter("history", "rebuild", "--prefix", f"{pipeline.prefix}-rebuilt", timeout=600, **settings)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    live, again = (asyncio.run(counts(pipeline, prefix, conversations)) for prefix in (pipeline.prefix, f"{pipeline.prefix}-rebuilt"))
+    assert live == again and all(len(live[c.thread]) == len(c.messages) for c in conversations)
+    replayed = pipeline.memfilter("replay", timeout=600, **settings)
+    assert replayed.returncode == 0 and "identical, 0 different" in replayed.stdout, replayed.stdout + replayed.stderr
+
+
+async def counts(pipeline: Pipeline, prefix: str, conversations: list[Conversation]) -> dict[str, dict[bytes, bytes]]:
+    """Each thread's stored token counts."""
+    client = aioredis.from_url(pipeline.redis_url)
+    try:
+        store = HistoryStore(client, prefix)
+        return {c.thread: await client.hgetall(store.keys(c.thread)[6]) for c in conversations}
     finally:
         await client.aclose()
