@@ -31,6 +31,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from benchmarks.worker_throughput import REPO, clean_up, count_until, create_topics, free_port, publish, worker_env
+from memfilter.core.filter import HISTORY_MESSAGES
 
 KINDS = ("rows", "order", "meta", "pending", "recent", "saved", "ids", "other")
 
@@ -109,7 +110,7 @@ async def soak(args, bootstrap: str, redis_url: str, topics: dict[str, str], pre
     total = args.threads * args.turns
     await publish(bootstrap, topics["requests"], requests(args.threads, args.turns))
     print(f"workload: {total:,} requests, {args.threads:,} threads of {args.turns} turns, one new user message each")
-    env = worker_env(bootstrap, redis_url, topics, prefix)
+    env = worker_env(bootstrap, redis_url, topics, prefix, HISTORY_MESSAGES, key="")
     worker = subprocess.Popen(
         [sys.executable, "-m", "memfilter", "worker", "--web-port", str(free_port())],
         env=env,

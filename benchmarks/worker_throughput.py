@@ -28,6 +28,7 @@ whole machine was (the broker and Redis share its cores with the worker),
 and the worker's RSS after the first batches and after each tenth of the requests.
 
     .venv/bin/python -m benchmarks.worker_throughput [--threads 10000] [--requests 100000] [--history 0,10] [--profile FILE]
+        (--history 10,10@400: the row window, then the same within 400 tokens, side by side)
         [--cluster KAFKA_BOOTSTRAP_SERVERS REDIS_URL]
 """
 
@@ -56,6 +57,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.sample_threads import echo_of, stored_thread
 from memfilter.core.filter import parse_ms
+from memfilter.core.tokens import ESTIMATE
 from memfilter.store.history import HistoryStore, Save
 from memfilter.store.redis_driver import connect
 
@@ -141,9 +143,10 @@ async def publish(bootstrap: str, topic: str, records, rate: float | None = None
         await producer.stop()
 
 
-async def seed(redis_url: str, prefix: str, history: dict) -> None:
+async def seed(redis_url: str, prefix: str, history: dict, budget: int = 0) -> None:
+    """The stored history under `prefix`; with a budget, each row's token count beside it, as a worker saves them."""
     client = connect(redis_url)
-    store = HistoryStore(client, prefix)
+    store = HistoryStore(client, prefix, counter=ESTIMATE if budget else None)
     try:
         threads = [(thread, rows) for thread, rows in history.items() if rows]
         for start in range(0, len(threads), 500):
@@ -262,9 +265,12 @@ async def count_until(bootstrap: str, topic: str, n: int, on_record=None, timeou
         await consumer.stop()
 
 
-def worker_env(bootstrap: str, redis_url: str, topics: dict[str, str], prefix: str, history: int, replicas: int = 0) -> dict[str, str]:
-    """A benchmark worker's settings: the run's topics for its context size, and its prefix
-    as group and key prefix."""
+def worker_env(
+    bootstrap: str, redis_url: str, topics: dict[str, str], prefix: str, history: int, replicas: int = 0, budget: int = 0, key: str | None = None
+) -> dict[str, str]:
+    """A benchmark worker's settings: the run's topics of `key` (default: its context size), and
+    its prefix as group and key prefix."""
+    key = str(history) if key is None else key
     return {
         **os.environ,
         "MEMFILTER_REDIS_REPLICAS": str(replicas),
@@ -273,11 +279,12 @@ def worker_env(bootstrap: str, redis_url: str, topics: dict[str, str], prefix: s
         "MEMFILTER_GROUP": prefix,
         "MEMFILTER_REDIS_PREFIX": prefix,
         "MEMFILTER_TOPIC_REQUESTS": topics["requests"],
-        "MEMFILTER_TOPIC_FILTERED": topics[f"filtered{history}"],
-        "MEMFILTER_TOPIC_PERSIST": topics[f"persist{history}"],
-        "MEMFILTER_TOPIC_DLQ": topics[f"dlq{history}"],
+        "MEMFILTER_TOPIC_FILTERED": topics[f"filtered{key}"],
+        "MEMFILTER_TOPIC_PERSIST": topics[f"persist{key}"],
+        "MEMFILTER_TOPIC_DLQ": topics[f"dlq{key}"],
         "MEMFILTER_DATA_DIR": f"/tmp/{prefix}",
         "MEMFILTER_HISTORY_MESSAGES": str(history),
+        "MEMFILTER_CONTEXT_TOKENS": str(budget),
         "MEMFILTER_SECRET": os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32),
     }
 
@@ -367,7 +374,12 @@ async def main() -> None:
     parser.add_argument("--latency-rate", type=float, default=1000, help="requests/s in the latency phase")
     parser.add_argument("--latency-seconds", type=float, default=10)
     parser.add_argument("--partitions", type=int, default=8)
-    parser.add_argument("--history", default="0,10", help="context sizes to run (b) with, in order (MEMFILTER_HISTORY_MESSAGES)")
+    parser.add_argument(
+        "--history",
+        default="0,10",
+        help="context sizes to run (b) with, in order: N rows (MEMFILTER_HISTORY_MESSAGES), or N@B for N rows within B tokens (MEMFILTER_CONTEXT_TOKENS); "
+        "repeat them to alternate (10,10@400,10,10@400)",
+    )
     parser.add_argument(
         "--profile",
         metavar="FILE",
@@ -380,10 +392,10 @@ async def main() -> None:
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     run = uuid.uuid4().hex[:8]
-    histories = [int(n) for n in args.history.split(",")]
+    histories = [Size.parse(i, spec) for i, spec in enumerate(args.history.split(","))]
     topics = {k: f"bench-{k}-{run}" for k in ("requests", "baseline-out")}
     for n in histories:
-        topics |= {f"{k}{n}": f"bench-{k}{n}-{run}" for k in ("filtered", "persist", "dlq")}
+        topics |= {f"{k}{n.key}": f"bench-{k}{n.key}-{run}" for k in ("filtered", "persist", "dlq")}
     for variant in CLUSTER_RUNS if args.cluster else ():
         topics |= {f"{k}{variant}": f"bench-{k}{variant}-{run}" for k in ("filtered", "persist", "dlq")}
     prefix = f"bench-{run}"
@@ -401,7 +413,23 @@ async def main() -> None:
 CLUSTER_RUNS = {"c0": (1, 0), "c2w": (2, 1), "c1": (1, 1)}
 
 
-async def measure(args: argparse.Namespace, stacks: list[tuple[str, str]], topics: dict[str, str], prefix: str, histories: list[int]) -> None:
+class Size(msgspec.Struct, frozen=True):
+    """A context size of (b): rows, within a token budget (0: none); `key` names its topics and prefix."""
+
+    key: str
+    rows: int
+    budget: int = 0
+
+    @classmethod
+    def parse(cls, at: int, spec: str) -> Size:
+        rows, _, budget = spec.partition("@")
+        return cls(f"{at}-{rows}" + (f"b{budget}" if budget else ""), int(rows), int(budget or 0))
+
+    def label(self) -> str:
+        return f", MEMFILTER_HISTORY_MESSAGES={self.rows}" + (f", MEMFILTER_CONTEXT_TOKENS={self.budget}" if self.budget else "")
+
+
+async def measure(args: argparse.Namespace, stacks: list[tuple[str, str]], topics: dict[str, str], prefix: str, histories: list[Size]) -> None:
     with kept_from_collector():
         history, requests = make_workload(args.threads, args.requests)
     sizes = sorted(len(v) for _, v in requests)
@@ -411,7 +439,7 @@ async def measure(args: argparse.Namespace, stacks: list[tuple[str, str]], topic
     )
     (bootstrap, redis_url), cluster = stacks[0], stacks[1:]
     for n in histories:
-        await seed(redis_url, f"{prefix}-h{n}", history)
+        await seed(redis_url, f"{prefix}-h{n.key}", history, n.budget)
     await publish(bootstrap, topics["requests"], requests)
 
     rate_a, cpu_a = await baseline(bootstrap, topics["requests"], topics["baseline-out"], len(requests))
@@ -419,15 +447,17 @@ async def measure(args: argparse.Namespace, stacks: list[tuple[str, str]], topic
     rates = []
     for i, n in enumerate(histories):
         last_worker = i == len(histories) - 1
-        workers = await run_worker(args, bootstrap, redis_url, topics, f"{prefix}-h{n}", n, len(requests), rate_a, rates)
+        workers = await run_worker(
+            args, bootstrap, redis_url, topics, f"{prefix}-h{n.key}", n.rows, len(requests), rate_a, rates, variant=n.key, label=n.label(), budget=n.budget
+        )
         try:
             if last_worker:
-                await latency(args, bootstrap, topics[f"filtered{n}"], topics["requests"], workers)
+                await latency(args, bootstrap, topics[f"filtered{n.key}"], topics["requests"], workers)
         finally:
             stop(workers)
     if not cluster:
         return
-    (bootstrap, redis_url), n, single = cluster[0], histories[-1], rates[-1]
+    (bootstrap, redis_url), n, single = cluster[0], histories[-1].rows, rates[-1]
     print(f"replicated stack: Kafka {bootstrap}, Redis {redis_url}; MEMFILTER_HISTORY_MESSAGES={n}, against one broker, one Redis: {single:,.0f} requests/s")
     for variant in CLUSTER_RUNS:
         await seed(redis_url, f"{prefix}-{variant}", history)
@@ -480,6 +510,7 @@ async def run_worker(
     count: int = 1,
     replicas: int = 0,
     against: str = "the first (b)",
+    budget: int = 0,
 ) -> list[subprocess.Popen]:
     """(b) with contexts of `history` rows, by `count` workers of one group: the workers, still
     running, once they have caught up. Their output topics are `variant`'s (default: the
@@ -487,9 +518,7 @@ async def run_worker(
     variant = variant if variant is not None else str(history)
     label = label or f", MEMFILTER_HISTORY_MESSAGES={history}"
     ports = [free_port() for _ in range(count)]
-    env = worker_env(
-        bootstrap, redis_url, {**topics, **{f"{k}{history}": topics[f"{k}{variant}"] for k in ("filtered", "persist", "dlq")}}, prefix, history, replicas
-    )
+    env = worker_env(bootstrap, redis_url, topics, prefix, history, replicas, budget, variant)
     workers = [
         subprocess.Popen(
             [sys.executable, "-m", "memfilter", "worker", "--web-port", str(port)],

@@ -45,6 +45,7 @@ import msgspec
 from memfilter.audit.recorded import Progress, Recorded, ThreadLog, read_topic
 from memfilter.core.filter import Policy
 from memfilter.core.filtered import BadReference, whole
+from memfilter.core.window import WindowRow
 from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import ELSEWHERE_HEADER, VERSION_HEADER, Processor
 from memfilter.runtime.records import Record
@@ -99,9 +100,21 @@ class Difference:
 
 
 @dataclass
+class Window:
+    """A request's context window as the replay decided it (with a budget, `--why`): every row
+    read, its tokens, and why it is in or out (`memfilter.core.window.report`)."""
+
+    requestId: str
+    threadId: str
+    source: str
+    rows: list[WindowRow]
+
+
+@dataclass
 class Report:
     requests: int = 0
     differences: list[Difference] = field(default_factory=list)
+    windows: list[Window] = field(default_factory=list)  # with `why`, each request's
 
     @property
     def different(self) -> int:
@@ -112,8 +125,10 @@ class Report:
         return self.requests - self.different
 
     def to_json(self) -> bytes:
-        fields = {"requests": self.requests, "identical": self.identical, "different": self.different}
-        return msgspec.json.format(msgspec.json.encode({**fields, "differences": self.differences}))
+        fields = {"requests": self.requests, "identical": self.identical, "different": self.different, "differences": self.differences}
+        if self.windows:
+            fields["windows"] = self.windows
+        return msgspec.json.format(msgspec.json.encode(fields))
 
 
 async def replay(
@@ -125,15 +140,16 @@ async def replay(
     end=None,
     policy: Policy = Policy(),
     progress: Progress | None = None,
+    why: bool = False,
 ) -> Report:
     """Decide the range's requests again on rebuilt history; compare with what was recorded.
     `store_of(prefix)` gives the isolated store; its keys are deleted afterwards. `policy` is
-    the deployment's (`Settings.policy`)."""
+    the deployment's (`Settings.policy`); with a budget, `why` reports each request's window."""
     with Recorded.temporary(topics, secret) as recorded:
         await recorded.load(bootstrap, [topics.filtered, topics.persist, topics.dlq], progress)
         store = store_of(f"replay-{uuid.uuid4().hex[:12]}")
         try:
-            return await replay_log(recorded, store, read_topic(bootstrap, topics.requests, start, end, progress), policy)
+            return await replay_log(recorded, store, read_topic(bootstrap, topics.requests, start, end, progress), policy, why)
         finally:
             await store.drop()
 
@@ -157,7 +173,7 @@ class _Seen:
         return self.recorded.window(thread, record.partition, record.offset, self.retry_window)
 
 
-async def replay_log(recorded: Recorded, store: HistoryStore, batches: AsyncIterable[list[Record]], policy: Policy = Policy()) -> Report:
+async def replay_log(recorded: Recorded, store: HistoryStore, batches: AsyncIterable[list[Record]], policy: Policy = Policy(), why: bool = False) -> Report:
     """Decide each `chat-requests` record of `batches` again on `store` (empty at first), brought
     to the history each recorded decision saw, and compare with `recorded`. Any content of the
     topics is taken: what was recorded for a request but cannot be read (a record that does not
@@ -171,10 +187,16 @@ async def replay_log(recorded: Recorded, store: HistoryStore, batches: AsyncIter
         Persister(store, topics.dlq, recorded.secret),
     )
     report = Report()
+    windows = replayer.processor.windows = {} if why and policy.budget is not None else None
     async for batch in batches:
         report.requests += len(batch)
         for wave in _waves(batch):
             report.differences += await replayer.wave(wave)
+        if windows is not None:
+            for record in batch:
+                if (rows := windows.pop((record.partition, record.offset), None)) is not None:
+                    thread = record.key.decode(errors="replace") if record.key is not None else ""
+                    report.windows.append(Window(_request_id(record) or _source(record), thread, _source(record), rows))
     return report
 
 

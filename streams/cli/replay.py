@@ -42,12 +42,15 @@ def run(args: argparse.Namespace) -> int:
             end,
             settings.policy,
             progress_bar("replayed"),
+            args.why,
         ),
     )
     for d in report.differences:
         print(f"DIFFERENT {d.requestId} (thread {d.threadId}, {d.source})")
         for line in d.diff:
             print(f"    {line}")
+    for w in report.windows:
+        print(f"WINDOW {w.requestId} (thread {w.threadId}, {w.source}): " + ", ".join(f"{r.id} {r.tokens:g} {r.why}" for r in w.rows))
     print(f"replayed {report.requests:,} requests: {report.identical:,} identical, {report.different:,} different")
     if args.report:
         with open(args.report, "wb") as f:
@@ -68,5 +71,10 @@ def add(sub) -> None:
     p.add_argument("--to", dest="end", help="end of the range, exclusive, in the same forms (default: the end)")
     p.add_argument("--report", help="write the report as JSON to this file")
     p.add_argument("--strict", action="store_true", help="exit 1 when any request differs")
+    p.add_argument(
+        "--why",
+        action="store_true",
+        help="with MEMFILTER_CONTEXT_TOKENS: each request's context window, row by row: its tokens and why it is in or out (in the report too)",
+    )
     p.add_argument("--redis-url", help="Redis for the isolated rebuild (default REDIS_URL; keys under a fresh replay-* prefix, deleted after)")
     p.set_defaults(parser=p, run=run)

@@ -14,7 +14,7 @@ import msgspec
 
 from memfilter.core.filter import HISTORY_MESSAGES, Limits, Policy, Rejected, Rejection, StoredView, decide, decode_request, parse_ms
 from memfilter.core.tokens import COUNTERS
-from memfilter.core.window import Budget, Why, reasons
+from memfilter.core.window import Budget, WindowRow, report
 from memfilter.schemas.wire import Dropped
 
 
@@ -38,15 +38,6 @@ class Case(msgspec.Struct):
     edits: Literal["on", "off"] = "on"  # MEMFILTER_EDITS
     contextTokens: int | None = None  # the context's token budget (MEMFILTER_CONTEXT_TOKENS); none by default
     tokenCounter: Literal["estimate", "o200k"] = "estimate"  # MEMFILTER_TOKEN_COUNTER
-
-
-class WindowRow(msgspec.Struct):
-    """A stored row, as the context's window saw it: its tokens, and whether it is in the
-    context or why not (`memfilter.core.window.reasons`)."""
-
-    id: str
-    tokens: float
-    why: Why
 
 
 class Explanation(msgspec.Struct, omit_defaults=True):
@@ -104,12 +95,7 @@ def explain_case(case: Case, position: int = 0, id_key: bytes = b"") -> Explanat
     explanation = Explanation(d.outcome, d.messages, d.dropped, d.persist, d.context if d.error is None else [], d.superseded, error=d.error)
     if policy.budget is not None and d.fit is not None:
         explanation.contextTokens = d.fit.tokens
-        counter, counted = policy.budget.counter, d.fit.counts
-        order = [mid for mid in view.rows]  # saved order
-        explanation.window = [
-            WindowRow(mid, round(counted[mid] if mid in counted else counter.row(view.rows[mid]), 1), why)
-            for mid, why in reasons(d.fit, order, [*view.superseded, *d.superseded])
-        ]
+        explanation.window = report(d.fit, list(view.rows), [*view.superseded, *d.superseded], view.rows, policy.budget)  # rows in saved order
     return explanation
 
 

@@ -145,6 +145,24 @@ def _messages(ids: list[str], placed: dict[str, Any], rows: Mapping[str, bytes])
 Why = Literal["in", "superseded", "rows", "budget", "turn"]
 
 
+class WindowRow(msgspec.Struct):
+    """A stored row as the window saw it: its tokens, and whether it is in the context or why not."""
+
+    id: str
+    tokens: float
+    why: Why
+
+
+def report(window: Window, order: Sequence[str], superseded: Sequence[str], rows: Mapping[str, bytes], budget: Budget) -> list[WindowRow]:
+    """`reasons`, with each row's tokens (as weighed, else counted now from its bytes)."""
+    counted = window.counts
+    return [
+        WindowRow(mid, round(counted[mid] if mid in counted else budget.counter.row(rows[mid]), 1), why)
+        for mid, why in reasons(window, order, superseded)
+        if mid in counted or mid in rows
+    ]
+
+
 def reasons(window: Window, order: Sequence[str], superseded: Sequence[str]) -> list[tuple[str, Why]]:
     """Why each stored row (`order`: the thread's rows, superseded ones too) is in the context or
     not: `in`, `superseded` (a regenerate or an edit took it out), `rows` (before the last

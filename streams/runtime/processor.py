@@ -69,6 +69,7 @@ from memfilter.core.filter import (
 )
 from memfilter.core.filtered import FORMAT, compact
 from memfilter.core.tokens import stored_count
+from memfilter.core.window import WindowRow, report
 from memfilter.metrics import Metrics
 from memfilter.runtime.records import MAX_OUTPUT_BYTES, Out, Record, dead_letter, internal_error
 from memfilter.schemas.wire import FilteredInput, PersistMessages, Source
@@ -179,6 +180,9 @@ class Processor:
             store.counter = self.budget.counter
         self.edits = policy.edits  # regenerate and edit supersede rows
         self.filtered_format = filtered_format  # of the filtered inputs (MEMFILTER_FILTERED_FORMAT, `memfilter.core.filtered`)
+        # With a budget, if set to a dict: each decision's window, row by row, by the request's
+        # position (partition, offset), for an audit's report (`memfilter replay --why`).
+        self.windows: dict[tuple[int, int], list[WindowRow]] | None = None
         self._recorded: list[tuple[str, bytes]] = []  # `take_recorded`
 
     def take_recorded(self) -> list[tuple[str, bytes]]:
@@ -381,6 +385,8 @@ class Processor:
         decision = decide(request, view, p.record.timestamp_ms, self.history, self.edits, self.budget)
         self.metrics.decision.observe(perf_counter() - started)
         p.outcome = decision.outcome
+        if self.windows is not None and self.budget is not None and decision.fit is not None:
+            self.windows[p.record.partition, p.record.offset] = report(decision.fit, state.tail, decision.superseded, state.rows, self.budget)
         if decision.error is not None:
             return None, Recorded(error=decision.error)
         rec, rows = self._record(p, decision, state.version)

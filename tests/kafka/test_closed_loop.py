@@ -156,11 +156,11 @@ async def superseded(pipeline: Pipeline, prefix: str, conversations: list[Conver
 BUDGET = 150
 
 
-def test_within_a_token_budget_each_context_is_the_most_recent_whole_turns_that_fit_and_a_rebuild_counts_the_same(pipeline):
+def test_within_a_token_budget_each_context_is_the_most_recent_whole_turns_that_fit_and_a_rebuild_counts_the_same(pipeline, tmp_path):
     """MEMFILTER_CONTEXT_TOKENS on the worker: every context weighs at most the budget (as the
     filtered input says, and as Mastra's estimate counts it), starts on a user row, is the end of
     the client's view, and the turn before it would not have fit; a rebuild from the log stores
-    the same count beside every row, and a replay decides the same."""
+    the same count beside every row, and a replay decides the same and says why each row is in."""
     settings = {"MEMFILTER_CONTEXT_TOKENS": str(BUDGET), "MEMFILTER_HISTORY_MESSAGES": "100"}
     pipeline.start_worker(**settings)
     pipeline.start_agent()
@@ -183,8 +183,17 @@ def test_within_a_token_budget_each_context_is_the_most_recent_whole_turns_that_
     assert rebuilt.returncode == 0, rebuilt.stderr
     live, again = (asyncio.run(counts(pipeline, prefix, conversations)) for prefix in (pipeline.prefix, f"{pipeline.prefix}-rebuilt"))
     assert live == again and all(len(live[c.thread]) == len(c.messages) for c in conversations)
-    replayed = pipeline.memfilter("replay", timeout=600, **settings)
+    report = tmp_path / "replay.json"
+    replayed = pipeline.memfilter("replay", "--why", "--report", str(report), timeout=600, **settings)
     assert replayed.returncode == 0 and "identical, 0 different" in replayed.stdout, replayed.stdout + replayed.stderr
+    windows = {w["requestId"]: w["rows"] for w in json.loads(report.read_text())["windows"]}
+    for turn in conversations[0].turns:  # why each row is in or out, as the replay decided it again
+        rows = windows[turn.request_id]
+        stored = {m["id"] for m in turn.view[:-1]} if turn.new else {m["id"] for m in turn.view}
+        assert [r["id"] for r in rows if r["why"] == "in"] == [m["id"] for m in turn.context if m["id"] in stored]
+        assert {r["why"] for r in rows} <= {"in", "budget", "turn"}
+        shown = [line for line in replayed.stdout.splitlines() if line.startswith(f"WINDOW {turn.request_id} ")]
+        assert len(shown) == 1 and all(f"{r['id']} {r['tokens']:g} {r['why']}" in shown[0] for r in rows)
 
 
 async def counts(pipeline: Pipeline, prefix: str, conversations: list[Conversation]) -> dict[str, dict[bytes, bytes]]:
