@@ -263,7 +263,8 @@ class HistoryStore(Keys):
 
     async def read(self, wanted: dict[str, list[str]], tail: int = 0) -> dict[str, ThreadState]:
         """For each thread, the message ids of interest, and the ids of its last `tail` rows:
-        one round trip. `elsewhere` is left empty: `owners` fills it for the ids not stored in
+        one round trip. With a counter, the stored counts of the last `tail + 2` ids of interest
+        too (a useChat echo's window; a row weighed without one is counted from its bytes). `elsewhere` is left empty: `owners` fills it for the ids not stored in
         the thread; so is `pending` (`read_pending`); the tail's rows are those of `wanted`
         (`read_tails` reads the others)."""
         commands: list[tuple] = []
@@ -274,8 +275,8 @@ class HistoryStore(Keys):
             commands.append(("HLEN", rows))
             if ids:
                 commands.append(("HMGET", rows, *ids))
-                if counting:
-                    commands.append(("HMGET", tokens, *ids))
+                if counting:  # those the window may weigh: a useChat echo's last ids are its window's
+                    commands.append(("HMGET", tokens, *ids[-(tail + 2) :]))
             commands.append(("HKEYS", superseded))  # empty but after a regenerate or an edit
             commands.append(("GET", recent))
             if tail:
@@ -285,7 +286,7 @@ class HistoryStore(Keys):
         for thread, ids in wanted.items():
             (owner, version, newest), size = next(replies), next(replies)
             rows = next(replies) if ids else ()
-            counts = self._counts(ids, next(replies)) if ids and counting else {}
+            counts = self._counts(ids[-(tail + 2) :], next(replies)) if ids and counting else {}
             gone = next(replies)
             states[thread] = ThreadState(
                 owner=owner.decode() if owner else None,
