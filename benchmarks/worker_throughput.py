@@ -349,8 +349,10 @@ def print_profile(path: str, top: int = 12) -> None:
     msgspec's decoding for the decode call, freeing a lane's decoded requests for the line of
     `Processor._lane` that lets go of them."""
     by_line: dict[str, int] = {}
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(errors="replace").splitlines():
         stack, _, n = line.rpartition(" ")
+        if not n.isdigit():  # a frame's text with a line break in it (py-spy writes it as it is)
+            continue
         leaf = stack.rsplit(";", 1)[-1]
         by_line[leaf] = by_line.get(leaf, 0) + int(n)
     total = sum(by_line.values()) or 1

@@ -68,22 +68,24 @@ def estimate(text: str) -> int:
 
 # An ASCII text, the same rules in bulk: a word (neither whitespace nor punctuation: the split
 # leaves no other kind) is 1 token if it is digits, else one per 6 characters, rounded up (so 1
-# up to 3 characters too); a punctuation run is 1 up to 3 characters, else one per 2; whitespace 0.
-_ASCII_WORD = re.compile(r"[^\t\n\x0b\x0c\r .,!?;(){}\[\]<>:/\\|@#$%^&*+=`~_-]+")
-_ASCII_PUNCTUATION = re.compile(_PUNCT + "+")
+# up to 3 characters too); a punctuation run is 1 up to 3 characters, else one per 2; whitespace
+# 0. Words and runs come from `str.split` on the text with the other kinds made spaces (\x1c-\x1f,
+# spaces to Python, are word characters to JavaScript): twice as fast as a regex.
+_PUNCTUATION_CHARS = frozenset(".,!?;(){}[]<>:/\\|@#$%^&*+=`~_-")
+_WORDS = str.maketrans({**dict.fromkeys(_PUNCTUATION_CHARS, " "), **dict.fromkeys("\x1c\x1d\x1e\x1f", "a")})
+_RUNS = str.maketrans({c: " " for c in map(chr, range(128)) if c not in _PUNCTUATION_CHARS})
 
 
 def _ascii(text: str) -> int:
     n = 0
-    for word in _ASCII_WORD.findall(text):
+    for word in text.translate(_WORDS).split():
         n += 1 if word.isdigit() else (len(word) + 5) // 6
-    for run in _ASCII_PUNCTUATION.findall(text):
+    for run in text.translate(_RUNS).split():
         n += 1 if len(run) <= 3 else (len(run) + 1) // 2
     return n
 
 
 _WHITESPACE_CHARS = frozenset(c for c in map(chr, range(0x3001)) if _WHITESPACE.fullmatch(c)) | {"\ufeff"}
-_PUNCTUATION_CHARS = frozenset(".,!?;(){}[]<>:/\\|@#$%^&*+=`~_-")
 
 
 def _segment(s: str) -> int:

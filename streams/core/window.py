@@ -99,43 +99,44 @@ def choose(
         must -= 1
     must = first if must < 0 else must
     counter = budget.counter
-    counts: dict[str, float] = {}
+    counts: dict[str, float] = {}  # each row weighed, once
 
-    def cost(mid: str) -> float:
-        if mid not in counts:
-            m = placed.get(mid)
-            if isinstance(m, dict):
-                counts[mid] = counter.message(m)
-            else:
-                known = stored_counts.get(mid)
-                counts[mid] = known if known is not None else counter.row(rows[mid])
-        return counts[mid]
+    def weigh(mid: str) -> float:
+        m = placed.get(mid)
+        if type(m) is dict:
+            c = counts[mid] = counter.message(m)
+        else:
+            known = stored_counts.get(mid)
+            c = counts[mid] = known if known is not None else counter.row(rows[mid])
+        return c
 
     held = set(tail[must:])
-    rest = [(mid, m) for mid, m in contributed if mid not in held]
+    rest = [mid for mid, _ in contributed if mid not in held]
     system_tokens = 0.0
     for m in system:
-        system_tokens += counter.system(m if isinstance(m, dict) else msgspec.json.decode(m))
+        system_tokens += counter.system(m if type(m) is dict else msgspec.json.decode(m))
     remaining = budget.tokens - system_tokens - counter.conversation
     current, over = 0.0, False
-    for mid in reversed([*tail[must:], *(mid for mid, _ in rest)]):  # newest first, as Mastra counts
-        if current + cost(mid) <= remaining:
-            current += cost(mid)
-        else:
-            current, over = current + cost(mid), True
+    for mid in [*reversed(rest), *reversed(tail[must:])]:  # newest first, as Mastra counts
+        c = weigh(mid)
+        over = over or current + c > remaining
+        current += c
     if over:
         raise OverBudget(counter.conversation + system_tokens + current, budget.tokens)
     fits = must
-    while fits > cap and current + cost(tail[fits - 1]) <= remaining:
+    while fits > cap:
+        c = weigh(tail[fits - 1])
+        if current + c > remaining:
+            break
+        current += c
         fits -= 1
-        current += cost(tail[fits])
     start = fits
     while start < must and role(tail[start]) != "user":
         start += 1
     # The total to one decimal: the estimate's counts are tenths (3.8 a message), and a float sum
     # in another order than the one the fit was decided in can be a hair off.
-    tokens = round(counter.conversation + system_tokens + sum(cost(mid) for mid in [*tail[start:], *(mid for mid, _ in rest)]), 1)
-    return Window(_messages(tail[start:], placed, rows) + [m for _, m in rest], tail, cap, fits, start, tokens, counts)
+    tokens = round(counter.conversation + system_tokens + sum([counts[mid] for mid in tail[start:]]) + sum([counts[mid] for mid in rest]), 1)
+    return Window(_messages(tail[start:], placed, rows) + [placed[mid] for mid in rest], tail, cap, fits, start, tokens, counts)
 
 
 def _messages(ids: list[str], placed: dict[str, Any], rows: Mapping[str, bytes]) -> list[Any]:
