@@ -27,7 +27,13 @@ if #rows > 0 or #gone > 0 then
     else
       redis.call('HSET', rows_key, rows[i], rows[i + 1])
     end
-    if #counts > 0 then redis.call('HSET', tokens_key, rows[i], counts[(i + 1) / 2]) end
+  end
+  if #counts > 0 then
+    local weights = {}
+    for i = 1, #rows, 2 do
+      weights[i], weights[i + 1] = rows[i], counts[(i + 1) / 2]
+    end
+    redis.call('HSET', tokens_key, unpack(weights))
   end
   for _, id in ipairs(gone) do
     if redis.call('LREM', order_key, 1, id) > 0 then redis.call('HSET', superseded_key, id, request_id) end
