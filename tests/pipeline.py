@@ -233,16 +233,21 @@ class Collector:
     """Reads topics from the beginning in the background, while a test does other things."""
 
     def __init__(self, bootstrap: str, topics: list[str], isolation_level: str = "read_uncommitted"):
-        self.consumer = AIOKafkaConsumer(*topics, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None, isolation_level=isolation_level)
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None, isolation_level=isolation_level, metadata_max_age_ms=1000
+        )
+        self.topics = topics
         self.records: list[ConsumerRecord] = []
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> Collector:
-        try:
-            await self.consumer.start()
-        except BaseException:  # closed, not left half-started for the event loop's end to meet
-            await self.consumer.stop()
-            raise
+        # Subscribed once started, not named at start: a topic just made on three brokers is not
+        # known to every one of them at once, and a consumer started with a topic its broker does
+        # not list yet fails (UnknownTopicOrPartition) and leaves work behind that holds up the
+        # event loop's end. Subscribed, it reads the topics from the beginning once they are listed
+        # (metadata read again every second, not every five minutes).
+        await self.consumer.start()
+        self.consumer.subscribe(self.topics)
         self._task = asyncio.create_task(self._run())
         return self
 

@@ -2,8 +2,8 @@
 
 A request's `context` is its system messages, a window of the conversation's last rows with
 what the request contributes to them in place, then what else it contributes
-(`memfilter.core.filter`). This module chooses the window (`docs/agent.md`, "The context's
-window"):
+(`memfilter.core.filter`). This module chooses the window (`docs/agent.md`, "`context`" and
+"The context's window in tokens"):
 
 - by rows (MEMFILTER_HISTORY_MESSAGES, Mastra's `lastMessages`): the last `history` rows,
   reaching back to the first stored row the request contributes to;
