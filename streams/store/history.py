@@ -263,9 +263,10 @@ class HistoryStore(Keys):
 
     async def read(self, wanted: dict[str, list[str]], tail: int = 0) -> dict[str, ThreadState]:
         """For each thread, the message ids of interest, and the ids of its last `tail` rows:
-        one round trip. With a counter, the stored counts of the last `tail + 2` ids of interest
-        too (a useChat echo's window; a row weighed without one is counted from its bytes). `elsewhere` is left empty: `owners` fills it for the ids not stored in
-        the thread; so is `pending` (`read_pending`); the tail's rows are those of `wanted`
+        one round trip. With a counter, the stored counts of the last `tail + 2` ids of
+        interest too (a useChat echo's window; a row weighed without one is counted from its
+        bytes). `elsewhere` is left empty: `owners` fills it for the ids not stored in the
+        thread; so is `pending` (`read_pending`); the tail's rows are those of `wanted`
         (`read_tails` reads the others)."""
         commands: list[tuple] = []
         counting = self.counter is not None
