@@ -176,8 +176,8 @@ class Processor:
         self.seen = seen
         self.history = policy.history  # the rows of the conversation in each context
         self.budget = policy.budget  # the context's tokens (MEMFILTER_CONTEXT_TOKENS), if any
-        if self.budget is not None:  # every row saved gets its count, and reads return them (`HistoryStore`)
-            store.counter = self.budget.counter
+        if self.budget is not None and store.counter != self.budget.counter:  # the store keeps and reads the counts the window weighs
+            raise ValueError(f"a budget counted by {self.budget.counter.name} needs a HistoryStore made with that counter, not {store.counter}")
         self.edits = policy.edits  # regenerate and edit supersede rows
         self.filtered_format = filtered_format  # of the filtered inputs (MEMFILTER_FILTERED_FORMAT, `memfilter.core.filtered`)
         # With a budget, if set to a dict: each decision's window, row by row, by the request's

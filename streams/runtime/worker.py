@@ -263,7 +263,17 @@ def create_app(settings: Settings) -> faust.App:
     client = connect(settings.redis.url)
     metrics = Metrics()
     r = settings.redis
-    store = HistoryStore(client, r.prefix, metrics, settings.worker.processed_ttl, settings.worker.retry_window, r.replicas, r.replica_timeout)
+    budget = settings.policy.budget  # with one, every row saved gets its token count beside it
+    store = HistoryStore(
+        client,
+        r.prefix,
+        metrics,
+        settings.worker.processed_ttl,
+        settings.worker.retry_window,
+        r.replicas,
+        r.replica_timeout,
+        budget.counter if budget is not None else None,
+    )
     topics = [settings.topics.requests, settings.topics.persist]
     group = settings.worker.group
     loop = TaskLoop(

@@ -4,12 +4,9 @@ every context the processor emits within the budget."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import uuid
 
 import pytest
-import redis.asyncio as aioredis
 from factories import SECRET, T0, msg
 
 from memfilter.audit.recorded import Recorded
@@ -48,26 +45,18 @@ def on(topic: str, outs) -> list[dict]:
 
 
 @pytest.fixture
-def store_run(redis_url):
-    """Run `fn(store, make_store)` in a loop of its own: a store on a prefix of its own, and a maker of more."""
+def store_run(redis_run):
+    """Run `fn(store, make_store)`: a store counting as the budget does, and a maker of more
+    (given a counter, or None), each on a prefix of its own (`redis_run`)."""
 
     def run(fn):
-        async def go():
-            client = aioredis.from_url(redis_url)
-            stores = []
-
+        async def go(client, prefix):
             def make(counter=ESTIMATE):
-                stores.append(HistoryStore(client, f"budget-{uuid.uuid4().hex[:8]}", counter=counter))
-                return stores[-1]
+                return HistoryStore(client, prefix(), counter=counter)
 
-            try:
-                return await fn(make(), make)
-            finally:
-                for s in stores:
-                    await s.drop()
-                await client.aclose()
+            return await fn(make(), make)
 
-        return asyncio.run(go())
+        return redis_run(go)
 
     return run
 
@@ -118,6 +107,13 @@ class TestCountsStoredWithTheRows:
 
         (filtered,), counts = store_run(go)
         assert "contextTokens" not in filtered and counts == {}
+
+    def test_a_processor_with_a_budget_refuses_a_store_that_does_not_count(self, store_run):
+        async def go(store, make):
+            with pytest.raises(ValueError, match="needs a HistoryStore made with that counter"):
+                Processor(make(counter=None), TOPICS, BUDGET, secret=SECRET)
+
+        store_run(go)
 
 
 class TestTheWindowWeighsStoredCounts:

@@ -9,12 +9,9 @@ client sends in its next request.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import uuid
 
 import pytest
-import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
 from factories import SECRET, T0
@@ -85,31 +82,6 @@ async def apply(store: HistoryStore, records: list[Record]) -> None:
     for r in records:
         outs = await (processor.process([r]) if r.topic == TOPICS.requests else persister.process([r]))
         assert not [o for o in outs if o.topic == TOPICS.dlq], [dict(o.headers) for o in outs]
-
-
-@pytest.fixture
-def redis_run(redis_url):
-    """Run `fn(client, prefix)` in an event loop of its own; the prefix's keys are deleted after."""
-
-    def run(fn):
-        async def go():
-            client = aioredis.from_url(redis_url)
-            prefixes = []
-
-            def prefix():
-                prefixes.append(f"unit-{uuid.uuid4().hex[:8]}")
-                return prefixes[-1]
-
-            try:
-                return await fn(client, prefix)
-            finally:
-                for p in prefixes:
-                    await HistoryStore(client, p).drop()
-                await client.aclose()
-
-        return asyncio.run(go())
-
-    return run
 
 
 async def history(store: HistoryStore, thread: str) -> tuple:
