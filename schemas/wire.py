@@ -241,6 +241,16 @@ class FilteredInput(Struct):
     contextTokens: float | UnsetType = UNSET  # with a token budget (MEMFILTER_CONTEXT_TOKENS): what the context weighs
 
 
+class Erasure(Struct):
+    """What an erasure event (`memfilter forget`) says: no content, only what an auditor needs.
+    The thread and the resource it erased are the event's `threadId` and `resourceId`."""
+
+    at: str  # when it was asked for (ISO-8601, UTC)
+    by: str  # who asked (`memfilter forget --by`, else the operator's login)
+    scope: Literal["thread", "resource"]  # `--thread`, or one thread of a `--resource`
+    reason: str = ""
+
+
 # Generic like `ChatRequestOf`: the persister reads the same bytes typed and raw.
 class PersistMessagesOf(Struct, Generic[M], omit_defaults=True):
     """A value on `persist-messages`: rows to save in one thread.
@@ -249,6 +259,10 @@ class PersistMessagesOf(Struct, Generic[M], omit_defaults=True):
     `requestId` in a thread is a repeat and changes nothing. The processor's own events carry
     `historyVersion`, the thread's version its decision saw, so that a rebuild applies them
     where they happened among other writers' saves (which leave it out).
+
+    An operator's event (signed: `memfilter.core.origin`) is an import's rows (`memfilter
+    history import`), or, with `erasure` and no messages, the erasure of the thread at the
+    version `historyVersion` (`memfilter forget`, `docs/erasure.md`).
     """
 
     requestId: str
@@ -257,6 +271,7 @@ class PersistMessagesOf(Struct, Generic[M], omit_defaults=True):
     messages: list[M]
     historyVersion: int | UnsetType = UNSET
     superseded: list[str] = []  # ids of this thread's rows to take out of the conversation (kept stored)
+    erasure: Erasure | UnsetType = UNSET  # an operator's erasure of the thread (no messages)
 
 
 PersistMessages = PersistMessagesOf[MessageDict]

@@ -128,6 +128,7 @@ class Decisions(
         "edits": "MEMFILTER_EDITS",
         "context_tokens": "MEMFILTER_CONTEXT_TOKENS",
         "token_counter": "MEMFILTER_TOKEN_COUNTER",
+        "reopen_erased": "MEMFILTER_REOPEN_ERASED",
     },
 ):
     """How requests are decided: made into the filter's `Policy` (`Settings.policy`)."""
@@ -138,6 +139,8 @@ class Decisions(
     edits: Literal["on", "off"] = "on"  # regenerate and edit supersede rows; off: the stored copy wins (Mastra)
     context_tokens: Annotated[int, Meta(ge=0)] = 0  # the context's token budget; 0: none (rows only)
     token_counter: Literal["estimate", "o200k"] = "estimate"  # how tokens are counted (memfilter.core.tokens)
+    # an erased thread (memfilter forget) stays erased; on: a new conversation's first request may start it again
+    reopen_erased: Literal["on", "off"] = "off"
 
 
 class Worker(
@@ -315,7 +318,7 @@ class Settings(msgspec.Struct, frozen=True):
     def policy(self) -> Policy:
         d = self.decisions
         budget = Budget(d.context_tokens, COUNTERS[d.token_counter]) if d.context_tokens else None
-        return Policy(Limits(max_bytes=d.max_bytes, max_messages=d.max_messages), d.history_messages, d.edits == "on", budget)
+        return Policy(Limits(max_bytes=d.max_bytes, max_messages=d.max_messages), d.history_messages, d.edits == "on", budget, d.reopen_erased == "on")
 
     @property
     def secret(self) -> bytes:

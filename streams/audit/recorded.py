@@ -16,7 +16,10 @@ What is kept, and how it is found:
   one decision's save: a copy of one published again is kept once, as the live worker, which
   skips its own events, ignored it;
 - dead letters of `chat-requests` records: by source position; of `persist-messages` records
-  (events the live persister refused): their source positions, which `ThreadLog` leaves out.
+  (events the live persister refused): their source positions, which `ThreadLog` leaves out;
+- erasures (`memfilter forget`: the operator's signed events with `erasure`), placed by their
+  `historyVersion` as the processor's events are: a thread's log begins at its last erasure
+  applied live, and nothing before it is handed out again (`ThreadLog`, `erased_at`).
 Records that are none of these (a record a tool wrote on a topic by hand) are passed over.
 """
 
@@ -131,6 +134,7 @@ async def _offsets(consumer, tps, position, default, last) -> dict[TopicPartitio
 class _Saved(msgspec.Struct):
     requestId: str = ""
     historyVersion: int | None = None
+    erasure: dict | None = None
 
 
 _SCHEMA = """
@@ -138,9 +142,9 @@ _SCHEMA = """
 CREATE TABLE filtered (seq INTEGER PRIMARY KEY, partition INT, offset INT, thread TEXT, request BLOB, time INT, value BLOB);
 CREATE INDEX filtered_at ON filtered (partition, offset);
 CREATE INDEX filtered_window ON filtered (thread, partition, offset);
--- processors: 1 for the processor's events placed by their version, 0 for the others (log order);
--- request_id: of the processor's events only
-CREATE TABLE persist (seq INTEGER PRIMARY KEY, thread BLOB, processors INT, version INT, request_id TEXT, partition INT, offset INT, record BLOB);
+-- processors: 1 for the events placed by their version (the processor's, and erasures), 0 for
+-- the others (log order); request_id: of those placed only; erasure: 1 for an erasure
+CREATE TABLE persist (seq INTEGER PRIMARY KEY, thread BLOB, processors INT, version INT, request_id TEXT, partition INT, offset INT, record BLOB, erasure INT);
 CREATE INDEX persist_log ON persist (thread, processors, seq);
 CREATE UNIQUE INDEX persist_own ON persist (thread, request_id, version);
 CREATE TABLE dead (partition INT, offset INT, headers BLOB);
@@ -198,14 +202,20 @@ class Recorded:
     def add_persisted(self, records: list[Record]) -> None:
         rows = []
         for r in records:
-            saved = _Saved()
+            saved, erasure = _Saved(), False
             if origin.is_processors(r.value, r.headers, self.secret):
-                saved = msgspec.json.decode(r.value, type=_Saved)
+                saved = _decoded(r.value)
+            elif origin.is_operators(r.value, r.headers, self.secret):
+                saved = _decoded(r.value)
+                erasure = saved.erasure is not None and saved.historyVersion is not None
+                if not erasure:
+                    saved = _Saved()  # an import: with the others, in log order
             # an event of the processor's without a version goes with the others, in log order
             placed = saved.historyVersion is not None
-            rows.append((r.key, int(placed), saved.historyVersion, saved.requestId or None, r.partition, r.offset, _record.encode(r)))
+            rows.append((r.key, int(placed), saved.historyVersion, saved.requestId or None, r.partition, r.offset, _record.encode(r), int(erasure)))
         self.db.executemany(
-            "INSERT OR IGNORE INTO persist (thread, processors, version, request_id, partition, offset, record) VALUES (?, ?, ?, ?, ?, ?, ?)", rows
+            "INSERT OR IGNORE INTO persist (thread, processors, version, request_id, partition, offset, record, erasure) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
         )
 
     def add_dead(self, records: list[Record]) -> None:
@@ -248,6 +258,15 @@ class Recorded:
         headers = self._one("SELECT headers FROM dead WHERE partition = ? AND offset = ? ORDER BY rowid LIMIT 1", partition, offset)
         return dict(_headers.decode(headers)) if headers is not None else None
 
+    def erased_at(self, thread: bytes | None) -> int | None:
+        """The history version at which the thread's last erasure applied live erased it, if
+        it was erased: every decision on that version or an earlier one saw erased history."""
+        return self._one(
+            "SELECT version FROM persist WHERE thread IS ? AND erasure = 1 AND NOT EXISTS "
+            "(SELECT 1 FROM refused WHERE refused.partition = persist.partition AND refused.offset = persist.offset) ORDER BY seq DESC LIMIT 1",
+            thread,
+        )
+
     def persisted(self) -> int:
         return self._one("SELECT count(*) FROM persist")
 
@@ -268,6 +287,13 @@ class Recorded:
         return row[0] if row is not None else None
 
 
+def _decoded(value: bytes | None) -> _Saved:
+    try:
+        return msgspec.json.decode(value or b"", type=_Saved)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _Saved()  # signed but not an event: the persister refuses it wherever it is
+
+
 class ThreadLog:
     """One thread's `persist-messages` events, handed out in the order they were applied live:
     other services' in log order, each of the processor's where its `historyVersion` says.
@@ -281,13 +307,25 @@ class ThreadLog:
         self.thread = thread
         self._after = {True: -1, False: -1}  # the last seq handed out, of the processor's and of the others'
         self._head: dict[bool, tuple[int, int | None, bytes] | None] = {}  # the next of each, once looked up
+        # A thread erased live begins at its last erasure: the events applied before it live
+        # (the others' before it in the log; the placed ones of an earlier version) are never
+        # handed out, so no rebuild or replay writes erased content again, even for a while.
+        self._version_above = -1
+        erasure = db.execute(
+            "SELECT seq, version, record FROM persist WHERE thread IS ? AND erasure = 1 AND NOT EXISTS "
+            "(SELECT 1 FROM refused WHERE refused.partition = persist.partition AND refused.offset = persist.offset) ORDER BY seq DESC LIMIT 1",
+            (thread,),
+        ).fetchone()
+        if erasure is not None:
+            self._after[False], self._version_above = erasure[0], erasure[1]
+            self._head[True] = erasure  # handed out first
 
     def _next_of(self, processors: bool) -> tuple[int, int | None, bytes] | None:
         if processors not in self._head:
             self._head[processors] = self.db.execute(
-                "SELECT seq, version, record FROM persist WHERE thread IS ? AND processors = ? AND seq > ? AND NOT EXISTS "
+                "SELECT seq, version, record FROM persist WHERE thread IS ? AND processors = ? AND seq > ? AND (version IS NULL OR version > ?) AND NOT EXISTS "
                 "(SELECT 1 FROM refused WHERE refused.partition = persist.partition AND refused.offset = persist.offset) ORDER BY seq LIMIT 1",
-                (self.thread, int(processors), self._after[processors]),
+                (self.thread, int(processors), self._after[processors], self._version_above),
             ).fetchone()
         return self._head[processors]
 
@@ -296,9 +334,11 @@ class ThreadLog:
 
     def next(self, version: int) -> Record:
         """The event to apply on the thread at `version`: the processor's next if it was decided
-        on this version (or an earlier one: a repeat), else the next of the others."""
+        on this version (or an earlier one: a repeat), else the next of the others. A thread's
+        last erasure comes first, whatever the version (a rebuild starts the thread there)."""
         mine = self._next_of(True)
-        take = mine is not None and (mine[1] <= version or self._next_of(False) is None)
+        first = mine is not None and mine[1] == self._version_above
+        take = mine is not None and (first or mine[1] <= version or self._next_of(False) is None)
         seq, _, record = self._next_of(take)
         self._after[take] = seq
         del self._head[take]

@@ -20,6 +20,9 @@ did, so a version says where a write happened:
   replay old saves over newer ones before the newer come again: same rows, moved versions.)
   The record of processed requests is on no topic, so a rebuilt store decides a re-delivered
   request again rather than re-emitting it.
+- Erased threads (`memfilter forget`): a thread's log begins at its last erasure, so neither
+  applies anything the erasure removed; a replayed request decided before that erasure is
+  counted `erased`, neither decided again nor compared (its history is gone by design).
 - `replay`: for a range of `chat-requests`, in an isolated key prefix (never the live
   history), brings each thread to the version its recorded decision saw, decides the request
   again with the processor's own code, and compares with what was recorded on
@@ -115,6 +118,7 @@ class Report:
     requests: int = 0
     differences: list[Difference] = field(default_factory=list)
     windows: list[Window] = field(default_factory=list)  # with `why`, each request's
+    erased: int = 0  # requests decided on history since erased (`memfilter forget`): not replayed
 
     @property
     def different(self) -> int:
@@ -122,10 +126,16 @@ class Report:
 
     @property
     def identical(self) -> int:
-        return self.requests - self.different
+        return self.requests - self.different - self.erased
 
     def to_json(self) -> bytes:
-        fields = {"requests": self.requests, "identical": self.identical, "different": self.different, "differences": self.differences}
+        fields = {
+            "requests": self.requests,
+            "identical": self.identical,
+            "different": self.different,
+            "erased": self.erased,
+            "differences": self.differences,
+        }
         if self.windows:
             fields["windows"] = self.windows
         return msgspec.json.format(msgspec.json.encode(fields))
@@ -191,7 +201,9 @@ async def replay_log(recorded: Recorded, store: HistoryStore, batches: AsyncIter
     async for batch in batches:
         report.requests += len(batch)
         for wave in _waves(batch):
-            report.differences += await replayer.wave(wave)
+            differences, erased = await replayer.wave(wave)
+            report.differences += differences
+            report.erased += erased
         if windows is not None:
             for record in batch:
                 if (rows := windows.pop((record.partition, record.offset), None)) is not None:
@@ -236,10 +248,12 @@ class _Replayer:
     persister: Persister
     logs: dict[bytes | None, ThreadLog] = field(default_factory=dict)  # of the threads met so far: where each is in its log
 
-    async def wave(self, records: list[Record]) -> list[Difference]:
+    async def wave(self, records: list[Record]) -> tuple[list[Difference], int]:
         """Bring each request's thread to the version its decision saw, decide them again, and
-        compare with what was recorded; the differences."""
-        requests = [self._recorded(record) for record in records]
+        compare with what was recorded; the differences, and how many requests were decided on
+        history since erased (left out)."""
+        requests = [r for r in map(self._recorded, records) if not self._erased(r)]
+        erased = len(records) - len(requests)
         targets = [(r, (self._log(r.record.key), r.thread, r.version)) for r in requests if r.version is not None]
         for (r, _), diff in zip(targets, await self._advance([target for _, target in targets])):
             r.diff = diff
@@ -253,7 +267,14 @@ class _Replayer:
                 r.diff = [] if got == [r.rejected] else [f"recorded: rejected ({r.rejected}); replayed: {got[0] if got else 'accepted'}"]
         await self.store.drop_records(self.processor.take_recorded())  # no re-delivery here: not kept
         # named by its request id; by where it was published when it has none (or no JSON)
-        return [Difference(r.request_id or _source(r.record), r.thread, _source(r.record), r.diff) for r in requests if r.diff]
+        return [Difference(r.request_id or _source(r.record), r.thread, _source(r.record), r.diff) for r in requests if r.diff], erased
+
+    def _erased(self, r: _Request) -> bool:
+        """Was the request decided on history an erasure has removed since?"""
+        if r.version is None:  # rejected before its history was read
+            return False
+        at = self.recorded.erased_at(r.record.key)
+        return at is not None and r.version <= at
 
     def _recorded(self, record: Record) -> _Request:
         thread = record.key.decode(errors="replace") if record.key is not None else ""

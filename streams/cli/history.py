@@ -1,11 +1,11 @@
-"""`memfilter history show|rebuild|prefixes|drop`: the stored history."""
+"""`memfilter history show|import|rebuild|prefixes|drop`: the stored history."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from memfilter.cli.common import history_store, no_secret, plural, progress_bar, refuse_live, run_or_explain
+from memfilter.cli.common import history_store, no_secret, plural, progress_bar, read_input, refuse_live, run_or_explain
 from memfilter.settings import Settings
 
 
@@ -59,10 +59,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"dropped prefix {prefix}: {plural(await history_store(url, prefix, settings).drop(), 'key')} deleted")
         return 0
 
-    if args.action == "rebuild" and (reason := no_secret(settings)):
-        print(f"memfilter history rebuild: {reason}", file=sys.stderr)
+    async def import_export() -> int:
+        from memfilter.admin.imports import import_threads
+        from memfilter.core.exports import read_export
+
+        threads = read_export(read_input(args.file).splitlines())
+        summary = await import_threads(settings, history_store(url, prefix, settings), threads, args.wait, progress_bar("checked"))
+        for thread, why in summary.refused:
+            print(f"memfilter history import: thread {thread} not imported: {why}", file=sys.stderr)
+        waiting = len(summary.published) - summary.applied
+        print(
+            f"imported {plural(len(summary.published), 'thread')} ({plural(summary.messages, 'message')}) through {settings.topics.persist}; "
+            f"{summary.unchanged:,} stored already; {len(summary.refused):,} refused"
+            + (
+                f"; {waiting:,} not applied by the workers within {args.wait:g} s (are they running? refused ones are on {settings.topics.dlq})"
+                if waiting
+                else ""
+            )
+        )
+        return 1 if summary.refused or waiting else 0
+
+    if args.action in ("rebuild", "import") and (reason := no_secret(settings)):
+        print(f"memfilter history {args.action}: {reason}", file=sys.stderr)
         return 2
-    run = {"show": show, "rebuild": rebuild_all, "prefixes": list_prefixes, "drop": drop}[args.action]
+    run = {"show": show, "import": import_export, "rebuild": rebuild_all, "prefixes": list_prefixes, "drop": drop}[args.action]
     return run_or_explain(f"history {args.action}", settings, run())
 
 
@@ -74,13 +94,19 @@ def add(sub) -> None:
     show.add_argument(
         "--json", action="store_true", help='each stored row as one line of JSON, as stored; a superseded one as {"supersededBy": REQUEST, "row": ROW}'
     )
+    imported = actions.add_parser(
+        "import",
+        help="bring existing threads in through persist-messages: Mastra storage rows or AI SDK UI messages, JSON lines (docs/erasure.md)",
+    )
+    imported.add_argument("file", nargs="?", help="the export (default: stdin)")
+    imported.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the workers to apply what was published (default 60)")
     rebuild = actions.add_parser(
         "rebuild", help="replace the history under a prefix with persist-messages applied as it was live (refused while workers run on it)"
     )
     listed = actions.add_parser("prefixes", help="the key prefixes holding a history in Redis (leftovers of rebuilds and replays too)")
     drop = actions.add_parser("drop", help="delete every key under a prefix (refused while workers run on it)")
     drop.add_argument("--prefix", required=True, help="the prefix to delete (never a default)")
-    for q in (show, rebuild, listed, drop):
+    for q in (show, imported, rebuild, listed, drop):
         q.add_argument("--redis-url", help="Redis to use (default REDIS_URL)")
         if q is not drop:
             q.add_argument("--prefix", help="key prefix (default MEMFILTER_REDIS_PREFIX or mf)")

@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"    {line}")
     for w in report.windows:
         print(f"WINDOW {w.requestId} (thread {w.threadId}, {w.source}): " + ", ".join(f"{r.id} {r.tokens:g} {r.why}" for r in w.rows))
-    print(f"replayed {report.requests:,} requests: {report.identical:,} identical, {report.different:,} different")
+    erased = f", {report.erased:,} decided on history since erased (memfilter forget): not replayed" if report.erased else ""
+    print(f"replayed {report.requests:,} requests: {report.identical:,} identical, {report.different:,} different{erased}")
     if args.report:
         with open(args.report, "wb") as f:
             f.write(report.to_json())

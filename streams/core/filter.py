@@ -93,12 +93,14 @@ class Policy(msgspec.Struct, frozen=True):
     """How requests are decided, the same wherever they are (the worker, `replay`, `explain`):
     what a request may be (`limits`), how many rows of the conversation the model's context
     carries (`history`), within how many tokens (`budget`, none by default), and whether a
-    regenerate or an edit supersedes stored rows (`edits`)."""
+    regenerate or an edit supersedes stored rows (`edits`), and whether an erased thread may
+    be started again by a new conversation's first request (`reopen_erased`, off by default)."""
 
     limits: Limits = Limits()
     history: int = HISTORY_MESSAGES
     edits: bool = True
     budget: window.Budget | None = None
+    reopen_erased: bool = False
 
 
 class Request(msgspec.Struct):
@@ -127,6 +129,7 @@ class StoredView(msgspec.Struct):
     superseded: frozenset[str] = frozenset()
     decoded: dict[str, Msg] = {}  # rows decoded so far (see `row`)
     counts: dict[str, float] = {}  # token counts stored beside rows (`memfilter.core.tokens`), where read
+    erased: bool = False  # the thread was erased (`memfilter forget`) and not started again since
 
     def row(self, mid: str) -> Msg:
         row = self.decoded.get(mid)
@@ -308,8 +311,10 @@ def _check_thread(shape: ChatRequestOf[Message]) -> None:
             raise Rejected("thread-mismatch", f"messages[{i}] has resourceId {m.resourceId!r} but the request is from resource {resource!r}")
 
 
-def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[str | None]) -> None:
-    """The checks that need the stored view: ownership, then ids stored in other threads."""
+def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[str | None], reopen_erased: bool = False) -> None:
+    """The checks that need the stored view: erasure, ownership, then ids stored in other threads."""
+    if view.erased:
+        _check_erased(shape, reopen_erased)
     if view.owner is not None and view.owner != shape.resourceId:
         raise Rejected("ownership", f"thread {shape.threadId} belongs to resource {view.owner}; request from {shape.resourceId} rejected")
     if not view.elsewhere:  # the usual case: no id of the request is stored anywhere else
@@ -320,6 +325,21 @@ def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[st
                 "foreign-message-id",
                 f"message id {mid} is stored in another thread; thread {shape.threadId} cannot reuse it (give the message a new id)",
             )
+
+
+def _check_erased(shape: ChatRequestOf[Message], reopen: bool) -> None:
+    """An erased thread takes no request, unless the operator lets a new conversation start it
+    again (MEMFILTER_REOPEN_ERASED): then only a first request, one user message (system
+    messages aside), may. A stale browser tab re-sends the whole erased conversation: refused,
+    never taken for the seed of an empty thread."""
+    conversation = [m for m in shape.messages if m.role != "system"]
+    if reopen and len(conversation) == 1 and conversation[0].role == "user":
+        return
+    if reopen:
+        allowed = f"only a new conversation's first request (one user message) may start it again, not {len(conversation)} messages"
+    else:
+        allowed = "start a new thread"
+    raise Rejected("erased", f"thread {shape.threadId} was erased (memfilter forget): its history is gone and it takes no more requests; {allowed}")
 
 
 def message_ids(shape: ChatRequestOf[Message], request_id: str, id_key: bytes = b"") -> list[str | None]:
@@ -477,17 +497,24 @@ def _select(messages: list[Message], ids: list[str | None], retain_full: bool, v
 
 
 def decide(
-    request: Request, view: StoredView, timestamp_ms: int, history: int = HISTORY_MESSAGES, edits: bool = True, budget: window.Budget | None = None
+    request: Request,
+    view: StoredView,
+    timestamp_ms: int,
+    history: int = HISTORY_MESSAGES,
+    edits: bool = True,
+    budget: window.Budget | None = None,
+    reopen_erased: bool = False,
 ) -> Decision:
     """The filter's decision for one validated request against its thread's stored view, with
     the model's context made of the last `history` rows of the conversation, within `budget`
     tokens if one is given (`memfilter.core.window`); a regenerate or an edit the request asks
-    for, unless `edits` is off (MEMFILTER_EDITS)."""
+    for, unless `edits` is off (MEMFILTER_EDITS); on an erased thread, a refusal unless
+    `reopen_erased` lets a new conversation start it (`_check_erased`)."""
     shape = request.shape
     ids = request.ids
     try:
         _check_thread(shape)
-        _check_storage(shape, view, ids)
+        _check_storage(shape, view, ids, reopen_erased)
     except Rejected as e:
         return Decision("rejected", [], [], [], error=Rejection(e.type, e.message))
 

@@ -1,5 +1,6 @@
 """Marks no writer can forge without the deployment's secret: the processor's on its own
-`persist-messages` events, and the agent runner's on the replies it streams.
+`persist-messages` events, the operator's on the events its commands publish there (`memfilter
+history import`, `memfilter forget`), and the agent runner's on the replies it streams.
 
 The processor saves a request's rows in Redis itself and also publishes them on
 `persist-messages`, so that the log holds every write. A worker must skip those events (they
@@ -13,6 +14,12 @@ So the processor signs each event it publishes: header `memfilter.origin: proces
 (MEMFILTER_SECRET). Live and in a rebuild alike, an event is the processor's exactly when its
 signature verifies; one that claims the origin without it is refused in both (`origin`).
 
+The operator's commands write history through the log too, with rights no service has: an
+import sets the owner of the threads it brings in, an erasure removes a thread for good. Their
+events carry `memfilter.origin: operator` and a signature under a key derived from the
+secret for that purpose alone (`operator_headers`), so neither mark can be made from the other,
+and a live worker applies them (it skips only the processor's own, saved already).
+
 A reply streamed on `reply-streams` is relayed by the gateway to the browser of the request's
 resource. So that no other writer of that topic can put words in a reply (or end it), each
 attempt's id is a nonce and the HMAC of the nonce, the request, the thread and the resource
@@ -25,7 +32,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-ORIGIN = ("memfilter.origin", b"processor")
+ORIGIN_HEADER = "memfilter.origin"
+ORIGIN = (ORIGIN_HEADER, b"processor")
+OPERATOR = (ORIGIN_HEADER, b"operator")
 SIGNATURE = "memfilter.signature"
 
 
@@ -40,6 +49,28 @@ def is_processors(value: bytes | None, headers, secret: bytes) -> bool:
         return False
     signature = next((v for k, v in headers if k == SIGNATURE), b"")
     return hmac.compare_digest(signature, hmac.digest(secret, value, hashlib.sha256).hex().encode())
+
+
+def claims_origin(headers) -> bool:
+    """Does the record carry a `memfilter.origin` header, of any value?"""
+    return any(k == ORIGIN_HEADER for k, _ in headers)
+
+
+def _operator_key(secret: bytes) -> bytes:
+    return hmac.digest(secret, b"memfilter operator events", hashlib.sha256)
+
+
+def operator_headers(value: bytes, secret: bytes) -> tuple[tuple[str, bytes], ...]:
+    """The headers that mark `value` as an operator command's (import, erasure)."""
+    return (OPERATOR, (SIGNATURE, hmac.digest(_operator_key(secret), value, hashlib.sha256).hex().encode()))
+
+
+def is_operators(value: bytes | None, headers, secret: bytes) -> bool:
+    """Does the record carry the operator's mark, with a signature that verifies?"""
+    if OPERATOR not in headers or value is None or not secret:
+        return False
+    signature = next((v for k, v in headers if k == SIGNATURE), b"")
+    return hmac.compare_digest(signature, hmac.digest(_operator_key(secret), value, hashlib.sha256).hex().encode())
 
 
 def attempt(secret: bytes, request_id: str, thread: str, resource: str, nonce: str) -> str:

@@ -78,6 +78,7 @@ STATUS = {
     "duplicate": 409,
     "too-large": 413,
     "context-budget": 413,
+    "erased": 410,
 }
 
 
@@ -322,7 +323,7 @@ class Gateway:
         except Unauthenticated as e:
             return error(401, "unauthenticated", str(e))
         thread = request.match_info["thread"]
-        _, owners = await self.store.owners([], [thread])
+        _, owners, _ = await self.store.owners([], [thread])
         owner = owners.get(thread)
         if owner is not None and owner != resource:
             return error(403, "ownership", f"thread {thread} belongs to another resource; {resource!r} may not use it")

@@ -21,9 +21,18 @@ to the dead-letter topic whole, before it writes or claims anything, when:
 - its thread belongs to another resource (`ownership`);
 - it names a message id that another thread owns (`foreign-message-id`);
 - it would change the role of a stored row (`role`);
-- it claims to be the processor's (header `memfilter.origin`) but its signature does not
-  verify (`origin`, see `memfilter.core.origin`). The processor's own, verified, events may set
-  the owner of a thread that has none: a rebuild applies them as the live writes happened.
+- it claims to be the processor's or the operator's (header `memfilter.origin`) but its
+  signature does not verify (`origin`, see `memfilter.core.origin`), or carries an `erasure`
+  without the operator's signature. The processor's own, verified, events may set the owner of
+  a thread that has none: a rebuild applies them as the live writes happened;
+- its thread was erased (`erased`): only the processor's own events write there again.
+
+The operator's events (`memfilter history import`, `memfilter forget`; signed) are applied live
+like other services': an import sets the owner of a thread that has none and writes only where
+it agrees with the stored thread (`clash`: APPLY); an erasure (`erasure`, no messages) removes
+the thread for good at the version it was asked at (`HistoryStore.erase`; `stale` if the
+thread moved since: `memfilter forget` asks again). An erasure is applied on its own, between
+the events before it and after it.
 """
 
 from __future__ import annotations
@@ -63,7 +72,7 @@ def _rows(event: PersistMessagesOf[Message], raw: PersistMessagesOf[msgspec.Raw]
 class _Event(msgspec.Struct, gc=False):
     event: PersistMessagesOf[Message]
     rows: list[tuple[str, bytes]]
-    processors: bool  # signed by the processor (`memfilter.core.origin`)
+    writer: str  # "processor" or "import" (signed: `memfilter.core.origin`), or "service"
 
 
 class Persister:
@@ -100,12 +109,27 @@ class Persister:
                 results[i] = Rejection(e.type, e.message)
             except Exception as e:
                 results[i] = internal_error(record, e)
+        saves: list[tuple[int, _Event]] = []
+        for i, ev in events:  # an erasure on its own, after the saves before it
+            if ev.event.erasure is msgspec.UNSET:
+                saves.append((i, ev))
+                continue
+            await self._save(saves, results)
+            saves = []
+            results[i] = await self._erase(ev)
+        await self._save(saves, results)
+        return results
+
+    async def _save(self, events: list[tuple[int, _Event]], results: list[Rejection | int | None]) -> None:
+        """`apply`'s three round trips, for events without an erasure."""
+        if not events:
+            return
         ids = list(dict.fromkeys(mid for _, ev in events for mid, _ in ev.rows))
-        holders, owners = await self.store.owners(ids, list(dict.fromkeys(ev.event.threadId for _, ev in events)))
+        holders, owners, erased = await self.store.owners(ids, list(dict.fromkeys(ev.event.threadId for _, ev in events)))
         checked = []
         for i, ev in events:
             tag = thread_tag(ev.event.threadId)
-            results[i] = _refusal(ev, owners, {mid for mid, _ in ev.rows if holders.get(mid, tag) != tag})
+            results[i] = _refusal(ev, owners, {mid for mid, _ in ev.rows if holders.get(mid, tag) != tag}, erased)
             if results[i] is None:
                 checked.append((i, ev))
                 if ev.rows:  # what this event leaves for the ones after it
@@ -126,8 +150,8 @@ class Persister:
                     max((parse_ms(m.createdAt) or -1 for m in ev.event.messages), default=-1),
                     ev.rows,
                     [m.role for m in ev.event.messages],
-                    b"" if ev.processors else save_identity(ev.event.resourceId, ev.event.requestId),
-                    ev.processors,
+                    b"" if ev.writer == "processor" else save_identity(ev.event.resourceId, ev.event.requestId),
+                    ev.writer,
                     ev.event.superseded,
                     ev.event.requestId,
                 )
@@ -136,25 +160,55 @@ class Persister:
         )
         for (i, ev), result in zip(saves, applied):
             results[i] = _refused(ev, *result) if isinstance(result, tuple) else result
-        return results
+
+    async def _erase(self, ev: _Event) -> Rejection | int:
+        """Apply an operator's erasure (`HistoryStore.erase`): the thread's version after it, or why not."""
+        e = ev.event
+        _, owners, _ = await self.store.owners([], [e.threadId])
+        if (owner := owners.get(e.threadId)) is not None and owner != e.resourceId:
+            return _refused(ev, "ownership", owner)
+        erased_ms = parse_ms(e.erasure.at) if e.erasure is not msgspec.UNSET else None
+        result = await self.store.erase(e.threadId, e.historyVersion, save_identity(e.resourceId, e.requestId), erased_ms or 0)
+        if isinstance(result, tuple):
+            return Rejection(
+                "stale",
+                f"thread {e.threadId} is at history version {result[1]}, its erasure {e.requestId} was asked at {e.historyVersion}: "
+                "it moved since memfilter forget read it; not erased by this event (memfilter forget asks again)",
+            )
+        return result
 
     def _decode(self, record: Record) -> _Event:
         """The record's event and rows; raise Rejected naming what is wrong."""
         event = decode_json(_TYPED, record.value, "persist-messages value", "PersistMessages")
         check_key(event.threadId, record.key)
-        processors = origin.is_processors(record.value, record.headers, self.secret)
-        if origin.ORIGIN in record.headers and not processors:
-            raise Rejected("origin", "the event claims memfilter.origin: processor but its signature does not verify; only the processor sets that header")
-        return _Event(event, _rows(event, _RAW.decode(record.value)), processors)
+        writer = "service"
+        if origin.is_processors(record.value, record.headers, self.secret):
+            writer = "processor"
+        elif origin.is_operators(record.value, record.headers, self.secret):
+            writer = "import"
+        elif origin.claims_origin(record.headers):
+            raise Rejected(
+                "origin",
+                "the event claims a memfilter.origin but its signature does not verify; only the processor and the operator's commands set that header",
+            )
+        if event.erasure is not msgspec.UNSET:
+            if writer != "import":
+                raise Rejected("origin", f"an erasure of thread {event.threadId} not signed by the operator; only memfilter forget erases")
+            if event.messages or event.superseded or event.historyVersion is msgspec.UNSET:
+                raise Rejected("schema", "an erasure has no messages and no superseded ids, and names the historyVersion it erases")
+        return _Event(event, _rows(event, _RAW.decode(record.value)), writer)
 
 
-def _refusal(e: _Event, owners: dict[str, str], elsewhere: set[str]) -> Rejection | None:
-    """Why the event may not be saved, given the threads' owning resources and which of its ids other threads own."""
+def _refusal(e: _Event, owners: dict[str, str], elsewhere: set[str], erased: set[str] | frozenset[str] = frozenset()) -> Rejection | None:
+    """Why the event may not be saved, given the threads' owning resources, which of its ids
+    other threads own, and which threads are erased."""
     thread = e.event.threadId
+    if thread in erased and e.writer != "processor":
+        return _refused(e, "erased", "")
     owner = owners.get(thread)
     if owner is not None and owner != e.event.resourceId:
         return _refused(e, "ownership", owner)
-    if owner is None and not e.processors:
+    if owner is None and e.writer == "service":
         return _refused(e, "unowned", "")
     for mid, _ in e.rows:
         if mid in elsewhere:
@@ -172,5 +226,12 @@ def _refused(e: _Event, why: str, detail: str) -> Rejection:
         return Rejection(
             "ownership",
             f"thread {thread} has no owner yet; rows from {resource} not saved (only the processor's first save of a request sets the owner: publish the thread's first request on chat-requests)",
+        )
+    if why == "erased":
+        return Rejection("erased", f"thread {thread} was erased (memfilter forget); rows from {resource} not saved: it stays erased")
+    if why == "clash":
+        return Rejection(
+            "clash",
+            f"imported message {detail} disagrees with thread {thread} as stored (another row under its id, or another order); the thread is not imported",
         )
     return Rejection("role", f"message {detail} is stored in thread {thread} with another role; an event cannot change a stored message's role")

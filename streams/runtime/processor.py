@@ -255,7 +255,7 @@ class Processor:
                 states[thread].elsewhere = {mid: o for p in t.requests[t.next :] for mid, o in self.seen.elsewhere(p.record).items()}
                 states[thread].window = self.seen.window(t.requests[t.next].record)
         elif unknown:
-            owners, _ = await self.store.owners(sorted(unknown))
+            owners, _, _ = await self.store.owners(sorted(unknown))
         if owners:
             for thread, ids in wanted.items():
                 tag = thread_tag(thread)
@@ -380,9 +380,11 @@ class Processor:
         """One request's decision, its write (None for a rejection) and what it emits; what it
         saves goes into `state`, the overlay the thread's next request of the batch sees."""
         request = p.request
-        view = StoredView(state.rows, state.elsewhere, state.owner, state.size, state.newest_ms, state.tail, state.superseded, counts=state.counts)
+        view = StoredView(
+            state.rows, state.elsewhere, state.owner, state.size, state.newest_ms, state.tail, state.superseded, counts=state.counts, erased=state.erased
+        )
         started = perf_counter()
-        decision = decide(request, view, p.record.timestamp_ms, self.history, self.edits, self.budget)
+        decision = decide(request, view, p.record.timestamp_ms, self.history, self.edits, self.budget, self.policy.reopen_erased)
         self.metrics.decision.observe(perf_counter() - started)
         p.outcome = decision.outcome
         if self.windows is not None and self.budget is not None and decision.fit is not None:
@@ -423,6 +425,7 @@ class Processor:
             state.rows.update(rows)
             state.version += 1
             state.owner = state.owner or shape.resourceId
+            state.erased = False
             state.newest_ms = max(state.newest_ms or -1, newest)
         return write, rec
 

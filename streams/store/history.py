@@ -105,6 +105,7 @@ class ThreadState:
     superseded: frozenset[str] = frozenset()  # ids of its rows out of the conversation (`superseded`)
     tail: list[str] = field(default_factory=list)  # the ids of the thread's last rows, in order (`read`, `read_tails`)
     counts: dict[str, float] = field(default_factory=dict)  # token counts stored beside the rows read (with a counter)
+    erased: bool = False  # the thread was erased (`memfilter forget`) and not started again since
 
 
 class Write(msgspec.Struct, frozen=True, gc=False):
@@ -133,9 +134,19 @@ class Save(msgspec.Struct, frozen=True, gc=False):
     rows: list[tuple[str, bytes]]
     roles: list[str]  # each row's role
     identity: bytes  # `save_identity`, or b"" for the processor's own event
-    may_own: bool = False  # the processor's own event: it may set the owner of a thread that has none
+    writer: str = "service"  # "processor" (its own, signed), "import" (an operator's import, signed) or "service": see APPLY
     superseded: list[str] = []  # ids it takes out of the conversation
     request_id: str = ""  # the event's, which marks what it supersedes
+
+
+class Meta(msgspec.Struct, frozen=True):
+    """A thread's meta (`HistoryStore.meta`)."""
+
+    owner: str | None
+    version: int
+    erased: bool  # erased (`memfilter forget`) and not started again
+    erasures: bytes  # the identities of the erasures applied to it (`holds`)
+    size: int  # rows stored
 
 
 class NotReplicated(RedisConnectionError):
@@ -272,7 +283,7 @@ class HistoryStore(Keys):
         counting = self.counter is not None
         for thread, ids in wanted.items():
             rows, order, meta, _, recent, superseded, tokens = self.keys(thread)
-            commands.append(("HMGET", meta, "owner", "version", "newest"))  # first: a write after it is caught as stale
+            commands.append(("HMGET", meta, "owner", "version", "newest", "erased"))  # first: a write after it is caught as stale
             commands.append(("HLEN", rows))
             if ids:
                 commands.append(("HMGET", rows, *ids))
@@ -285,7 +296,7 @@ class HistoryStore(Keys):
         replies = iter(await self._pipeline(commands))
         states = {}
         for thread, ids in wanted.items():
-            (owner, version, newest), size = next(replies), next(replies)
+            (owner, version, newest, erased), size = next(replies), next(replies)
             rows = next(replies) if ids else ()
             counts = self._counts(ids[-(tail + 2) :], next(replies)) if ids and counting else {}
             gone = next(replies)
@@ -300,6 +311,7 @@ class HistoryStore(Keys):
                 superseded=frozenset(mid.decode() for mid in gone) if gone else frozenset(),
                 tail=[mid.decode() for mid in next(replies)] if tail else [],
                 counts=counts,
+                erased=erased is not None,
             )
         return states
 
@@ -351,9 +363,10 @@ class HistoryStore(Keys):
         found = await self._pipeline([("GET", self.pending_key(thread, key)) for thread, key in records])
         return [RECORDED.decode(r) if r is not None else None for r in found]
 
-    async def owners(self, ids: list[str], threads: Sequence[str] = ()) -> tuple[dict[str, bytes], dict[str, str]]:
-        """The `thread_tag` of the thread owning each of these message ids that has one, and
-        the owning resource of each of these threads that has one: one round trip."""
+    async def owners(self, ids: list[str], threads: Sequence[str] = ()) -> tuple[dict[str, bytes], dict[str, str], set[str]]:
+        """The `thread_tag` of the thread owning each of these message ids that has one, the
+        owning resource of each of these threads that has one, and those of them erased and not
+        started again: one round trip."""
         buckets: dict[str, tuple[list[str], list[bytes]]] = {}
         for mid in ids:
             bucket, field_ = self.id_key(mid)
@@ -361,13 +374,14 @@ class HistoryStore(Keys):
             in_bucket[0].append(mid)
             in_bucket[1].append(field_)
         commands = [("HMGET", bucket, *fields) for bucket, (_, fields) in buckets.items()]
-        commands += [("HGET", self.keys(thread)[2], "owner") for thread in threads]
+        commands += [("HMGET", self.keys(thread)[2], "owner", "erased") for thread in threads]
         replies = await self._pipeline(commands)
         by_id = {}
         for (mids, _), held in zip(buckets.values(), replies):
             by_id.update((mid, h) for mid, h in zip(mids, held) if h is not None)
-        by_thread = {thread: owner.decode() for thread, owner in zip(threads, replies[len(buckets) :]) if owner is not None}
-        return by_id, by_thread
+        metas = list(zip(threads, replies[len(buckets) :]))
+        by_thread = {thread: owner.decode() for thread, (owner, _) in metas if owner is not None}
+        return by_id, by_thread, {thread for thread, (owner, erased) in metas if owner is None and erased is not None}
 
     async def claim(self, claims: list[tuple[str, str]]) -> list[bool]:
         """Claim message ids (id, thread) for threads; for each, whether another thread holds
@@ -490,8 +504,9 @@ class HistoryStore(Keys):
     async def apply(self, saves: list[Save]) -> list[int | tuple[str, str]]:
         """Save rows from `persist-messages`, in order and in one round trip; for each, the
         thread's version after it, or why it was refused: ('ownership', the thread's owner),
-        ('unowned', ''), ('role', the id of the row whose role it would change). Raise Fenced
-        as `commit` does."""
+        ('unowned', ''), ('role', the id of the row whose role it would change), ('erased',
+        when), ('clash', the id of an imported row that disagrees with the stored thread).
+        Raise Fenced as `commit` does."""
         if not saves:
             return []
         calls = []
@@ -511,7 +526,7 @@ class HistoryStore(Keys):
                     newest_ms=s.newest_ms,
                     packed_rows=pack_rows(s.rows),
                     packed_roles=pack(s.roles),
-                    may_own="1" if s.may_own else "0",
+                    writer=s.writer,
                     identity=s.identity,
                     packed_ranks=STATE_RANKS_PACKED,
                     packed_superseded=pack(s.superseded),
@@ -525,6 +540,71 @@ class HistoryStore(Keys):
                 raise Fenced(s.thread, self.epoch, int(value))
             out.append(int(value) if status == b"ok" else (status.decode(), value.decode()))
         return out
+
+    async def erase(self, thread: str, version: int, identity: bytes, erased_ms: int) -> int | tuple[str, str]:
+        """Erase a thread (an operator's erasure event, `memfilter forget`): its rows, order,
+        saves, retry window, records, superseded rows, token counts and its ids in the
+        message-id index; what is left is a tombstone (`meta`: `version`, `epoch`, `erased`,
+        `erasures`) that names no resource and holds no content. `version` is the one the
+        erasure was asked at: if the thread has moved since, nothing is erased and the result
+        is ('stale', its version); an erasure applied before (`identity` in `erasures`) changes
+        nothing. A thread with no meta at all is erased at `version` as asked: a rebuild starts
+        an erased thread there (`memfilter.audit.recorded`, `ThreadLog`). The thread's version after it. Two round trips, three with ids to unindex."""
+        rows, order, meta, saved, recent, superseded, tokens = self.keys(thread)
+        (stored, erasures), ids, window = await self._pipeline([("HMGET", meta, "version", "erasures"), ("HKEYS", rows), ("GET", recent)])
+        if holds(erasures or b"", identity):
+            return int(stored or 0)
+        if stored is not None and int(stored) != version:  # no meta at all: a rebuild starting the thread at its erasure
+            return ("stale", stored.decode())
+        window = window or b""
+        records = [self.pending_key(thread, window[i : i + 8]) for i in range(0, len(window), WINDOW_ENTRY.size)]
+        buckets: dict[str, list[bytes]] = {}
+        for mid in ids:  # every id of the thread's rows is indexed to it (claimed before it was written)
+            bucket, field_ = self.id_key(mid.decode())
+            buckets.setdefault(bucket, []).append(field_)
+        commands = [("HDEL", bucket, *fields) for bucket, fields in buckets.items()]
+        if records:
+            commands.append(("UNLINK", *records))
+        if commands:
+            await self._pipeline(commands)
+        erase = scripts.ERASE.command(
+            rows_key=rows,
+            order_key=order,
+            meta_key=meta,
+            saved_key=saved,
+            recent_key=recent,
+            superseded_key=superseded,
+            tokens_key=tokens,
+            epoch=self.epoch,
+            seen_version=version,
+            identity=identity,
+            erased_ms=erased_ms,
+        )
+        ((status, value),) = await self._pipeline([erase])
+        if status == b"fenced":
+            raise Fenced(thread, self.epoch, int(value))
+        return int(value) if status == b"ok" else (status.decode(), value.decode())
+
+    async def meta(self, thread: str) -> Meta:
+        """A thread's meta and how many rows it holds: one round trip."""
+        rows, _, meta, *_ = self.keys(thread)
+        (owner, version, erased, erasures), size = await self._pipeline([("HMGET", meta, "owner", "version", "erased", "erasures"), ("HLEN", rows)])
+        return Meta(owner.decode() if owner is not None else None, int(version or 0), erased is not None, erasures or b"", size)
+
+    async def threads_of(self, resource: str) -> list[str]:
+        """The threads `resource` owns: a scan of every thread's meta key (an operator's
+        command: as long as Redis takes to walk its keys)."""
+        found: list[str] = []
+        head, tail = len(self.prefix) + len(":t:{"), -len("}:meta")
+
+        async def owned(keys: list[bytes]) -> None:
+            for key, owner in zip(keys, await self._pipeline([("HGET", key, "owner") for key in keys])):
+                if owner is not None and owner.decode() == resource:  # the thread id, `_tag` undone
+                    found.append(key.decode()[head:tail].replace("%7D", "}").replace("%7B", "{").replace("%25", "%"))
+
+        async for keys in _batches(self.redis.scan_iter(match=f"{_glob_escape(self.prefix)}:t:*:meta", count=1000), 1000):
+            await owned(keys)
+        return sorted(found)
 
     async def thread_rows(self, thread: str) -> list[bytes]:
         """A thread's conversation: its rows in save order, without the superseded ones."""
@@ -550,6 +630,11 @@ class HistoryStore(Keys):
         async for keys in _batches(self.redis.scan_iter(match=f"{_glob_escape(self.prefix)}:*", count=1000), 1000):
             dropped += await self.redis.unlink(*keys)
         return dropped
+
+
+def holds(packed: bytes, identity: bytes) -> bool:
+    """Is `identity` one of the 8-byte identities packed one after another in `packed`?"""
+    return any(packed[i : i + 8] == identity for i in range(0, len(packed), 8))
 
 
 _KEY_PREFIX = re.compile(rb"^(.*?):(?:t:\{|idx:\{|sync:\{|sync$|epoch$)")

@@ -47,4 +47,5 @@ class Script:
 COMMIT = Script.load("commit")
 APPLY = Script.load("apply")
 TAIL = Script.load("tail")
-ALL = (COMMIT, APPLY, TAIL)
+ERASE = Script.load("erase")
+ALL = (COMMIT, APPLY, TAIL, ERASE)

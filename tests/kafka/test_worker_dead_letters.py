@@ -102,7 +102,7 @@ def run(services):
         for i in range(20):  # threads of another resource, and their rows
             row = msg(f"owned{i}-row", threadId=f"owned{i}", resourceId="owner", createdAt="2026-01-01T00:00:00Z")
             await store.claim([(row["id"], f"owned{i}")])
-            await store.apply([Save(f"owned{i}", "owner", 0, [(row["id"], msgspec.json.encode(row))], ["user"], b"", may_own=True)])
+            await store.apply([Save(f"owned{i}", "owner", 0, [(row["id"], msgspec.json.encode(row))], ["user"], b"", writer="processor")])
         await client.aclose()
         pipeline.start_worker(MEMFILTER_MAX_BYTES="20000", MEMFILTER_MAX_MESSAGES="50")
         await publish(pipeline.bootstrap, pipeline.topics.requests, [(k, v, T0) for _, k, v in stream])

@@ -67,7 +67,7 @@ async def save_history(pipeline: Pipeline, case: dict) -> None:
             newest = max((parse_ms(r.get("createdAt")) or -1 for r in rows), default=-1)
             await store.claim([(r["id"], t) for r in rows])
             rows_json = [(r["id"], msgspec.json.encode(r)) for r in rows]
-            assert await store.apply([Save(t, owner, newest, rows_json, [r["role"] for r in rows], b"", may_own=True)]) == [1]
+            assert await store.apply([Save(t, owner, newest, rows_json, [r["role"] for r in rows], b"", writer="processor")]) == [1]
             if t == thread and case.get("superseded"):  # as an earlier regenerate left them
                 await store.apply([Save(t, owner, newest, [], [], b"", superseded=case["superseded"], request_id="earlier")])
         if case.get("owner") and not case["stored"]:

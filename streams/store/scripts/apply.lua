@@ -9,15 +9,20 @@
 --   a terminal state, or drop it) is not saved: the stored row stays, as it does against an
 --   echo. So a late or repeated copy of a pending call never undoes the client's result;
 -- - no row changes the role of a stored row (`role`, refused before any write);
--- - only the processor's own events (`may_own`) save in a thread that has no owner yet;
+-- - only the processor's own events and an operator's import (`writer`) save in a thread that
+--   has no owner yet; in an erased one (`erased`, `memfilter forget`), only the processor's own
+--   (a rebuild of a thread its resource started again, where the operator allows it);
+-- - an import writes a thread only where it agrees with it: the stored order and the import's
+--   ids agree as far as both go, and a stored row of an imported id is the imported row
+--   (`clash` otherwise, before any write);
 -- - a superseded id of the event that is a row of this thread, still in its conversation,
 --   leaves the conversation (its row stays, marked with the event's request id); a later save
 --   of a superseded row updates the row and leaves it out.
 -- - with a context budget, a row written gets its token count beside it (`tokens_key`).
 -- KEYS: rows_key order_key meta_key saved_key superseded_key tokens_key
--- ARGV: epoch resource newest_ms packed_rows packed_roles may_own identity packed_ranks packed_superseded request_id packed_counts
+-- ARGV: epoch resource newest_ms packed_rows packed_roles writer identity packed_ranks packed_superseded request_id packed_counts
 local rows_key, order_key, meta_key, saved_key, superseded_key, tokens_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local epoch, resource, newest_ms, packed_rows, packed_roles, may_own, identity, packed_ranks, packed_superseded, request_id, packed_counts = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+local epoch, resource, newest_ms, packed_rows, packed_roles, writer, identity, packed_ranks, packed_superseded, request_id, packed_counts = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 -- The owner epoch fences: a worker takes one each time it is given partitions, and every
 -- write stamps the thread's meta with it; an older one than the thread's is refused.
 local stored = tonumber(redis.call('HGET', meta_key, 'epoch') or '0')
@@ -25,7 +30,11 @@ local mine = tonumber(epoch)
 if mine < stored then return {'fenced', tostring(stored)} end
 local owner = redis.call('HGET', meta_key, 'owner')
 if owner and owner ~= resource then return {'ownership', owner} end
-if not owner and may_own ~= '1' then return {'unowned', ''} end
+if not owner then
+  local erased = redis.call('HGET', meta_key, 'erased')
+  if erased and writer ~= 'processor' then return {'erased', erased} end
+  if writer == 'service' then return {'unowned', ''} end
+end
 local version = redis.call('HGET', meta_key, 'version') or '0'
 local saved = identity ~= '' and (redis.call('GET', saved_key) or '')
 if saved then
@@ -59,6 +68,16 @@ local function moves_back(old, new)
     if now == nil or now[1] < was[1] or (was[1] == terminal and now[2] ~= was[2]) then return true end
   end
   return false
+end
+if writer == 'import' then
+  local order = redis.call('LRANGE', order_key, 0, -1)
+  for i = 1, math.min(#order, #rows / 2) do
+    if order[i] ~= rows[2 * i - 1] then return {'clash', rows[2 * i - 1]} end
+  end
+  for i = 1, #rows, 2 do
+    local old = redis.call('HGET', rows_key, rows[i])
+    if old and (old ~= rows[i + 1] or (i + 1) / 2 > #order) then return {'clash', rows[i]} end
+  end
 end
 local keep = {}
 for i = 1, #rows, 2 do
@@ -99,7 +118,7 @@ for _, id in ipairs(cmsgpack.unpack(packed_superseded)) do
   end
 end
 if changed then
-  redis.call('HSETNX', meta_key, 'owner', resource)
+  if redis.call('HSETNX', meta_key, 'owner', resource) == 1 then redis.call('HDEL', meta_key, 'erased') end
   local newest = tonumber(redis.call('HGET', meta_key, 'newest') or '-1')
   if tonumber(newest_ms) > newest then redis.call('HSET', meta_key, 'newest', newest_ms) end
   version = redis.call('HINCRBY', meta_key, 'version', 1)

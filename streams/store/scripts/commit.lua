@@ -20,7 +20,7 @@ local rows = cmsgpack.unpack(packed_rows)
 local gone = cmsgpack.unpack(packed_superseded)
 local counts = cmsgpack.unpack(packed_counts)
 if #rows > 0 or #gone > 0 then
-  redis.call('HSETNX', meta_key, 'owner', resource)
+  if redis.call('HSETNX', meta_key, 'owner', resource) == 1 then redis.call('HDEL', meta_key, 'erased') end  -- an erased thread started again
   for i = 1, #rows, 2 do
     if redis.call('HSETNX', rows_key, rows[i], rows[i + 1]) == 1 then
       redis.call('RPUSH', order_key, rows[i])
