@@ -57,9 +57,9 @@ from memfilter.settings import Topics
 from memfilter.store.history import HistoryStore
 
 
-async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: bytes, progress: Progress | None = None) -> tuple[int, int]:
+async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: bytes, progress: Progress | None = None) -> tuple[int, int, int]:
     """Replace what is under `store`'s prefix with every `persist-messages` event applied as it
-    was live; (events applied, events refused). Stop the workers using that prefix first.
+    was live; (events applied, events refused, events left out as erased: `apply_log`). Stop the workers using that prefix first.
     `secret` is the deployment's MEMFILTER_SECRET, which tells the processor's events."""
     with Recorded.temporary(topics, secret) as recorded:
         await recorded.load(bootstrap, [topics.persist, topics.dlq], progress)
@@ -67,11 +67,12 @@ async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: b
         return await apply_log(recorded, store, progress)
 
 
-async def apply_log(recorded: Recorded, store: HistoryStore, progress: Progress | None = None) -> tuple[int, int]:
+async def apply_log(recorded: Recorded, store: HistoryStore, progress: Progress | None = None) -> tuple[int, int, int]:
     """Apply every `persist-messages` event of `recorded` to `store`, each thread's in its live
-    order (`ThreadLog`); (events applied, events refused). Any content of the log is taken: an
-    event that does not decode, names another resource's thread or was refused live is counted
-    refused, as the persister refuses it, and the rest go on.
+    order (`ThreadLog`); (events applied, events refused, events left out as erased: before
+    their thread's last erasure). Any content of the log is taken: an event that does not
+    decode, names another resource's thread or was refused live is counted refused, as the
+    persister refuses it, and the rest go on.
 
     Threads are independent, so each round applies the next event of every thread in one
     persister batch (three round trips): as many rounds as the longest thread has events."""
@@ -79,19 +80,19 @@ async def apply_log(recorded: Recorded, store: HistoryStore, progress: Progress 
     logs = {thread: log for thread in recorded.threads() if (log := recorded.log(thread))}  # a thread whose every event was refused live has none
     versions = dict.fromkeys(logs, 0)
     skipped = recorded.refused_live()  # refused live: left out (`ThreadLog`)
-    total, refused, done = recorded.persisted() - skipped, 0, 0
+    total, applied, refused = recorded.persisted() - skipped, 0, 0
     while logs:
         round_ = [(key, log.next(versions[key])) for key, log in logs.items()]
         for (key, _), result in zip(round_, await persister.apply([event for _, event in round_])):
             if isinstance(result, int):
                 versions[key] = result
+                applied += 1
             else:
                 refused += 1
         logs = {key: log for key, log in logs.items() if log}
-        done += len(round_)
         if progress:
-            progress(done, total, "applied")
-    return total - refused, refused + skipped
+            progress(applied + refused, total, "applied")
+    return applied, refused + skipped, total - applied - refused
 
 
 @dataclass

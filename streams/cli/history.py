@@ -40,10 +40,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"memfilter history rebuild: {reason}", file=sys.stderr)
             return 1
         print(f"memfilter history rebuild: replacing the history under prefix {prefix} with {settings.topics.persist}", file=sys.stderr)
-        applied, refused = await rebuild(
+        applied, refused, erased = await rebuild(
             settings.kafka.bootstrap, settings.topics, history_store(url, prefix, settings), settings.secret, progress_bar("applied")
         )
-        print(f"rebuilt history under prefix {prefix} from {applied + refused:,} events of {settings.topics.persist} ({refused:,} refused)")
+        left_out = f"; {erased:,} of erased threads left out" if erased else ""
+        print(f"rebuilt history under prefix {prefix} from {applied + refused + erased:,} events of {settings.topics.persist} ({refused:,} refused{left_out})")
         return 0
 
     async def list_prefixes() -> int:

@@ -13,7 +13,8 @@ A team adopting the product brings months of conversations, in one of two shapes
   error);
 - **AI SDK UI messages**, one thread per line: `{"threadId", "resourceId", "messages": [...]}`,
   the messages as `useChat` holds them (or already stored ones), converted exactly as the
-  processor converts a request's (`memfilter.core.ui`), in the order given.
+  processor converts a request's (`memfilter.core.ui`), in the order given; a message's date
+  is its `createdAt`, else its `metadata.createdAt` (where Mastra's UI messages carry it).
 
 What comes out is a thread's rows as the processor would have stored them, in order: each a
 Mastra DB message (format 2) with its `id`, `threadId` and `resourceId`, `createdAt` where the
@@ -159,6 +160,9 @@ def _from_ui(m: Any, where: str, t: ImportedThread) -> dict[str, Any] | None:
     except ui.NotConvertible as e:
         t.problems.append(str(e))
         return None
+    created = m.get("metadata", {}).get("createdAt") if isinstance(m.get("metadata"), dict) else None
+    if "createdAt" not in stored and parse_ms(created) is not None:  # where Mastra's UI messages keep it
+        stored["createdAt"] = created
     stored.setdefault("threadId", t.thread)
     if t.resource is not None:
         stored.setdefault("resourceId", t.resource)

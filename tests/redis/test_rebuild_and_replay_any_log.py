@@ -47,7 +47,7 @@ def log_entry(draw, n: int):
     """One record of the log, and whether the live persister refused it (a dead letter names it)."""
     thread = draw(st.sampled_from(THREADS))
     owner = "A" if thread == "ta" else "B"
-    kind = draw(st.sampled_from(["processor", "service", "foreign", "forged", "undecodable", "wrong-key", "tombstone"]))
+    kind = draw(st.sampled_from(["processor", "service", "foreign", "forged", "undecodable", "wrong-key", "tombstone", "import", "erasure"]))
     mid = f"{thread}-m{draw(st.integers(0, 4))}"
     rows = [msg(mid, role=draw(st.sampled_from(["user", "assistant"])), text=draw(st.sampled_from(["a", "b"])), threadId=thread)]
     key, headers = thread.encode(), ()
@@ -56,6 +56,15 @@ def log_entry(draw, n: int):
         headers = origin.headers(value, SECRET)
     elif kind == "service":
         value = event(thread, owner, f"reply-{draw(st.integers(0, 3))}", rows)  # repeats share a request id
+    elif kind == "import":  # an operator's import (`memfilter history import`)
+        value = event(thread, owner, f"import-{draw(st.integers(0, 2))}", rows)
+        headers = origin.operator_headers(value, SECRET)
+    elif kind == "erasure":  # an operator's erasure (`memfilter forget`), at some version
+        erased = {"at": "2026-03-01T12:00:00.000Z", "by": "dpo", "scope": "thread"}
+        value = json.dumps(
+            {"requestId": f"erase-{n}", "threadId": thread, "resourceId": owner, "messages": [], "historyVersion": draw(st.integers(0, 6)), "erasure": erased}
+        ).encode()
+        headers = origin.operator_headers(value, SECRET)
     elif kind == "foreign":
         value = event(thread, "A" if owner == "B" else "B", f"x{n}", rows)  # another resource names this thread
     elif kind == "forged":
@@ -91,7 +100,7 @@ def dead_letter_of(record: Record) -> Record:
     return Record(TOPICS.dlq, 0, record.offset, record.timestamp_ms, record.key, record.value, headers)
 
 
-async def rebuilt(redis_url: str, entries: list[tuple[Record, bool]]) -> tuple[tuple[int, int], dict]:
+async def rebuilt(redis_url: str, entries: list[tuple[Record, bool]]) -> tuple[tuple[int, int, int], dict]:
     client = aioredis.from_url(redis_url)
     store = HistoryStore(client, f"rebuild-{uuid.uuid4().hex[:8]}")
     try:
@@ -99,7 +108,7 @@ async def rebuilt(redis_url: str, entries: list[tuple[Record, bool]]) -> tuple[t
             recorded.add_persisted([record for record, _ in entries])
             recorded.add_dead([dead_letter_of(record) for record, refused in entries if refused])
             counts = await apply_log(recorded, store)
-            assert sum(counts) == recorded.persisted()  # each event kept (a copy of the processor's once) is applied or refused
+            assert sum(counts) == recorded.persisted()  # each event kept (a copy of the processor's once) is applied, refused or erased
         history = {}
         for thread in THREADS:
             state = (await store.read({thread: []}))[thread]
@@ -113,10 +122,10 @@ async def rebuilt(redis_url: str, entries: list[tuple[Record, bool]]) -> tuple[t
 @GENERATED
 @given(entries=logs())
 def test_any_log_rebuilds_the_same_history_twice_and_no_resource_takes_anothers_thread(redis_url, entries):
-    (applied, refused), history = asyncio.run(rebuilt(redis_url, entries))
-    assert refused >= len({record.offset for record, refused_live in entries if refused_live})
+    counts, history = asyncio.run(rebuilt(redis_url, entries))
+    assert counts[1] >= len({record.offset for record, refused_live in entries if refused_live})
     again = asyncio.run(rebuilt(redis_url, entries))
-    assert again == ((applied, refused), history)
+    assert again == (counts, history)
     assert history["ta"][0] in (None, "A") and history["tb"][0] in (None, "B")
 
 
@@ -125,7 +134,7 @@ def test_a_thread_whose_every_event_was_refused_live_is_no_crash(redis_url):
     nothing else on their key."""
     value = event("ta", "B", "b-1", [msg("b-m", role="assistant")])
     refused = Record(TOPICS.persist, 0, 0, T0, b"ta", value)
-    (applied, refused_count), history = asyncio.run(rebuilt(redis_url, [(refused, True)]))
+    (applied, refused_count, _), history = asyncio.run(rebuilt(redis_url, [(refused, True)]))
     assert (applied, refused_count) == (0, 1) and history["ta"] == (None, 0, [])
 
 
