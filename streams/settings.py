@@ -97,11 +97,18 @@ class Topics(
         "dlq": "MEMFILTER_TOPIC_DLQ",
         "streams": "MEMFILTER_TOPIC_STREAMS",
         "stops": "MEMFILTER_TOPIC_STOPS",
+        "copy_retention_days": "MEMFILTER_COPY_RETENTION_DAYS",
+        "log_retention_days": "MEMFILTER_LOG_RETENTION_DAYS",
     },
 ):
     """The product's topics (docs/contracts: what each carries). The first four hold the
     history's inputs and decisions; `streams` (replies as they are made) and `stops` (a
-    client's stop of a reply) are short-lived relays, outside the exactly-once history."""
+    client's stop of a reply) are short-lived relays, outside the exactly-once history.
+
+    How long each keeps a record (`retention_ms`) bounds how long message content stays in the
+    topics after an erasure (docs/erasure.md): the relays an hour; the copies (`requests`,
+    `filtered`, `dlq`) MEMFILTER_COPY_RETENTION_DAYS; `persist`, the history's log,
+    MEMFILTER_LOG_RETENTION_DAYS; 0 for ever (the default: audits replay them, rebuilds read the log)."""
 
     requests: str = "chat-requests"
     filtered: str = "filtered-inputs"
@@ -109,13 +116,22 @@ class Topics(
     dlq: str = "chat-requests-dlq"
     streams: str = "reply-streams"
     stops: str = "reply-stops"
+    copy_retention_days: Annotated[float, Meta(ge=0)] = 0
+    log_retention_days: Annotated[float, Meta(ge=0)] = 0
 
     def all(self) -> tuple[str, ...]:
         return self.requests, self.filtered, self.persist, self.dlq, self.streams, self.stops
 
     def relays(self) -> tuple[str, str]:
-        """The short-lived topics, kept for RELAY_RETENTION_MS (the others are kept for ever)."""
+        """The short-lived topics, kept for RELAY_RETENTION_MS."""
         return self.streams, self.stops
+
+    def retention_ms(self) -> dict[str, int]:
+        """Each topic's `retention.ms`: -1 keeps its records for ever."""
+        days = lambda d: int(d * 86_400_000) if d else -1  # noqa: E731
+        copies = days(self.copy_retention_days)
+        out = {self.requests: copies, self.filtered: copies, self.dlq: copies, self.persist: days(self.log_retention_days)}
+        return out | dict.fromkeys(self.relays(), RELAY_RETENTION_MS)
 
 
 class Decisions(

@@ -66,7 +66,7 @@ class Settings:
     brokers: int = 1
     redis_cluster: bool = False
     topics: tuple[str, ...] = product_settings.Topics().all()  # the product's topics, as the settings name them
-    relays: tuple[str, ...] = product_settings.Topics().relays()  # of which those kept for RELAY_RETENTION_MS only
+    retention: tuple[tuple[str, int], ...] = tuple(product_settings.Topics().retention_ms().items())  # each topic's retention.ms
 
     @classmethod
     def of(cls, s: product_settings.Settings, partitions: int | None = None, brokers: int = 1, redis_cluster: bool = False) -> Settings:
@@ -81,7 +81,7 @@ class Settings:
             brokers,
             redis_cluster,
             s.topics.all(),
-            s.topics.relays(),
+            tuple(s.topics.retention_ms().items()),
         )
 
     @property
@@ -126,7 +126,16 @@ class Running:
     def settings(self, s: Settings) -> Settings:
         """`s` with this stack's ports and shape."""
         return Settings(
-            s.dir, self.kafka_port, self.controller_port, self.redis_port, s.partitions, s.maven_settings, self.brokers, self.redis_cluster, s.topics, s.relays
+            s.dir,
+            self.kafka_port,
+            self.controller_port,
+            self.redis_port,
+            s.partitions,
+            s.maven_settings,
+            self.brokers,
+            self.redis_cluster,
+            s.topics,
+            s.retention,
         )
 
     def exports(self, s: Settings, secret: str) -> str:
@@ -447,15 +456,15 @@ async def broker_answers(bootstrap: str, timeout: float) -> bool:
         quiet.setLevel(level)
 
 
-def topic_configs(relay: bool) -> dict[str, str]:
-    """A topic's settings: the relay topics keep a record for RELAY_RETENTION_MS; the others,
-    as the broker's `log.retention.ms=-1`, for ever."""
-    return {"retention.ms": str(product_settings.RELAY_RETENTION_MS)} if relay else {}
+def topic_configs(retention_ms: int) -> dict[str, str]:
+    """A topic's settings: how long it keeps a record (-1: for ever; `Topics.retention_ms`)."""
+    return {"retention.ms": str(retention_ms)}
 
 
 async def _create_topics(s: Settings, deadline: float) -> None:
     """Create the topics that are missing; refuse a partition count other than the existing."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
     while True:
         admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap, request_timeout_ms=5000)
@@ -464,8 +473,11 @@ async def _create_topics(s: Settings, deadline: float) -> None:
             existing = set(await admin.list_topics()) & set(s.topics)
             counts = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(sorted(existing))} if existing else {}
             partitions = s.partitions or next(iter(counts.values()), DEFAULT_PARTITIONS)
-            missing = [NewTopic(t, partitions, s.brokers, topic_configs=topic_configs(t in s.relays)) for t in s.topics if t not in existing]
+            retention = dict(s.retention)
+            missing = [NewTopic(t, partitions, s.brokers, topic_configs=topic_configs(retention[t])) for t in s.topics if t not in existing]
             if not missing:
+                # the retention the settings give, on topics made before (MEMFILTER_*_RETENTION_DAYS changed)
+                await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, t, configs=topic_configs(retention[t])) for t in sorted(existing)])
                 break
             await admin.create_topics(missing)  # refused per topic while brokers are still joining: asked again
             await asyncio.sleep(0.2)

@@ -112,8 +112,8 @@ class Pipeline:
         await admin.start()
         replicas = min(3, len(self.bootstrap.split(",")))  # each broker of a replicated stack holds a copy
         try:
-            relays = self.topics.relays()
-            await admin.create_topics([NewTopic(t, self.partitions, replicas, topic_configs=topic_configs(t in relays)) for t in self.topics.all()])
+            retention = self.topics.retention_ms()
+            await admin.create_topics([NewTopic(t, self.partitions, replicas, topic_configs=topic_configs(retention[t])) for t in self.topics.all()])
         finally:
             await admin.close()
 

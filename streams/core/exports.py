@@ -182,5 +182,7 @@ def _add(t: ImportedThread, message: dict[str, Any] | None, where: str) -> None:
         t.problems.append(f"{where}: no id; an imported message keeps the id its clients know it by")
     elif typed.threadId is not msgspec.UNSET and typed.threadId != t.thread:
         t.problems.append(f"{where}: message {typed.id} names thread {typed.threadId!r}")
+    elif typed.resourceId is not msgspec.UNSET and t.resource is not None and typed.resourceId != t.resource:
+        t.problems.append(f"{where}: message {typed.id} names resource {typed.resourceId!r}, the thread is {t.resource!r}'s")
     elif typed.role != "system":
         t.rows.append(message)

@@ -22,6 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.structs import TopicPartition
 from pipeline import REPO, free_port, read
 from stacks import memfilter, stack_env
@@ -103,6 +104,37 @@ class TestTheStackAnswers:
                 await admin.close()
 
         assert asyncio.run(partitions()) == dict.fromkeys(names.values(), 8)
+
+    def test_up_keeps_each_topics_records_as_long_as_the_settings_say_also_on_topics_made_before(self, services):
+        """The bound on how long content stays in the topics after an erasure (docs/erasure.md)."""
+        names = {
+            f"MEMFILTER_TOPIC_{kind}": f"kept-{kind.lower()}-{uuid.uuid4().hex[:8]}" for kind in ("REQUESTS", "FILTERED", "PERSIST", "DLQ", "STREAMS", "STOPS")
+        }
+        first = memfilter("stack", "up", env=stack_env(**names))
+        assert first.returncode == 0, first.stderr
+        again = memfilter("stack", "up", env=stack_env(**names, MEMFILTER_COPY_RETENTION_DAYS="30", MEMFILTER_LOG_RETENTION_DAYS="0.5"))
+        assert again.returncode == 0, again.stderr
+        bootstrap = dict(line.removeprefix("export ").split("=", 1) for line in again.stdout.splitlines())["KAFKA_BOOTSTRAP_SERVERS"]
+
+        async def retention():
+            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+            await admin.start()
+            try:
+                described = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, t) for t in names.values()])
+                # each resource: (error code, error message, resource type, name, config entries (name, value, ...))
+                return {r[3]: dict((c[0], c[1]) for c in r[4])["retention.ms"] for d in described for r in d.resources}
+            finally:
+                await admin.close()
+
+        days = 86_400_000
+        assert asyncio.run(retention()) == {
+            names["MEMFILTER_TOPIC_REQUESTS"]: str(30 * days),
+            names["MEMFILTER_TOPIC_FILTERED"]: str(30 * days),
+            names["MEMFILTER_TOPIC_DLQ"]: str(30 * days),
+            names["MEMFILTER_TOPIC_PERSIST"]: str(days // 2),
+            names["MEMFILTER_TOPIC_STREAMS"]: "3600000",
+            names["MEMFILTER_TOPIC_STOPS"]: "3600000",
+        }
 
     def test_a_redis_lua_script_and_a_pipeline(self, services):
         async def redis_round_trip():
