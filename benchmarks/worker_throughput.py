@@ -161,7 +161,7 @@ async def seed(redis_url: str, prefix: str, history: dict, budget: int = 0) -> N
                         [(r["id"], msgspec.json.encode(r)) for r in rows],
                         [r["role"] for r in rows],
                         b"",
-                        may_own=True,
+                        writer="processor",
                     )
                     for thread, rows in chunk
                 ]

@@ -549,7 +549,8 @@ class HistoryStore(Keys):
         erasure was asked at: if the thread has moved since, nothing is erased and the result
         is ('stale', its version); an erasure applied before (`identity` in `erasures`) changes
         nothing. A thread with no meta at all is erased at `version` as asked: a rebuild starts
-        an erased thread there (`memfilter.audit.recorded`, `ThreadLog`). The thread's version after it. Two round trips, three with ids to unindex."""
+        an erased thread there (`memfilter.audit.recorded`, `ThreadLog`). The thread's version
+        after it. Two round trips, three with ids to unindex."""
         rows, order, meta, saved, recent, superseded, tokens = self.keys(thread)
         (stored, erasures), ids, window = await self._pipeline([("HMGET", meta, "version", "erasures"), ("HKEYS", rows), ("GET", recent)])
         if holds(erasures or b"", identity):
