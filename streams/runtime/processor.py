@@ -26,6 +26,9 @@ A request processed before (by the same resource: see `record_field`) is not dec
 - re-delivered from the same position before its batch's outputs were committed (a crash),
   it emits again, byte for byte, what was recorded (`pending`), so re-delivery changes
   nothing. The worker drops those records once the outputs are committed (`take_recorded`);
+  re-delivered from the same position after that (a worker given the partition read its
+  committed offset before the last owner's transaction was visible: a broker killed during a
+  rebalance), its window entry names this position and it has no record: it emits nothing;
 - published again (a client's retry) while in its thread's retry window, it is a `duplicate`
   dead letter naming where it was processed: no second, different filtered input. Later
   than that it is decided again (`memfilter.store` says how long the window is).
@@ -343,7 +346,15 @@ class Processor:
                 p.outcome = "redelivered"
                 planned.append((p, None, rec))
                 continue
-            if (duplicate := self._duplicate(p, in_window(window, p.key))) is not None:
+            original = in_window(window, p.key)
+            if original is not None and original[:2] == (p.record.partition, p.record.offset):
+                # processed at this very position, and its record already dropped: that happens
+                # only once its outputs are committed, so the offsets this worker started from
+                # were older than its transaction (read while it completed): emit nothing again
+                p.outcome = "redelivered"
+                planned.append((p, None, Recorded()))
+                continue
+            if (duplicate := self._duplicate(p, original)) is not None:
                 planned.append((p, None, duplicate))
                 continue
             try:
@@ -474,6 +485,8 @@ class Processor:
         key, ts = p.record.key, p.record.timestamp_ms
         if rec.error is not msgspec.UNSET:
             return [dead_letter(p.record, self.topics.dlq, rec.error, p.seen)]
+        if rec.filtered is msgspec.UNSET:  # committed before (`_decide_thread`)
+            return []
         outs = [Out(self.topics.filtered, key, bytes(rec.filtered), ts)]
         if rec.persist is not msgspec.UNSET:
             persist = bytes(rec.persist)

@@ -142,6 +142,25 @@ class TestRedelivery:
         assert again == first and outputs(first, Topics().filtered)[0]["outcome"] == "seeded"
         assert redelivered == 1
 
+    def test_redelivered_after_its_outputs_were_committed_it_emits_nothing_again(self, with_store):
+        """A worker given the partition may read a committed offset older than the last owner's
+        transaction (a broker killed during the rebalance): the request's record is dropped
+        (only done once its outputs are committed) and its window entry names this very
+        position, so it is not decided again, nor taken for a client's retry of itself."""
+
+        async def go(store):
+            p = Processor(store)
+            first = [record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0"), msg("a0", role="assistant"), msg("u1")], 1, "q1")]
+            emitted = await p.process(first)
+            await store.drop_records(p.take_recorded())  # the batch's transaction committed
+            again = await p.process(first)
+            retry = await p.process([record("t", [msg("u0")], 2, "q0")])  # a client's retry, elsewhere: still a duplicate
+            return emitted, again, retry, p.metrics.value("memfilter_requests_total", outcome="redelivered"), len(await store.thread_rows("t"))
+
+        emitted, again, retry, redelivered, rows = with_store(go)
+        assert len(outputs(emitted, Topics().filtered)) == 2 and again == [] and redelivered == 2 and rows == 2
+        assert [letter["error.type"] for letter in dead_letters(retry)] == ["duplicate"]
+
     def test_once_dropped_a_record_leaves_only_its_entry_in_the_retry_window(self, with_store):
         async def go(store):
             p = Processor(store)
