@@ -3,7 +3,8 @@ dead letter a rejected record becomes.
 
 The worker, the persister, the agent runner and the audit replay all speak these; they live
 here so that none of them imports another for its types. A dead letter carries the rejected
-record's bytes unchanged, the reason in `error.type` / `error.message`, and where it came from.
+record's bytes unchanged (but for an erased thread's), the reason in `error.type` /
+`error.message`, and where it came from.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ class Out(msgspec.Struct, frozen=True, gc=False):
 
 
 def dead_letter(record: Record, dlq_topic: str, error: Rejection, seen: tuple[tuple[str, bytes], ...] = ()) -> Out:
-    """The rejected record, bytes unchanged, with the reason, its source and `seen` in headers."""
+    """The rejected record, bytes unchanged, with the reason, its source and `seen` in headers;
+    refused because its thread was erased, without its value: what a stale tab or a late
+    writer sends of an erased conversation is not copied again (docs/erasure.md)."""
     headers = (
         *record.headers,
         ("error.type", error.type.encode()),
@@ -62,7 +65,7 @@ def dead_letter(record: Record, dlq_topic: str, error: Rejection, seen: tuple[tu
         ("source.offset", str(record.offset).encode()),
         *seen,
     )
-    return Out(dlq_topic, record.key, record.value, record.timestamp_ms, headers)
+    return Out(dlq_topic, record.key, b"" if error.type == "erased" else record.value, record.timestamp_ms, headers)
 
 
 def internal_error(record: Record, e: Exception) -> Rejection:

@@ -186,6 +186,7 @@ def test_a_forgotten_resource_leaves_a_tombstone_per_thread_and_nothing_brings_i
     asyncio.run(publish(pipeline.bootstrap, pipeline.topics.persist, [(b"gone-2", stray, now), (b"gone-1", old_event.value, now, old_event.headers)]))
     dead = asyncio.run(read(pipeline.bootstrap, [pipeline.topics.dlq], lambda got: any(r.key == b"gone-2" for r in got)))
     assert [dict(r.headers)["error.type"] for r in dead if r.key == b"gone-2"] == [b"erased"]
+    assert {r.value for r in dead if dict(r.headers)["error.type"] == b"erased"} == {b""}  # what they re-sent is not copied again
     assert list(_keys_of(pipeline, "gone-1")) == ["t:{gone-1}:meta"] and list(_keys_of(pipeline, "gone-2")) == ["t:{gone-2}:meta"]
 
     # a rebuild from the log, and a replay of every request, bring nothing of it back
