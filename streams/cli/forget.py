@@ -31,10 +31,15 @@ def run(args: argparse.Namespace) -> int:
         if not done.threads and not done.already and not done.pending:
             print(f"memfilter forget: {named} has no stored history under prefix {store.prefix}; nothing erased", file=sys.stderr)
             return 1
-        print(
-            f"erased {plural(len(done.threads), 'thread')} of {named} ({plural(done.messages, 'message')}); "
-            f"{len(done.already):,} erased before; erasure events on {settings.topics.persist}"
-        )
+        if args.thread and done.already:
+            print(f"thread {args.thread} was erased before; nothing to do")
+        elif args.thread and done.threads:
+            print(f"erased thread {args.thread} ({plural(done.messages, 'message')}); erasure event on {settings.topics.persist}")
+        elif args.resource:
+            print(
+                f"erased {plural(len(done.threads), 'thread')} of {named} ({plural(done.messages, 'message')}); "
+                f"{len(done.already):,} erased before; erasure events on {settings.topics.persist}"
+            )
         if done.pending:
             print(
                 f"memfilter forget: {plural(len(done.pending), 'erasure')} published but not applied within {args.wait:g} s "

@@ -545,7 +545,7 @@ class HistoryStore(Keys):
         """Erase a thread (an operator's erasure event, `memfilter forget`): its rows, order,
         saves, retry window, records, superseded rows, token counts and its ids in the
         message-id index; what is left is a tombstone (`meta`: `version`, `epoch`, `erased`,
-        `erasures`) that names no resource and holds no content. `version` is the one the
+        `erasures`: the last erasure's identity) that names no resource and holds no content. `version` is the one the
         erasure was asked at: if the thread has moved since, nothing is erased and the result
         is ('stale', its version); an erasure applied before (`identity` in `erasures`) changes
         nothing. A thread with no meta at all is erased at `version` as asked: a rebuild starts

@@ -9,7 +9,7 @@ with braces too, is one whole tag and no two thread ids share keys):
 |---|---|---|
 | `mf:t:{T}:rows` | hash | message id -> the stored row (JSON), as saved |
 | `mf:t:{T}:order` | list | message ids in save order: the thread's order |
-| `mf:t:{T}:meta` | hash | `owner` (resourceId), `version` (writes so far), `newest` (newest createdAt, epoch ms), `epoch` (of the last worker that wrote it); once erased (`memfilter forget`), only `version`, `epoch`, `erased` (when, epoch ms; gone when its resource starts it again) and `erasures` (8 bytes of digest per erasure applied): the tombstone |
+| `mf:t:{T}:meta` | hash | `owner` (resourceId), `version` (writes so far), `newest` (newest createdAt, epoch ms), `epoch` (of the last worker that wrote it); once erased (`memfilter forget`), only `version`, `epoch`, `erased` (when, epoch ms; gone when its resource starts it again) and `erasures` (8 bytes of digest of the last erasure applied): the tombstone |
 | `mf:t:{T}:saved` | string | the identity (`save_identity`, 8 bytes) of every other service's save applied |
 | `mf:t:{T}:tokens` | hash | message id -> the row's token count, written with the row when a budget is set (`memfilter.core.tokens.stored_count`: the counter's tag, then the count) |
 | `mf:t:{T}:superseded` | hash | message id -> the request id that superseded it: rows a regenerate or an edit took out of the conversation (out of `order`, still in `rows`) |

@@ -212,6 +212,15 @@ def test_a_forgotten_resource_leaves_a_tombstone_per_thread_and_nothing_brings_i
     replayed = pipeline.memfilter("replay", "--strict", "--from", since, timeout=300, MEMFILTER_REOPEN_ERASED="on")
     assert replayed.returncode == 0 and "replayed 2 requests: 2 identical, 0 different" in replayed.stdout, replayed.stdout + replayed.stderr
 
+    # erased again, the restarted thread: a rebuild begins it at its last erasure
+    done = pipeline.memfilter("forget", "--thread", "gone-1")
+    assert done.returncode == 0 and done.stdout.startswith("erased thread gone-1 (1 message)"), done.stdout + done.stderr
+    assert pipeline.memfilter("forget", "--thread", "gone-1").stdout.startswith("thread gone-1 was erased before")
+    rebuilt = pipeline.memfilter("history", "rebuild", "--prefix", f"{pipeline.prefix}-rebuilt3", timeout=300)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert asyncio.run(dump(pipeline, f"{pipeline.prefix}-rebuilt3")) == asyncio.run(dump(pipeline, pipeline.prefix))
+    assert list(_keys_of(pipeline, "gone-1")) == ["t:{gone-1}:meta"]
+
 
 def _stored(ui_message: dict) -> dict:
     return {"id": ui_message["id"], "role": ui_message["role"], "content": {"format": 2, "parts": ui_message["parts"]}}

@@ -4,7 +4,9 @@
 -- it moved since the operator looked), and a worker fenced out (`fenced`). An erasure applied
 -- before (its identity in `erasures`) changes nothing. The tombstone keeps only what the
 -- store needs to refuse the thread from now on: its version (so decisions after it are placed
--- after it in a rebuild), the owner epoch, when it was erased, and the erasures applied.
+-- after it in a rebuild), the owner epoch, when it was erased, and the last erasure applied
+-- (its re-delivery changes nothing; an earlier one's is refused as stale, and a rebuild, which
+-- begins the thread at its last erasure, keeps the same).
 -- KEYS: rows_key order_key meta_key saved_key recent_key superseded_key tokens_key
 -- ARGV: epoch seen_version identity erased_ms
 local rows_key, order_key, meta_key, saved_key, recent_key, superseded_key, tokens_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
@@ -21,5 +23,5 @@ end
 if version ~= tonumber(seen_version) and redis.call('EXISTS', meta_key) == 1 then return {'stale', tostring(version)} end
 redis.call('DEL', rows_key, order_key, saved_key, recent_key, superseded_key, tokens_key, meta_key)
 version = tonumber(seen_version) + 1
-redis.call('HSET', meta_key, 'version', version, 'epoch', math.max(mine, stored), 'erased', erased_ms, 'erasures', erasures .. identity)
+redis.call('HSET', meta_key, 'version', version, 'epoch', math.max(mine, stored), 'erased', erased_ms, 'erasures', identity)
 return {'ok', tostring(version)}
