@@ -86,7 +86,7 @@ def read_export(lines: Iterable[bytes]) -> list[ImportedThread]:
             bad.append(f"line {n}: neither a Mastra thread or message row nor a thread of UI messages")
     for tid, rows in mastra.items():
         t = threads[tid]
-        for n, row in sorted(rows, key=lambda r: (parse_ms(_created(r[1])) or 0, r[0])):  # Mastra lists by createdAt
+        for n, row in sorted(rows, key=lambda r: (parse_ms(r[1].get("createdAt")) or 0, r[0])):  # Mastra lists by createdAt
             _add(t, _from_mastra(row, f"line {n}", t), f"line {n}")
     for t in threads.values():
         if t.resource is None:
@@ -124,10 +124,6 @@ def _own(t: ImportedThread, resource: Any, line: int) -> None:
         t.resource = resource
     elif t.resource != resource:
         t.problems.append(f"line {line}: resource {resource!r}, but the thread is {t.resource!r}'s")
-
-
-def _created(row: dict[str, Any]) -> Any:
-    return row.get("createdAt")
 
 
 def _from_mastra(row: dict[str, Any], where: str, t: ImportedThread) -> dict[str, Any] | None:

@@ -596,15 +596,9 @@ class HistoryStore(Keys):
         """The threads `resource` owns: a scan of every thread's meta key (an operator's
         command: as long as Redis takes to walk its keys)."""
         found: list[str] = []
-        head, tail = len(self.prefix) + len(":t:{"), -len("}:meta")
-
-        async def owned(keys: list[bytes]) -> None:
-            for key, owner in zip(keys, await self._pipeline([("HGET", key, "owner") for key in keys])):
-                if owner is not None and owner.decode() == resource:  # the thread id, `_tag` undone
-                    found.append(key.decode()[head:tail].replace("%7D", "}").replace("%7B", "{").replace("%25", "%"))
-
         async for keys in _batches(self.redis.scan_iter(match=f"{_glob_escape(self.prefix)}:t:*:meta", count=1000), 1000):
-            await owned(keys)
+            owners = await self._pipeline([("HGET", key, "owner") for key in keys])
+            found += [self.thread_of_meta(key.decode()) for key, owner in zip(keys, owners) if owner is not None and owner.decode() == resource]
         return sorted(found)
 
     async def thread_rows(self, thread: str) -> list[bytes]:

@@ -118,6 +118,11 @@ class Keys:
             thread = thread.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
         return f"{self.prefix}:t:{{{thread}}}"
 
+    def thread_of_meta(self, key: str) -> str:
+        """The thread id of one of this store's meta keys (`_tag` undone)."""
+        tag = key[len(self.prefix) + len(":t:{") : -len("}:meta")]
+        return tag.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
+
     def keys(self, thread: str) -> list[str]:
         """The thread's keys: rows, order, meta, saved, recent, superseded, tokens."""
         base = self._tag(thread)

@@ -52,6 +52,17 @@ def one_line_failure(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+async def with_admin(exports: str, call):
+    """`call(admin)` with an admin client of the stack whose `stack up` printed `exports`."""
+    bootstrap = dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines())["KAFKA_BOOTSTRAP_SERVERS"]
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return await call(admin)
+    finally:
+        await admin.close()
+
+
 class TestTheStackAnswers:
     @pytest.mark.parametrize("topic", TOPICS)
     def test_each_topic_round_trips_a_keyed_record_through_aiokafka(self, services, topic):
@@ -93,17 +104,8 @@ class TestTheStackAnswers:
         names = {f"MEMFILTER_TOPIC_{kind}": f"custom-{kind.lower()}-{uuid.uuid4().hex[:8]}" for kind in ("REQUESTS", "FILTERED", "PERSIST", "DLQ")}
         up = memfilter("stack", "up", env=stack_env(**names))
         assert up.returncode == 0, up.stderr
-        bootstrap = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines())["KAFKA_BOOTSTRAP_SERVERS"]
-
-        async def partitions():
-            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-            await admin.start()
-            try:
-                return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(list(names.values()))}
-            finally:
-                await admin.close()
-
-        assert asyncio.run(partitions()) == dict.fromkeys(names.values(), 8)
+        described = asyncio.run(with_admin(up.stdout, lambda admin: admin.describe_topics(list(names.values()))))
+        assert {t["topic"]: len(t["partitions"]) for t in described} == dict.fromkeys(names.values(), 8)
 
     def test_up_keeps_each_topics_records_as_long_as_the_settings_say_also_on_topics_made_before(self, services):
         """The bound on how long content stays in the topics after an erasure (docs/erasure.md)."""
@@ -114,20 +116,13 @@ class TestTheStackAnswers:
         assert first.returncode == 0, first.stderr
         again = memfilter("stack", "up", env=stack_env(**names, MEMFILTER_COPY_RETENTION_DAYS="30", MEMFILTER_LOG_RETENTION_DAYS="0.5"))
         assert again.returncode == 0, again.stderr
-        bootstrap = dict(line.removeprefix("export ").split("=", 1) for line in again.stdout.splitlines())["KAFKA_BOOTSTRAP_SERVERS"]
-
-        async def retention():
-            admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-            await admin.start()
-            try:
-                described = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, t) for t in names.values()])
-                # each resource: (error code, error message, resource type, name, config entries (name, value, ...))
-                return {r[3]: dict((c[0], c[1]) for c in r[4])["retention.ms"] for d in described for r in d.resources}
-            finally:
-                await admin.close()
-
+        described = asyncio.run(
+            with_admin(again.stdout, lambda admin: admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, t) for t in names.values()]))
+        )
+        # each resource: (error code, error message, resource type, name, config entries (name, value, ...))
+        retention = {r[3]: dict((c[0], c[1]) for c in r[4])["retention.ms"] for d in described for r in d.resources}
         days = 86_400_000
-        assert asyncio.run(retention()) == {
+        assert retention == {
             names["MEMFILTER_TOPIC_REQUESTS"]: str(30 * days),
             names["MEMFILTER_TOPIC_FILTERED"]: str(30 * days),
             names["MEMFILTER_TOPIC_DLQ"]: str(30 * days),

@@ -5,7 +5,10 @@
 // stores keep, one per table row), and writes back
 //   {mastra: [row of mastra_threads or mastra_messages], ui: [{threadId, resourceId, messages}]}
 // the rows as a storage export gives them, and each thread's messages as Mastra hands them to
-// the AI SDK (MessageList's AI SDK v5 UI messages), as a useChat app would hold them.
+// the AI SDK (MessageList's AI SDK v5 UI messages), as a useChat app would hold them: each
+// thread's checked by the AI SDK's own validateUIMessages (the `ai` package), as useChat's
+// server side checks what it is sent.
+import { validateUIMessages } from 'ai';
 import { MessageList } from '@mastra/core/agent';
 import { InMemoryStore } from '@mastra/core/storage';
 
@@ -18,10 +21,11 @@ const ui = [];
 for (const t of input.threads) {
   const now = new Date('2026-01-05T10:00:00.000Z');
   await memory.saveThread({ thread: { id: t.id, resourceId: t.resourceId, title: t.title, metadata: {}, createdAt: now, updatedAt: now } });
-  const messages = t.messages.map((m) => ({ ...m, threadId: t.id, resourceId: t.resourceId, createdAt: new Date(m.createdAt) }));
-  await memory.saveMessages({ messages });
+  const saved = t.messages.map((m) => ({ ...m, threadId: t.id, resourceId: t.resourceId, createdAt: new Date(m.createdAt) }));
+  await memory.saveMessages({ messages: saved });
   const { messages: listed } = await memory.listMessages({ threadId: t.id });
-  ui.push({ threadId: t.id, resourceId: t.resourceId, messages: new MessageList({ threadId: t.id, resourceId: t.resourceId }).add(listed, 'memory').get.all.aiV5.ui() });
+  const messages = new MessageList({ threadId: t.id, resourceId: t.resourceId }).add(listed, 'memory').get.all.aiV5.ui();
+  ui.push({ threadId: t.id, resourceId: t.resourceId, messages: await validateUIMessages({ messages }) });
 }
 const rows = [...memory.db.threads.values(), ...memory.db.messages.values()];
 process.stdout.write(JSON.stringify({ mastra: JSON.parse(JSON.stringify(rows)), ui }));

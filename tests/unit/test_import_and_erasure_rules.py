@@ -13,6 +13,7 @@ from factories import SECRET, T0, msg
 from memfilter.core import origin
 from memfilter.core.exports import read_export, with_created_at
 from memfilter.core.filter import StoredView, decide, decode_request
+from memfilter.store.layout import Keys
 
 
 def lines(*rows: dict) -> list[bytes]:
@@ -148,3 +149,10 @@ class TestTheOperatorsMark:
 
     def test_needs_a_secret(self):
         assert not origin.is_operators(self.VALUE, origin.operator_headers(self.VALUE, b""), b"")
+
+
+class TestFindingAResourcesThreads:
+    def test_a_meta_key_names_its_thread_whatever_braces_or_escapes_the_id_holds(self):
+        keys = Keys("mf:x")
+        for thread in ("t1", "a{b}c", "%7B", "}{", "50%"):
+            assert keys.thread_of_meta(keys.keys(thread)[2]) == thread
