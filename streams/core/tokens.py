@@ -31,7 +31,7 @@ import functools
 import math
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -288,8 +288,7 @@ def stored_count(counter: Counter, count: float) -> str:
     return f"{counter.tag}{count!r}"
 
 
-def read_count(counter: Counter, stored: bytes | None) -> float | None:
-    """A stored count, if it is this counter's."""
-    if not stored or stored[:1] != counter.tag.encode():
-        return None
-    return float(stored[1:])
+def read_counts(counter: Counter, ids: Sequence[str], stored: Sequence[bytes | None]) -> dict[str, float]:
+    """The stored counts (`stored_count`) of these ids that are this counter's, by id."""
+    tag = counter.tag.encode()
+    return {mid: float(raw[1:]) for mid, raw in zip(ids, stored) if raw and raw[:1] == tag}

@@ -73,7 +73,7 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, NoScriptError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from memfilter.core.tokens import Counter, read_count, stored_count
+from memfilter.core.tokens import Counter, read_counts, stored_count
 from memfilter.metrics import Metrics
 from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
 from memfilter.store import redis_driver, scripts
@@ -318,11 +318,7 @@ class HistoryStore(Keys):
     def _counts(self, ids: Sequence[str], stored: list[bytes | None]) -> dict[str, float]:
         """The stored counts of these ids that are the counter's."""
         assert self.counter is not None
-        out = {}
-        for mid, raw in zip(ids, stored):
-            if (count := read_count(self.counter, raw)) is not None:
-                out[mid] = count
-        return out
+        return read_counts(self.counter, ids, stored)
 
     async def read_tails(self, states: dict[str, ThreadState], reach: dict[str, list[str]]) -> None:
         """Complete the threads' tails (`read`) in one round trip, if any needs it: the rows of
