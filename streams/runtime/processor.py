@@ -49,6 +49,7 @@ import functools
 import logging
 import zlib
 from collections import Counter
+from itertools import chain
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Protocol
@@ -249,7 +250,7 @@ class Processor:
         """Read, decide, claim and commit what is left of each thread; the threads to redo."""
         wanted = {}
         for thread, t in threads.items():
-            wanted[thread] = list(dict.fromkeys(mid for p in t.requests[t.next :] for mid in lookup_ids(p.request)))
+            wanted[thread] = list(dict.fromkeys(chain.from_iterable(lookup_ids(p.request) for p in t.requests[t.next :])))
         states = await self.store.read(wanted, self.history)
         unknown = {mid for thread, ids in wanted.items() for mid in ids if mid not in states[thread].rows}
         owners: dict[str, bytes] = {}
@@ -319,8 +320,7 @@ class Processor:
             far = [
                 mid
                 for p in t.requests[t.next :]
-                if (self.history or p.request.shape.trigger is not UNSET)  # the window, or what a regenerate or edit supersedes
-                and any(mid in state.rows and mid not in tail for mid in lookup_ids(p.request))
+                if self.history or p.request.shape.trigger is not UNSET  # the window, or what a regenerate or edit supersedes
                 for mid in self._reach(p, state)
                 if mid not in tail
             ]
