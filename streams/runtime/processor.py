@@ -49,8 +49,8 @@ import functools
 import logging
 import zlib
 from collections import Counter
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 from time import perf_counter
 from typing import Protocol
 
