@@ -111,6 +111,8 @@ class Request(msgspec.Struct):
     request_id: str  # as sent, else the id the edge derived (from the record's position)
     ids: list[str | None]  # each message's id by position (see `message_ids`)
     ui: frozenset[int] = frozenset()  # positions of the messages sent as UI messages (`raw` holds them as sent)
+    conversation: list[int] = []  # positions of its conversation (not system) messages
+    named: list[str] = []  # their ids, in order (`lookup_ids`)
 
 
 class StoredView(msgspec.Struct):
@@ -234,9 +236,9 @@ def decode_request(raw: bytes | None, default_id: str, limits: Limits = Limits()
             "too-large",
             f"request has {len(shape.messages)} messages; the limit is {limits.max_messages} (MEMFILTER_MAX_MESSAGES)",
         )
-    _check_messages(shape.messages)
     request_id = shape.requestId or default_id
-    return Request(shape, messages, request_id, message_ids(shape, request_id, id_key), at)
+    ids, conversation, named = message_ids(shape, request_id, id_key)
+    return Request(shape, messages, request_id, ids, at, conversation, named)
 
 
 def _typed_view(either: ChatRequestOf[EitherMessage]) -> tuple[ChatRequestOf[Message], frozenset[int]] | None:
@@ -280,16 +282,6 @@ def _converted_whole(error: Rejected) -> tuple[ChatRequestOf[Message], list[msgs
             if kinds[int(match.group(1))]:  # where the client sent it
                 path = path.replace(".content.parts[", ".parts[", 1)
         raise Rejected("schema", f"request does not match ChatRequest: {detail} - at `{path}`") from None
-
-
-def _check_messages(messages: list[Message]) -> None:
-    """The schema check beyond types: conversation message ids are unique."""
-    seen = set()
-    for m in messages:
-        if m.id is not UNSET and m.role != "system":
-            if m.id in seen:
-                raise Rejected("schema", f"message id {m.id} appears twice in the request; each message needs its own id")
-            seen.add(m.id)
 
 
 def check_key(thread: str, key: bytes | None) -> None:
@@ -342,27 +334,41 @@ def _check_erased(shape: ChatRequestOf[Message], reopen: bool) -> None:
     raise Rejected("erased", f"thread {shape.threadId} was erased (memfilter forget): its history is gone and it takes no more requests; {allowed}")
 
 
-def message_ids(shape: ChatRequestOf[Message], request_id: str, id_key: bytes = b"") -> list[str | None]:
-    """Each message's id by position (None for system messages). A conversation message sent
-    without one gets an id that is the same whenever the same request is decided again, so a
-    replay finds its own rows stored: a keyed hash (HMAC-SHA256 under the deployment's secret)
-    of the thread, the request id and the position, as a UUID. Keyed, so that no client can
-    compute the id another resource's next message will get and occupy it first."""
+def message_ids(shape: ChatRequestOf[Message], request_id: str, id_key: bytes = b"") -> tuple[list[str | None], list[int], list[str]]:
+    """Each message's id by position (None for system messages), the positions of the
+    conversation's messages and their ids; raise `Rejected` if two conversation messages are
+    sent with one id (the schema check beyond types). One pass, as every request pays for it.
+
+    A conversation message sent without an id gets one that is the same whenever the same
+    request is decided again, so a replay finds its own rows stored: a keyed hash
+    (HMAC-SHA256 under the deployment's secret) of the thread, the request id and the
+    position, as a UUID. Keyed, so that no client can compute the id another resource's next
+    message will get and occupy it first."""
     ids: list[str | None] = []
+    conversation: list[int] = []
+    named: list[str] = []
+    sent: set[str] = set()
     for pos, m in enumerate(shape.messages):
         if m.role == "system":
             ids.append(None)
-        elif m.id is not UNSET:
-            ids.append(m.id)
-        else:
+            continue
+        mid = m.id
+        if mid is UNSET:
             digest = hmac.digest(id_key, f"{shape.threadId}\n{request_id}\n{pos}".encode(), hashlib.sha256)
-            ids.append(str(uuid.UUID(bytes=digest[:16], version=4)))
-    return ids
+            mid = str(uuid.UUID(bytes=digest[:16], version=4))
+        elif mid in sent:
+            raise Rejected("schema", f"message id {mid} appears twice in the request; each message needs its own id")
+        else:
+            sent.add(mid)
+        ids.append(mid)
+        conversation.append(pos)
+        named.append(mid)
+    return ids, conversation, named
 
 
 def lookup_ids(request: Request) -> list[str]:
     """The message ids whose stored copies (here or in other threads) a decision needs."""
-    return [mid for mid in request.ids if mid is not None]
+    return request.named
 
 
 def window_reach(request: Request, view: StoredView) -> list[str]:
@@ -371,7 +377,7 @@ def window_reach(request: Request, view: StoredView) -> list[str]:
     the first of them (`memfilter.core.window`) and a regenerate or edit supersedes what follows the last,
     so the shell reads the thread's order from there before deciding."""
     shape = request.shape
-    _, kept = _select(shape.messages, request.ids, shape.retainFullInput, view, exact=False)
+    _, kept = _select(request, view, exact=False)
     reach = [request.ids[pos] for pos in kept]
     if shape.trigger is not UNSET:  # a regenerate or an edit supersedes what follows its last message
         reach.append(next((mid for mid in reversed(request.ids) if mid is not None), None))
@@ -451,14 +457,14 @@ def _trailing_outcomes(message: Message) -> list[int]:
     return run
 
 
-def _select(messages: list[Message], ids: list[str | None], retain_full: bool, view: StoredView, exact: bool = True) -> tuple[str, Kept]:
+def _select(request: Request, view: StoredView, exact: bool = True) -> tuple[str, Kept]:
     """The outcome, and what is kept of which messages before the base layer. Not `exact`: a
     stored assistant message before a user tail is kept without reading whether the tail's
     echo advances it (a superset, for `window_reach`, that decodes no stored row)."""
-    conversation = [i for i, m in enumerate(messages) if m.role != "system"]
+    messages, ids, conversation = request.shape.messages, request.ids, request.conversation
     if not conversation:
         return "empty", {}
-    if retain_full:
+    if request.shape.retainFullInput:
         return "retain-full-input", dict.fromkeys(conversation)
     last = conversation[-1]
     tail = messages[last]
@@ -518,7 +524,7 @@ def decide(
     except Rejected as e:
         return Decision("rejected", [], [], [], error=Rejection(e.type, e.message))
 
-    outcome, kept = _select(shape.messages, ids, shape.retainFullInput, view)
+    outcome, kept = _select(request, view)
     superseded_kept: set[int] = set()
     if view.superseded:  # a superseded row is never a base layer again
         superseded_kept = {pos for pos in kept if ids[pos] in view.superseded}
@@ -628,7 +634,7 @@ def _strip_provider_metadata(message: Msg) -> Msg:
 
 
 def _dropped(shape: ChatRequestOf[Message], kept: Kept, superseded: set[int], view: StoredView, outcome: str) -> list[Dropped]:
-    """Every id the client sent that does not go on (ids are unique: see `_check_messages`),
+    """Every id the client sent that does not go on (ids are unique: see `message_ids`),
     and why; where `messageId` names one, why it was no edit."""
     if outcome == "stored-echo-dropped":
         unstored = "the request ends in a stored assistant turn"
