@@ -110,9 +110,9 @@ class Request(msgspec.Struct):
     raw: list[msgspec.Raw]
     request_id: str  # as sent, else the id the edge derived (from the record's position)
     ids: list[str | None]  # each message's id by position (see `message_ids`)
+    conversation: list[int]  # positions of its conversation (not system) messages
+    named: list[str]  # their ids, in order (`lookup_ids`)
     ui: frozenset[int] = frozenset()  # positions of the messages sent as UI messages (`raw` holds them as sent)
-    conversation: list[int] = []  # positions of its conversation (not system) messages
-    named: list[str] = []  # their ids, in order (`lookup_ids`)
 
 
 class StoredView(msgspec.Struct):
@@ -238,7 +238,7 @@ def decode_request(raw: bytes | None, default_id: str, limits: Limits = Limits()
         )
     request_id = shape.requestId or default_id
     ids, conversation, named = message_ids(shape, request_id, id_key)
-    return Request(shape, messages, request_id, ids, at, conversation, named)
+    return Request(shape, messages, request_id, ids, conversation, named, at)
 
 
 def _typed_view(either: ChatRequestOf[EitherMessage]) -> tuple[ChatRequestOf[Message], frozenset[int]] | None:

@@ -284,7 +284,8 @@ class TaskLoop(mode.Service):
             await self._drain()
             drained = time.time()
             phase.labels("previous-commit").observe(drained - fetched)
-            self._top_up(batch, await self.consumer.getmany(timeout_ms=0, max_records=self.max_records), epoch)
+            if (room := self.max_records - sum(map(len, batch.values()))) > 0:
+                self._top_up(batch, await self.consumer.getmany(timeout_ms=0, max_records=room), epoch)
             await self.handler.prepare(self, batch, epoch)
             phase.labels("catch-up").observe(time.time() - drained)
         async with self._turn:
@@ -411,8 +412,8 @@ class TaskLoop(mode.Service):
                 log.warning("memfilter %s: a producer did not stop cleanly (%s)", self.name, _reason(result))
 
     def _top_up(self, batch: Batch, more: Batch, epoch: int) -> None:
-        """Add to the batch what the fetcher brought while the previous batch was committed.
-        aiokafka fetches a partition again only once its buffered records are taken, so the
+        """Add to the batch what the fetcher brought while the previous batch was committed
+        (up to the batch's limit, MEMFILTER_BATCH_MAX). aiokafka fetches a partition again only once its buffered records are taken, so the
         records of a fetch wait in its buffer for the next batch: without this, a request waits
         about two batches before it is handled rather than one. Records fetched after a
         rebalance (the batch is then dropped) are handed back: the partitions are sought back
