@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from memfilter import settings as product_settings
 
@@ -464,7 +465,6 @@ def topic_configs(retention_ms: int) -> dict[str, str]:
 async def _create_topics(s: Settings, deadline: float) -> None:
     """Create the topics that are missing; refuse a partition count other than the existing."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
     while True:
         admin = AIOKafkaAdminClient(bootstrap_servers=s.bootstrap, request_timeout_ms=5000)
@@ -476,11 +476,12 @@ async def _create_topics(s: Settings, deadline: float) -> None:
             retention = dict(s.retention)
             missing = [NewTopic(t, partitions, s.brokers, topic_configs=topic_configs(retention[t])) for t in s.topics if t not in existing]
             if not missing:
-                # the retention the settings give, on topics made before (MEMFILTER_*_RETENTION_DAYS changed)
-                await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, t, configs=topic_configs(retention[t])) for t in sorted(existing)])
+                await _keep_retention(admin, sorted(existing), retention)
                 break
             await admin.create_topics(missing)  # refused per topic while brokers are still joining: asked again
             await asyncio.sleep(0.2)
+        except StackError:
+            raise
         except Exception as e:  # the broker is still starting: not yet a failure
             if time.monotonic() > deadline:
                 raise StackError(f"Kafka on {s.bootstrap} did not answer in time: {e!r}") from None
@@ -493,6 +494,31 @@ async def _create_topics(s: Settings, deadline: float) -> None:
             f"the stack's topics have {sorted(set(other.values()))} partitions, not {s.partitions}: a topic's partitions "
             f"cannot change without moving its threads; run `memfilter stack down`, delete {s.dir / 'kafka'}, and `up` again"
         )
+
+
+# A topic config's source, as DescribeConfigs v1+ gives it: set on the topic itself.
+DYNAMIC_TOPIC_CONFIG = 1
+
+
+async def _keep_retention(admin: Any, topics: list[str], retention: dict[str, int]) -> None:
+    """Give topics made before the retention the settings give now (MEMFILTER_*_RETENTION_DAYS
+    changed). Kafka's AlterConfigs replaces a topic's own configs whole, so each topic's others
+    (a `segment.ms` an operator set, say: docs/erasure.md) are sent with it, and only a topic
+    whose retention differs is altered."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    changes = []
+    for described in await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, t) for t in topics]):
+        for _, _, _, topic, entries in described.resources:  # entries: (name, value, read-only, source, sensitive, synonyms)
+            own = {name: value for name, value, _, source, *_ in entries if source == DYNAMIC_TOPIC_CONFIG}
+            if own.get("retention.ms") != str(retention[topic]):
+                changes.append(ConfigResource(ConfigResourceType.TOPIC, topic, configs=own | topic_configs(retention[topic])))
+    if not changes:
+        return
+    for response in await admin.alter_configs(changes):
+        for code, message, _, topic in response.resources:
+            if code:
+                raise StackError(f"Kafka refused the retention of topic {topic} (error {code}: {message}); set it with kafka-configs.sh --alter")
 
 
 def _redis_cli(port: int, *args: str) -> str:
