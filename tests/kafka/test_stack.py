@@ -115,7 +115,9 @@ class TestTheStackAnswers:
         first = memfilter("stack", "up", env=stack_env(**names))
         assert first.returncode == 0, first.stderr
         persist = names["MEMFILTER_TOPIC_PERSIST"]  # an operator's own config of a topic, as docs/erasure.md suggests
-        asyncio.run(with_admin(first.stdout, lambda admin: admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, persist, configs={"segment.ms": "3600000"})])))
+        asyncio.run(
+            with_admin(first.stdout, lambda admin: admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, persist, configs={"segment.ms": "3600000"})]))
+        )
         again = memfilter("stack", "up", env=stack_env(**names, MEMFILTER_COPY_RETENTION_DAYS="30", MEMFILTER_LOG_RETENTION_DAYS="0.5"))
         assert again.returncode == 0, again.stderr
         described = asyncio.run(
