@@ -3,7 +3,7 @@
 # engine and both Compose tools, deploy/docker.sh; the images, deploy/images.sh; the AI SDK's
 # client for the gateway's tests, npm ci in tests/node; Debian's chromium), checks lint,
 # format and types (deploy/lint.sh), then runs the tiers (tests/conftest.py says what each
-# needs): the unit tier on both cores, the redis, kafka and system tiers against real services
+# needs): the unit tier on both cores, the redis, postgres, kafka and system tiers against real services
 # the fixtures start (unless KAFKA_BOOTSTRAP_SERVERS and REDIS_URL point at running ones), then
 # the tests marked `containers` with Kafka, Redis and the workers in containers
 # (MEMFILTER_TEST_BACKEND=containers). Extra arguments go to every pytest run.
@@ -16,5 +16,5 @@ cd "$(dirname "$0")/.."
 npm ci --prefix tests/node --no-audit --no-fund --loglevel=error  # the AI SDK's client and puppeteer-core, for the gateway's tests
 command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null  # the browser the chat page is tested in
 .venv/bin/python -m pytest tests/unit -n 2 --dist worksteal "$@"
-.venv/bin/python -m pytest tests/redis tests/kafka tests/system -n 2 --dist loadgroup "$@"
+.venv/bin/python -m pytest tests/redis tests/postgres tests/kafka tests/system -n 2 --dist loadgroup "$@"
 MEMFILTER_TEST_BACKEND=containers .venv/bin/python -m pytest "$@"

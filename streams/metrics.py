@@ -12,6 +12,7 @@ One registry per worker (so tests can run several in one process). What an opera
 | `memfilter_batch_size` | histogram | records per batch |
 | `memfilter_batch_phase_seconds{phase}` | histogram | where a batch's time goes, one observation per batch and phase, in order: `waiting` (the age of its oldest record of the first input topic, `chat-requests`, when fetched: the time in Kafka), `previous-commit` (waiting for the batch before's transactions), `catch-up` (for `persist-messages` records committed before its requests), `handling` (deciding and Redis), `committing` (its transactions) |
 | `memfilter_redis_round_trips_total` | counter | pipelined Redis round trips |
+| `memfilter_cold_loads_total` | counter | threads loaded back into Redis from PostgreSQL (docs/postgres.md) |
 | `memfilter_consumer_lag{topic,partition}` | gauge | offsets not yet consumed, per assigned partition (0 when idle: transaction markers count as consumed) |
 | `memfilter_assigned_partitions` | gauge | partitions this worker holds |
 
@@ -85,6 +86,7 @@ class Metrics(LoopMetrics):
         self.end_to_end = Histogram("memfilter_end_to_end_seconds", "Record timestamp to outputs committed", buckets=_LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("memfilter_batch_size", "Records per batch", buckets=_BATCH_BUCKETS, registry=r)
         self.round_trips = Counter("memfilter_redis_round_trips", "Pipelined Redis round trips", registry=r)
+        self.cold_loads = Counter("memfilter_cold_loads", "Threads loaded back into Redis from PostgreSQL", registry=r)
 
 
 class AgentMetrics(LoopMetrics):

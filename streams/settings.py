@@ -1,7 +1,7 @@
 """Every setting of the product, from the environment: typed parts, checked when made.
 
 Each environment variable in `docs/settings.md` is one field of one part: where to reach Kafka
-(`Kafka`) and Redis (`Redis`), the topics' names (`Topics`), how requests are decided
+(`Kafka`), Redis (`Redis`) and PostgreSQL (`Postgres`), the topics' names (`Topics`), how requests are decided
 (`Decisions`, which makes the filter's `Policy`), and what only the worker (`Worker`), the
 agent runner (`Agent`), the gateway (`Gateway`) or `memfilter stack` (`Stack`) reads. `Settings.from_env()` converts
 and checks them all with msgspec (the same library that checks the wire types), so a bad value
@@ -22,6 +22,7 @@ import re
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 from msgspec import Meta
@@ -85,6 +86,25 @@ class Redis(
     # a batch commits to Kafka only once its Redis writes are on this many replicas (WAIT)
     replicas: Annotated[int, Meta(ge=0, le=5)] = 0
     replica_timeout: Annotated[float, Meta(gt=0, le=5)] = 1.0  # seconds WAIT waits; then the batch is handled again
+
+
+class Postgres(
+    msgspec.Struct,
+    frozen=True,
+    rename={
+        "url": "POSTGRES_URL",
+        "timeout": "MEMFILTER_POSTGRES_TIMEOUT",
+        "idle_s": "MEMFILTER_IDLE_S",
+        "sink_group": "MEMFILTER_SINK_GROUP",
+    },
+):
+    """The PostgreSQL tier of history (docs/postgres.md): every thread, as of the log; Redis
+    keeps the ones in use. Off without POSTGRES_URL."""
+
+    url: str = ""  # postgresql://USER[:PASSWORD]@HOST:PORT/DB; empty: no PostgreSQL tier, every thread stays in Redis
+    timeout: Seconds = 5.0  # seconds a call waits for PostgreSQL: a cold thread's load, a sink's write; then it is refused with the reason
+    idle_s: Seconds = 86_400.0  # seconds unused after which `memfilter sink` takes a thread out of Redis (once PostgreSQL holds it)
+    sink_group: str = "memfilter-sink"  # `memfilter sink`'s consumer group on persist-messages
 
 
 class Topics(
@@ -264,16 +284,18 @@ class Stack(
         "kafka_port": "MEMFILTER_KAFKA_PORT",
         "controller_port": "MEMFILTER_CONTROLLER_PORT",
         "redis_port": "MEMFILTER_REDIS_PORT",
+        "postgres_port": "MEMFILTER_POSTGRES_PORT",
         "partitions": "MEMFILTER_PARTITIONS",
         "maven_settings": "MEMFILTER_MAVEN_SETTINGS",
     },
 ):
-    """`memfilter stack`: the local Kafka and Redis."""
+    """`memfilter stack`: the local Kafka, Redis and PostgreSQL."""
 
     dir: str = ""  # default: .stack/ in a checkout, else ~/.local/state/memfilter/stack
     kafka_port: Port = 9092
     controller_port: Port = 9093
     redis_port: Port = 6379
+    postgres_port: Port = 5432
     partitions: Positive | None = None  # None: 8 for topics `stack up` makes, existing ones as they are
     maven_settings: str = ""
 
@@ -281,6 +303,7 @@ class Stack(
 PARTS: dict[str, type[msgspec.Struct]] = {
     "kafka": Kafka,
     "redis": Redis,
+    "postgres": Postgres,
     "topics": Topics,
     "decisions": Decisions,
     "worker": Worker,
@@ -302,6 +325,7 @@ VARIABLES = [name for part in PARTS.values() for name in variables(part)] + [SEC
 class Settings(msgspec.Struct, frozen=True):
     kafka: Kafka = Kafka()
     redis: Redis = Redis()
+    postgres: Postgres = Postgres()
     topics: Topics = Topics()
     decisions: Decisions = Decisions()
     worker: Worker = Worker()
@@ -322,6 +346,8 @@ class Settings(msgspec.Struct, frozen=True):
                 f"REDIS_URL={redis.url!r} is not valid: expected redis://HOST:PORT/DB (or rediss://, unix://), "
                 "or redis+cluster://HOST:PORT[,HOST:PORT...] (nodes of a Redis Cluster)"
             )
+        if parts["postgres"].url and not parts["postgres"].url.startswith(("postgresql://", "postgres://")):
+            raise SettingError(f"POSTGRES_URL={without_password(parts['postgres'].url)!r} is not valid: expected postgresql://USER[:PASSWORD]@HOST:PORT/DB")
         if parts["decisions"].token_counter == "o200k" and importlib.util.find_spec("bpe_openai") is None:
             raise SettingError("MEMFILTER_TOKEN_COUNTER=o200k needs the bpe-openai package (the o200k_base encoding, offline): pip install 'memfilter[tokens]'")
         if not parts["agent"].base_url.startswith(("http://", "https://")):
@@ -349,6 +375,12 @@ def _part(part: type[msgspec.Struct], env: Any) -> Any:
         detail, _, where = str(e).partition(" - at `$.")
         name = where.rstrip("`")
         raise SettingError(f"{name}={given.get(name)!r} is not valid: {detail[0].lower()}{detail[1:]}") from None
+
+
+def without_password(url: str) -> str:
+    """A service's URL as logs and errors show it: its password starred."""
+    parts = urlsplit(url)
+    return url if parts.password is None else url.replace(f":{parts.password}@", ":***@", 1)
 
 
 def _default_stack_dir() -> Path:

@@ -1,9 +1,11 @@
-"""`memfilter stack`: a real local Kafka and Redis, started by the project.
+"""`memfilter stack`: a real local Kafka, Redis and PostgreSQL, started by the project.
 
 The processor's tests and its local demo run against the real things, not stand-ins: Apache
 Kafka in KRaft mode (broker and controller in one JVM), from the `org.apache.kafka:kafka_2.13`
-jars that Maven collects from Maven Central (`streams/kafka-pom.xml`, shipped in the package), and Debian's
-`redis-server`. Both listen on loopback ports; their jars, data, logs and pids live under one
+jars that Maven collects from Maven Central (`streams/kafka-pom.xml`, shipped in the package), Debian's
+`redis-server`, and Debian's PostgreSQL (the history's PostgreSQL tier: docs/postgres.md; run
+as the `postgres` user when the stack is started as root, since PostgreSQL refuses to run as
+root; trust authentication, loopback only). All listen on loopback ports; their jars, data, logs and pids live under one
 stack folder (default `.stack/` in the checkout, git-ignored; for an installed package
 `~/.local/state/memfilter/stack`).
 
@@ -62,6 +64,7 @@ class Settings:
     kafka_port: int
     controller_port: int
     redis_port: int
+    postgres_port: int
     partitions: int | None  # None: DEFAULT_PARTITIONS for topics made now, existing ones as they are
     maven_settings: str = ""
     brokers: int = 1
@@ -77,6 +80,7 @@ class Settings:
             st.kafka_port,
             st.controller_port,
             st.redis_port,
+            st.postgres_port,
             partitions or st.partitions,
             st.maven_settings,
             brokers,
@@ -107,10 +111,14 @@ class Settings:
             return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.redis_ports)
         return f"redis://127.0.0.1:{self.redis_port}/0"
 
+    @property
+    def postgres_url(self) -> str:
+        return f"postgresql://{POSTGRES_USER}@127.0.0.1:{self.postgres_port}/postgres"
+
     def names(self) -> list[str]:
-        """The stack's processes: `kafka` (or `kafka-1`...), then `redis` (or `redis-<port>`...)."""
+        """The stack's processes: `kafka` (or `kafka-1`...), then `redis` (or `redis-<port>`...), then `postgres`."""
         kafka = ["kafka"] if self.brokers == 1 else [f"kafka-{n + 1}" for n in range(self.brokers)]
-        return kafka + (["redis"] if not self.redis_cluster else [f"redis-{port}" for port in self.redis_ports])
+        return kafka + (["redis"] if not self.redis_cluster else [f"redis-{port}" for port in self.redis_ports]) + ["postgres"]
 
 
 @dataclass
@@ -123,6 +131,7 @@ class Running:
     redis_port: int
     brokers: int = 1
     redis_cluster: bool = False
+    postgres_port: int = 0  # 0: a stack recorded before PostgreSQL was part of it
 
     def settings(self, s: Settings) -> Settings:
         """`s` with this stack's ports and shape."""
@@ -131,6 +140,7 @@ class Running:
             self.kafka_port,
             self.controller_port,
             self.redis_port,
+            self.postgres_port or s.postgres_port,
             s.partitions,
             s.maven_settings,
             self.brokers,
@@ -142,7 +152,7 @@ class Running:
     def exports(self, s: Settings, secret: str) -> str:
         """Shell lines for `eval "$(memfilter stack up)"`; `secret` is the stack's (`secret`)."""
         s = self.settings(s)
-        lines = [f"export KAFKA_BOOTSTRAP_SERVERS={s.bootstrap}", f"export REDIS_URL={s.redis_url}"]
+        lines = [f"export KAFKA_BOOTSTRAP_SERVERS={s.bootstrap}", f"export REDIS_URL={s.redis_url}", f"export POSTGRES_URL={s.postgres_url}"]
         if s.redis_cluster:  # a batch commits only once its writes are on a replica (docs/production.md)
             lines.append("export MEMFILTER_REDIS_REPLICAS=1")
         return "\n".join([*lines, f"export MEMFILTER_SECRET={secret}"])
@@ -188,12 +198,14 @@ def recorded(s: Settings) -> Running | None:
 
 def _marker(name: str, s: Settings) -> str:
     """What the command line of the stack's process `name` holds."""
+    if name == "postgres":
+        return str(_home(s, name) / "data")
     return str(s.dir) if name.startswith("kafka") else "redis-server"
 
 
 def alive(s: Settings, r: Running) -> dict[str, bool]:
-    """Which of the recorded stack's processes still run."""
-    return {name: _alive(pid, _marker(name, s)) for name, pid in r.pids.items()}
+    """Which of the stack's processes run (one the record lacks does not: a stack recorded before it was part of it)."""
+    return {name: name in r.pids and _alive(r.pids[name], _marker(name, s)) for name in s.names()}
 
 
 # ---- preflight: everything that can fail before a process starts --------------------------
@@ -228,6 +240,25 @@ def redis_server() -> str:
     return shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
+POSTGRES_USER = "memfilter"  # the stack's PostgreSQL superuser (initdb -U), trusted on loopback
+
+
+def postgres_bin() -> Path:
+    """The folder of Debian's PostgreSQL server programs (the newest installed), installed
+    with apt-get when missing (as root)."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"), key=lambda p: int(p.parts[-3]) if p.parts[-3].isdigit() else 0)
+    if found:
+        return found[-1].parent
+    if os.geteuid() != 0:
+        raise StackError("no PostgreSQL server in /usr/lib/postgresql: install it (sudo apt-get install postgresql)")
+    _say("PostgreSQL missing; installing Debian's postgresql with apt-get")
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "postgresql"]):
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        if done.returncode != 0:
+            raise StackError(f"`{' '.join(cmd)}` failed: {done.stderr.strip().splitlines()[-1:]}")
+    return postgres_bin()
+
+
 def _listener_of(port: int) -> str:
     """Who listens on a loopback port: its pid and whole command line, as far as /proc tells."""
     inodes = set()
@@ -257,6 +288,8 @@ def _ports(s: Settings, name: str) -> list[tuple[str, int, str]]:
     if name.startswith("kafka"):
         n = int(name.partition("-")[2] or 1) - 1
         return [("Kafka", s.kafka_ports[n], "MEMFILTER_KAFKA_PORT"), ("the Kafka controller", s.controller_ports[n], "MEMFILTER_CONTROLLER_PORT")]
+    if name == "postgres":
+        return [("PostgreSQL", s.postgres_port, "MEMFILTER_POSTGRES_PORT")]
     port = int(name.partition("-")[2] or s.redis_port)
     bus = [("the Redis cluster bus", port + CLUSTER_BUS_OFFSET, "MEMFILTER_REDIS_PORT")] if s.redis_cluster else []
     return [("Redis", port, "MEMFILTER_REDIS_PORT"), *bus]
@@ -370,6 +403,35 @@ def _start_redis(s: Settings, name: str, server: str) -> subprocess.Popen:
         text += REDIS_CLUSTER_CONF.format(timeout=CLUSTER_NODE_TIMEOUT_MS)
     conf.write_text(text)
     return _spawn([server, str(conf)], home / "stdout.log")
+
+
+def _start_postgres(s: Settings, name: str, bin_dir: Path) -> subprocess.Popen:
+    return start_postgres(_home(s, name), s.postgres_port, bin_dir)
+
+
+def start_postgres(home: Path, port: int, bin_dir: Path) -> subprocess.Popen:
+    """PostgreSQL on `home`/data (made by initdb on first start), on loopback TCP alone, logging
+    to `home`/postgres.log; as the `postgres` user when started as root (PostgreSQL refuses
+    root), in a session of its own (its process group is its server's pid)."""
+    data = home / "data"
+    home.mkdir(parents=True, exist_ok=True)
+    user = "postgres" if os.geteuid() == 0 else None
+    if user:
+        shutil.chown(home, user)
+    if not (data / "PG_VERSION").exists():
+        init = [str(bin_dir / "initdb"), "-D", str(data), "-U", POSTGRES_USER, "--auth=trust", "-E", "UTF8", "--no-instructions"]
+        done = subprocess.run(init, capture_output=True, text=True, user=user)
+        if done.returncode != 0:
+            raise StackError(f"initdb of PostgreSQL's data in {data} failed: {(done.stderr or done.stdout).strip()[-200:]}")
+    server = [str(bin_dir / "postgres"), "-D", str(data), "-p", str(port), "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories="]
+    with open(home / "postgres.log", "ab") as out:
+        return subprocess.Popen(server, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, user=user)
+
+
+def postgres_answers(port: int) -> bool:
+    """Does the PostgreSQL on this loopback port accept connections (pg_isready)?"""
+    done = subprocess.run([str(postgres_bin() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port)], capture_output=True)
+    return done.returncode == 0
 
 
 def _kafka_properties(s: Settings, n: int, data: Path) -> str:
@@ -555,8 +617,8 @@ def _wait(s: Settings, started: dict[str, subprocess.Popen], timeout: float) -> 
     deadline = time.monotonic() + timeout
     for name, process in started.items():
         port = _ports(s, name)[0][1]
-        log = _home(s, name) / ("redis.log" if name.startswith("redis") else "kafka.log")
-        answers = _redis_answers if name.startswith("redis") else _port_open
+        log = _home(s, name) / {"r": "redis.log", "k": "kafka.log", "p": "postgres.log"}[name[0]]
+        answers = {"r": _redis_answers, "k": _port_open, "p": postgres_answers}[name[0]]
         while not answers(port):
             if process.poll() is not None:
                 raise StackError(f"{name} exited at start: see {log}")
@@ -571,7 +633,8 @@ def _wait(s: Settings, started: dict[str, subprocess.Popen], timeout: float) -> 
 def _stop(pid: int, marker: str, grace: float) -> None:
     if not _alive(pid, marker):
         return
-    os.kill(pid, signal.SIGTERM)
+    # PostgreSQL's SIGTERM waits for its clients to leave; SIGINT is its fast shutdown.
+    os.kill(pid, signal.SIGINT if marker.endswith("postgres/data") else signal.SIGTERM)
     deadline = time.monotonic() + grace
     while _alive(pid, marker) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -613,6 +676,7 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
     missing = [name for name, is_up in up_already.items() if not is_up]
     java = _check_java() if any(name.startswith("kafka") for name in missing) else ""
     server = redis_server() if any(name.startswith("redis") for name in missing) else ""
+    pg_bin = postgres_bin() if "postgres" in missing else None
     _check_ports(s, missing)
     s.dir.mkdir(parents=True, exist_ok=True)
     libs = _kafka_libs(s) if java else s.dir
@@ -622,6 +686,9 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
         for name in missing:
             if name.startswith("redis"):
                 started[name] = _start_redis(s, name, server)
+            elif name == "postgres":
+                assert pg_bin is not None
+                started[name] = _start_postgres(s, name, pg_bin)
             else:
                 started[name] = _start_kafka(s, name, java, libs, cluster_id)
         _wait(s, started, timeout)
@@ -631,17 +698,17 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
         raise
     running = {**(before.pids if before is not None else {}), **{name: process.pid for name, process in started.items()}}
     pids = {name: running[name] for name in s.names()}
-    record = Running(pids, s.kafka_port, s.controller_port, s.redis_port, s.brokers, s.redis_cluster)
+    record = Running(pids, s.kafka_port, s.controller_port, s.redis_port, s.brokers, s.redis_cluster, s.postgres_port)
     _state_file(s).write_text(json.dumps(asdict(record)))
     if before is not None:
         _say(f"started {' and '.join(missing)} again; the stack runs from {s.dir}")
     else:
-        _say(f"Kafka on {s.bootstrap}, Redis on {s.redis_url}, topics made; processes {pids}")
+        _say(f"Kafka on {s.bootstrap}, Redis on {s.redis_url}, PostgreSQL on {s.postgres_url}, topics made; processes {pids}")
     return record
 
 
 def down(s: Settings) -> bool:
-    """Stop the stack of `s.dir`: Kafka first (a controlled shutdown), then Redis."""
+    """Stop the stack of `s.dir`: Kafka first (a controlled shutdown), then Redis, then PostgreSQL."""
     r = recorded(s)
     if r is None:
         return False
@@ -666,9 +733,13 @@ def status(s: Settings) -> tuple[str, bool]:
     else:
         head = f"stopped (stack folder {s.dir})"
     lines = [head]
-    for name, pid in r.pids.items():
+    for name in s.names():
         state = "running" if is_up[name] else "stopped"
         ports = _ports(s, name)
-        where = f"127.0.0.1:{ports[0][1]} (controller {ports[1][1]})" if name.startswith("kafka") else f"redis://127.0.0.1:{ports[0][1]}"
+        if name.startswith("kafka"):
+            where = f"127.0.0.1:{ports[0][1]} (controller {ports[1][1]})"
+        else:
+            where = s.postgres_url if name == "postgres" else f"redis://127.0.0.1:{ports[0][1]}"
+        pid = r.pids.get(name, "-")
         lines.append(f"  {name}  {state}  pid {pid}  {where}")
     return "\n".join(lines), all(is_up.values())

@@ -6,7 +6,11 @@ does `pytest tests/redis`):
 - `redis`: the history store, processor and persister against a real Redis, which the
   session starts on a free port (a bare `redis-server`, a few milliseconds) unless REDIS_URL
   is set.
-- `kafka`: workers, the agent runner and the command line against a real Kafka and Redis.
+- `postgres`: the history's PostgreSQL tier (eviction, cold loads, the sink's writes) against a
+  real PostgreSQL the session starts (Debian's, under `.stack/`, a second or two) and the
+  redis tier's Redis; unless POSTGRES_URL is set.
+- `kafka`: workers, the agent runner, the sink and the command line against a real Kafka,
+  Redis and PostgreSQL.
 - `system`: the replicated stack, Compose, the installed wheel, the soaks.
 
 If `KAFKA_BOOTSTRAP_SERVERS` and `REDIS_URL` are both set, the Kafka tier uses those services.
@@ -51,7 +55,8 @@ from stacks import BACKEND, STARTED_BY_WORKERS, XDIST_WORKER, Services, cluster_
 TIERS = {
     "unit": "the pure core; starts nothing",
     "redis": "against a real Redis the session starts",
-    "kafka": "against a real Kafka and Redis (the session's stack)",
+    "postgres": "the history's PostgreSQL tier against a real PostgreSQL and Redis the session starts",
+    "kafka": "against a real Kafka, Redis and PostgreSQL (the session's stack)",
     "system": "replicated stack, Compose, the installed wheel, soaks",
 }
 
@@ -125,6 +130,28 @@ def redis_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def postgres_url():
+    """A PostgreSQL of the session's own for the `postgres` tier (POSTGRES_URL when given);
+    tests keep to schemas of their own."""
+    if given := os.environ.get("POSTGRES_URL"):
+        yield given
+        return
+    import shutil
+    import uuid
+
+    from stacks import start_postgres
+
+    folder = REPO_ROOT / ".stack" / f"postgres-tests-{uuid.uuid4().hex[:8]}"
+    server, url = start_postgres(folder)
+    try:
+        yield url
+    finally:
+        server.send_signal(2)  # SIGINT: PostgreSQL's fast shutdown
+        server.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
 def services():
     if BACKEND == "containers":
         from containers import ContainerStack
@@ -139,7 +166,7 @@ def services():
         yield Services(given[0], given[1], None)
         return
     exports, started = shared_stack(stack_env())
-    yield Services(exports["KAFKA_BOOTSTRAP_SERVERS"], exports["REDIS_URL"], Path(stack_env()["MEMFILTER_STACK_DIR"]))
+    yield Services(exports["KAFKA_BOOTSTRAP_SERVERS"], exports["REDIS_URL"], Path(stack_env()["MEMFILTER_STACK_DIR"]), postgres_url=exports["POSTGRES_URL"])
     if started and not XDIST_WORKER:  # an xdist worker's is stopped at the run's end (`pytest_sessionfinish`)
         memfilter("stack", "down", env=stack_env())
 

@@ -30,6 +30,7 @@ class Services:
     redis_url: str
     stack_dir: Path | None  # None when the services were given, not started here
     settings: dict[str, str] = field(default_factory=dict)  # what else the stack exports for workers (MEMFILTER_REDIS_REPLICAS)
+    postgres_url: str = ""  # the stack's PostgreSQL (POSTGRES_URL), for the history's PostgreSQL tier
     containers: ContainerStack | None = None  # on the container backend: its workers are containers
 
     def pipeline(self):
@@ -46,6 +47,7 @@ def stack_env(**overrides: str) -> dict[str, str]:
     env.setdefault("MEMFILTER_KAFKA_PORT", "19092")
     env.setdefault("MEMFILTER_CONTROLLER_PORT", "19093")
     env.setdefault("MEMFILTER_REDIS_PORT", "16379")
+    env.setdefault("MEMFILTER_POSTGRES_PORT", "15432")
     env.update(overrides)
     return env
 
@@ -86,6 +88,24 @@ def stop_if_workers_started(env: dict[str, str]) -> None:
         mark.unlink(missing_ok=True)
 
 
+def start_postgres(folder: Path) -> tuple[subprocess.Popen, str]:
+    """A PostgreSQL of a test's own (Debian's, as `memfilter stack up` starts it) on a free
+    port, its data in `folder` (under the checkout: the `postgres` user must reach it when the
+    tests run as root), once it answers; and its URL."""
+    from pipeline import free_port
+
+    from memfilter.stack import POSTGRES_USER, postgres_answers, postgres_bin, start_postgres
+
+    port = free_port()
+    server = start_postgres(folder, port, postgres_bin())
+    deadline = time.monotonic() + 60
+    while not postgres_answers(port):
+        assert server.poll() is None, f"PostgreSQL exited at start: see {folder / 'postgres.log'}"
+        assert time.monotonic() < deadline, f"PostgreSQL on port {port} did not answer within 60 s: see {folder / 'postgres.log'}"
+        time.sleep(0.1)
+    return server, f"postgresql://{POSTGRES_USER}@127.0.0.1:{port}/postgres"
+
+
 def start_redis(conf: Path, url: str) -> subprocess.Popen:
     """A redis-server of a test's own on `conf` (`pipeline.redis_config`), once it answers at `url`."""
     from memfilter.stack import redis_server
@@ -108,7 +128,7 @@ def wait_for_redis(url: str, server: subprocess.Popen, timeout: float = 10) -> N
             time.sleep(0.02)
 
 
-CLUSTER_PORTS = {"MEMFILTER_KAFKA_PORT": "29092", "MEMFILTER_CONTROLLER_PORT": "29093", "MEMFILTER_REDIS_PORT": "17001"}
+CLUSTER_PORTS = {"MEMFILTER_KAFKA_PORT": "29092", "MEMFILTER_CONTROLLER_PORT": "29093", "MEMFILTER_REDIS_PORT": "17001", "MEMFILTER_POSTGRES_PORT": "25432"}
 
 
 def cluster_env() -> dict[str, str]:

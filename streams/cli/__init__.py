@@ -9,10 +9,10 @@ import logging
 import os
 import sys
 
-from memfilter.cli import agent, converse, explain, forget, gateway, history, publish, replay, stack, tail, worker
+from memfilter.cli import agent, converse, explain, forget, gateway, history, publish, replay, sink, stack, tail, worker
 from memfilter.settings import SettingError
 
-COMMANDS = (explain, worker, agent, gateway, converse, publish, tail, history, forget, replay, stack)
+COMMANDS = (explain, worker, sink, agent, gateway, converse, publish, tail, history, forget, replay, stack)
 
 
 def build_parser() -> argparse.ArgumentParser:

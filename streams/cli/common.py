@@ -122,6 +122,7 @@ def run_or_explain(command: str, settings, coroutine):
 
 
 def history_store(url: str, prefix: str, settings: Settings):
+    from memfilter.store.cold import Warmer
     from memfilter.store.history import HistoryStore
     from memfilter.store.redis_driver import connect
 
@@ -132,6 +133,7 @@ def history_store(url: str, prefix: str, settings: Settings):
         processed_ttl=settings.worker.processed_ttl,
         retry_window=settings.worker.retry_window,
         counter=budget.counter if budget is not None else None,
+        warmer=Warmer.of(settings, prefix),
     )
 
 

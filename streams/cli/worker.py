@@ -7,7 +7,7 @@ import gc
 import sys
 
 from memfilter.cli.common import data_dir_missing, no_secret, web_port_free
-from memfilter.settings import Decisions, Kafka, Redis, Settings, Topics, Worker, variables
+from memfilter.settings import Decisions, Kafka, Postgres, Redis, Settings, Topics, Worker, variables
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,7 +37,7 @@ def add(sub) -> None:
         "worker",
         help="run a processor worker (a Faust worker); several workers form one consumer group",
         description="Consume chat-requests and persist-messages; settings from the environment ("
-        + ", ".join(v for part in (Kafka, Redis, Topics, Decisions, Worker) for v in variables(part))
+        + ", ".join(v for part in (Kafka, Redis, Postgres, Topics, Decisions, Worker) for v in variables(part))
         + ", MEMFILTER_SECRET"
         + "; docs/settings.md says what each does).",
     )

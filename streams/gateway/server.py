@@ -61,6 +61,7 @@ from memfilter.gateway.outcomes import ENDS, Live, Outcomes, Waiting, stored
 from memfilter.metrics import GatewayMetrics
 from memfilter.runtime.records import MAX_RECORD_BYTES
 from memfilter.settings import Settings
+from memfilter.store.cold import Warmer
 from memfilter.store.history import HistoryStore
 from memfilter.store.redis_driver import connect
 
@@ -158,7 +159,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.client = Client(settings.kafka.bootstrap, settings.topics, settings.policy.limits)
         self.redis = connect(settings.redis.url)
-        self.store = HistoryStore(self.redis, settings.redis.prefix)
+        self.store = HistoryStore(self.redis, settings.redis.prefix, warmer=Warmer.of(settings))
         self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics, settings.gateway.reply_s, settings.secret, self.store)
         self.in_flight = 0
 

@@ -169,6 +169,8 @@ class Persister:
             return _refused(ev, "ownership", owner)
         erased_ms = parse_ms(e.erasure.at) if e.erasure is not msgspec.UNSET else None
         result = await self.store.erase(e.threadId, e.historyVersion, save_identity(e.resourceId, e.requestId), erased_ms or 0)
+        if isinstance(result, tuple) and result[0] == "unavailable":
+            return _refused(ev, *result)
         if isinstance(result, tuple):
             return Rejection(
                 "stale",
@@ -218,7 +220,8 @@ def _refusal(e: _Event, owners: dict[str, str], elsewhere: set[str], erased: set
 
 def _refused(e: _Event, why: str, detail: str) -> Rejection:
     """The rejection for a refusal as APPLY names it: ownership (detail: the owner), unowned,
-    role (detail: the row's id)."""
+    role (detail: the row's id); or as the history store does: unavailable (detail: why the
+    thread, out of Redis, could not be loaded back)."""
     thread, resource = e.event.threadId, e.event.resourceId
     if why == "ownership":
         return Rejection("ownership", f"thread {thread} belongs to resource {detail}; rows from {resource} not saved")
@@ -229,6 +232,10 @@ def _refused(e: _Event, why: str, detail: str) -> Rejection:
         )
     if why == "erased":
         return Rejection("erased", f"thread {thread} was erased (memfilter forget); rows from {resource} not saved: it stays erased")
+    if why == "unavailable":
+        return Rejection(
+            "unavailable", f"thread {thread}: {detail}; event {e.event.requestId} not applied: publish it again (applying it twice changes nothing)"
+        )
     if why == "clash":
         return Rejection(
             "clash",

@@ -340,6 +340,13 @@ class Processor:
         """Decide a thread's remaining requests in order, each on what the earlier ones saved."""
         planned = []
         window, after = state.window, b""
+        if state.unavailable:  # cold, and PostgreSQL did not give it back: refused, to publish again
+            for p in t.requests[t.next :]:
+                p.outcome = "rejected"
+                planned.append(
+                    (p, None, Recorded(error=Rejection("unavailable", f"request {p.request.request_id} not decided: {state.unavailable}; publish it again")))
+                )
+            return planned
         for p in t.requests[t.next :]:
             rec = state.pending.get(p.key)
             if rec is not None and _position(rec) == (p.record.topic, p.record.partition, p.record.offset):

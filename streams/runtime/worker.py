@@ -49,7 +49,6 @@ import asyncio
 import heapq
 import logging
 import time
-from urllib.parse import urlsplit
 
 import faust
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -65,16 +64,12 @@ from memfilter.runtime.loop import Batch, Handled, TaskLoop
 from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Out, Record, dead_letter
-from memfilter.settings import Settings, Topics
+from memfilter.settings import Settings, Topics, without_password
+from memfilter.store.cold import Warmer
 from memfilter.store.history import Fenced, HistoryStore
 from memfilter.store.redis_driver import TIMEOUT_S, connect
 
 log = logging.getLogger("memfilter")
-
-
-def _without_password(url: str) -> str:
-    parts = urlsplit(url)
-    return url if parts.password is None else url.replace(f":{parts.password}@", ":***@", 1)
 
 
 def transactional_id(group: str, task: int) -> str:
@@ -121,7 +116,7 @@ class WorkerHandler:
 
     def describe(self) -> str:
         s = self.settings
-        return f"group {s.worker.group}, Kafka {s.kafka.bootstrap}, Redis {_without_password(s.redis.url)}, web http://{s.worker.web_bind}:{s.worker.web_port}"
+        return f"group {s.worker.group}, Kafka {s.kafka.bootstrap}, Redis {without_password(s.redis.url)}, web http://{s.worker.web_bind}:{s.worker.web_port}"
 
     def tasks(self, consumer: AIOKafkaConsumer, assigned: set[TopicPartition]) -> list[int]:
         """The tasks assigned: the partition numbers, the same for both topics."""
@@ -273,6 +268,7 @@ def create_app(settings: Settings) -> faust.App:
         r.replicas,
         r.replica_timeout,
         budget.counter if budget is not None else None,
+        Warmer.of(settings),
     )
     topics = [settings.topics.requests, settings.topics.persist]
     group = settings.worker.group

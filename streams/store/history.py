@@ -64,7 +64,7 @@ import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -78,6 +78,10 @@ from memfilter.metrics import Metrics
 from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
 from memfilter.store import redis_driver, scripts
 from memfilter.store.layout import NO_COUNTS, RECORDED, STATE_RANKS_PACKED, WINDOW_ENTRY, Keys, Recorded, pack, pack_rows, thread_tag
+from memfilter.store.postgres import Unavailable
+
+if TYPE_CHECKING:
+    from memfilter.store.cold import Warmer
 
 
 class Fenced(Exception):
@@ -106,6 +110,7 @@ class ThreadState:
     tail: list[str] = field(default_factory=list)  # the ids of the thread's last rows, in order (`read`, `read_tails`)
     counts: dict[str, float] = field(default_factory=dict)  # token counts stored beside the rows read (with a counter)
     erased: bool = False  # the thread was erased (`memfilter forget`) and not started again since
+    unavailable: str = ""  # why the thread, cold (in PostgreSQL only), could not be loaded back: its requests are refused with it
 
 
 class Write(msgspec.Struct, frozen=True, gc=False):
@@ -172,8 +177,12 @@ class HistoryStore(Keys):
         replicas: int = 0,
         replica_timeout: float = 1.0,
         counter: Counter | None = None,
+        warmer: Warmer | None = None,
     ):
         super().__init__(prefix)
+        # With a PostgreSQL tier (POSTGRES_URL), what loads threads that left Redis back
+        # before they are read or written (`memfilter.store.cold`).
+        self.warmer = warmer
         # With a context budget (MEMFILTER_CONTEXT_TOKENS), how tokens are counted: every row
         # saved gets its count beside it (`tokens`), and reads return the counts of the rows read.
         self.counter = counter
@@ -272,18 +281,20 @@ class HistoryStore(Keys):
         self.metrics.round_trips.inc()  # the round trips that did the work: not a refused try
         return replies
 
-    async def read(self, wanted: dict[str, list[str]], tail: int = 0) -> dict[str, ThreadState]:
+    async def read(self, wanted: dict[str, list[str]], tail: int = 0, loading: bool = True) -> dict[str, ThreadState]:
         """For each thread, the message ids of interest, and the ids of its last `tail` rows:
         one round trip. With a counter, the stored counts of the last `tail + 2` ids of
         interest too (a useChat echo's window; a row weighed without one is counted from its
         bytes). `elsewhere` is left empty: `owners` fills it for the ids not stored in the
         thread; so is `pending` (`read_pending`); the tail's rows are those of `wanted`
-        (`read_tails` reads the others)."""
+        (`read_tails` reads the others). A thread found cold (it left Redis for PostgreSQL) is
+        loaded back and read again (`warm`: a PostgreSQL query and two round trips more, only
+        then); one that cannot be is returned `unavailable`, with the reason."""
         commands: list[tuple] = []
         counting = self.counter is not None
         for thread, ids in wanted.items():
             rows, order, meta, _, recent, superseded, tokens = self.keys(thread)
-            commands.append(("HMGET", meta, "owner", "version", "newest", "erased"))  # first: a write after it is caught as stale
+            commands.append(("HMGET", meta, "owner", "version", "newest", "erased", "cold"))  # first: a write after it is caught as stale
             commands.append(("HLEN", rows))
             if ids:
                 commands.append(("HMGET", rows, *ids))
@@ -295,8 +306,11 @@ class HistoryStore(Keys):
                 commands.append(("LRANGE", order, -tail, -1))
         replies = iter(await self._pipeline(commands))
         states = {}
+        cold = []
         for thread, ids in wanted.items():
-            (owner, version, newest, erased), size = next(replies), next(replies)
+            (owner, version, newest, erased, is_cold), size = next(replies), next(replies)
+            if is_cold is not None:
+                cold.append(thread)
             rows = next(replies) if ids else ()
             counts = self._counts(ids[-(tail + 2) :], next(replies)) if ids and counting else {}
             gone = next(replies)
@@ -313,7 +327,29 @@ class HistoryStore(Keys):
                 counts=counts,
                 erased=erased is not None,
             )
+        if cold:
+            failed = await self.warm(cold) if loading else dict.fromkeys(cold, "evicted again while it was being loaded back")
+            states |= await self.read({t: wanted[t] for t in cold if t not in failed}, tail, loading=False)
+            for thread, why in failed.items():
+                states[thread].unavailable = why
         return states
+
+    async def warm(self, threads: list[str]) -> dict[str, str]:
+        """Load these cold threads (`meta` marked `cold`: evicted) back into Redis from
+        PostgreSQL (`memfilter.store.cold`); those that could not be, with the reason."""
+        if self.warmer is None:
+            return dict.fromkeys(threads, "it left Redis for PostgreSQL, and this command has no POSTGRES_URL to load it back from: set it")
+        return await self.warmer.warm(self, threads)
+
+    async def warm_if_cold(self, threads: list[str]) -> None:
+        """Load these threads back if any left Redis (one round trip when none did); raise
+        Unavailable naming the reason if one cannot be (for the commands that read one thread)."""
+        flags = await self._pipeline([("HEXISTS", self.keys(t)[2], "cold") for t in threads])
+        if cold := [t for t, flag in zip(threads, flags) if flag]:
+            failed = await self.warm(cold)
+            if failed:
+                thread, why = next(iter(failed.items()))
+                raise Unavailable(f"thread {thread}: {why}")
 
     def _counts(self, ids: Sequence[str], stored: list[bytes | None]) -> dict[str, float]:
         """The stored counts of these ids that are the counter's."""
@@ -497,7 +533,7 @@ class HistoryStore(Keys):
         if groups:
             await self._pipeline([("UNLINK", *group) for group in groups])
 
-    async def apply(self, saves: list[Save]) -> list[int | tuple[str, str]]:
+    async def apply(self, saves: list[Save], loading: bool = True) -> list[int | tuple[str, str]]:
         """Save rows from `persist-messages`, in order and in one round trip; for each, the
         thread's version after it, or why it was refused: ('ownership', the thread's owner),
         ('unowned', ''), ('role', the id of the row whose role it would change), ('erased',
@@ -531,10 +567,25 @@ class HistoryStore(Keys):
                 )
             )
         out: list[int | tuple[str, str]] = []
-        for s, (status, value) in zip(saves, await self._pipeline(calls)):
+        cold: list[int] = []
+        for i, (s, (status, value)) in enumerate(zip(saves, await self._pipeline(calls))):
             if status == b"fenced":
                 raise Fenced(s.thread, self.epoch, int(value))
+            if status == b"cold":  # loaded back, then saved (in order: a thread's saves are all cold or none)
+                cold.append(i)
             out.append(int(value) if status == b"ok" else (status.decode(), value.decode()))
+        if cold:
+            failed = (
+                await self.warm(list(dict.fromkeys(saves[i].thread for i in cold)))
+                if loading
+                else {saves[i].thread: "evicted again while it was being loaded back" for i in cold}
+            )
+            again = [i for i in cold if saves[i].thread not in failed]
+            for i, result in zip(again, await self.apply([saves[i] for i in again], loading=False)):
+                out[i] = result
+            for i in cold:
+                if saves[i].thread in failed:
+                    out[i] = ("unavailable", failed[saves[i].thread])
         return out
 
     async def erase(self, thread: str, version: int, identity: bytes, erased_ms: int) -> int | tuple[str, str]:
@@ -546,7 +597,12 @@ class HistoryStore(Keys):
         is ('stale', its version); an erasure applied before (`identity` in `erasures`) changes
         nothing. A thread with no meta at all is erased at `version` as asked: a rebuild starts
         an erased thread there (`memfilter.audit.recorded`, `ThreadLog`). The thread's version
-        after it. Two round trips, three with ids to unindex."""
+        after it. Two round trips, three with ids to unindex; ('unavailable', why) for a thread
+        that left Redis and cannot be loaded back (its ids are taken out of the index from its rows)."""
+        try:
+            await self.warm_if_cold([thread])
+        except Unavailable as e:
+            return ("unavailable", str(e))
         rows, order, meta, saved, recent, superseded, tokens = self.keys(thread)
         (stored, erasures), ids, window = await self._pipeline([("HMGET", meta, "version", "erasures"), ("HKEYS", rows), ("GET", recent)])
         if holds(erasures or b"", identity):
@@ -580,10 +636,13 @@ class HistoryStore(Keys):
         ((status, value),) = await self._pipeline([erase])
         if status == b"fenced":
             raise Fenced(thread, self.epoch, int(value))
+        if status == b"cold":  # evicted since it was read: loaded back, and erased then
+            return await self.erase(thread, version, identity, erased_ms)
         return int(value) if status == b"ok" else (status.decode(), value.decode())
 
     async def meta(self, thread: str) -> Meta:
         """A thread's meta and how many rows it holds: one round trip."""
+        await self.warm_if_cold([thread])
         rows, _, meta, *_ = self.keys(thread)
         (owner, version, erased, erasures), size = await self._pipeline([("HMGET", meta, "owner", "version", "erased", "erasures"), ("HLEN", rows)])
         return Meta(owner.decode() if owner is not None else None, int(version or 0), erased is not None, erasures or b"", size)
@@ -599,17 +658,20 @@ class HistoryStore(Keys):
 
     async def thread_rows(self, thread: str) -> list[bytes]:
         """A thread's conversation: its rows in save order, without the superseded ones."""
+        await self.warm_if_cold([thread])
         rows, order, *_ = self.keys(thread)
         ids = await self.redis.lrange(order, 0, -1)
         return await self.redis.hmget(rows, ids) if ids else []
 
     async def row(self, thread: str, message_id: str) -> bytes | None:
         """One stored row of a thread (superseded or not), by message id."""
+        await self.warm_if_cold([thread])
         rows, *_ = self.keys(thread)
         return await self.redis.hget(rows, message_id)
 
     async def superseded_rows(self, thread: str) -> list[tuple[str, bytes]]:
         """A thread's superseded rows, each with the id of the request that superseded it."""
+        await self.warm_if_cold([thread])
         rows, *_, superseded, _ = self.keys(thread)
         by = await self.redis.hgetall(superseded)
         found = await self.redis.hmget(rows, list(by)) if by else []

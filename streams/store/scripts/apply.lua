@@ -28,6 +28,8 @@ local epoch, resource, newest_ms, packed_rows, packed_roles, writer, identity, p
 local stored = tonumber(redis.call('HGET', meta_key, 'epoch') or '0')
 local mine = tonumber(epoch)
 if mine < stored then return {'fenced', tostring(stored)} end
+-- a thread that left Redis (EVICT) is loaded back (RESTORE) before anything is saved in it
+if redis.call('HEXISTS', meta_key, 'cold') == 1 then return {'cold', ''} end
 local owner = redis.call('HGET', meta_key, 'owner')
 if owner and owner ~= resource then return {'ownership', owner} end
 if not owner then

@@ -1,5 +1,6 @@
 -- COMMIT: one request's effect on its thread, atomically (memfilter.store.history, `commit`).
--- Refuses a decision made on a version that has since moved (`stale`), and a write of a
+-- Refuses a decision made on a version that has since moved, or on a thread that has left
+-- Redis since (`stale`), and a write of a
 -- worker whose partitions were given to another that has written this thread since (`fenced`).
 -- With a context budget, each row's token count is written beside it (`tokens_key`).
 -- KEYS: rows_key order_key meta_key recent_key pending_key after_key superseded_key tokens_key
@@ -13,6 +14,8 @@ local mine = tonumber(epoch)
 if mine < stored then return {'fenced', tostring(stored)} end
 local version = tonumber(redis.call('HGET', meta_key, 'version') or '0')
 if version ~= tonumber(seen_version) then return {'stale', tostring(version)} end
+-- left Redis since it was read (EVICT): decided again, on the thread loaded back
+if redis.call('HEXISTS', meta_key, 'cold') == 1 then return {'stale', tostring(version)} end
 if after_key ~= pending_key and redis.call('EXISTS', after_key) == 0 then return {'stale', tostring(version)} end
 if mine > stored then redis.call('HSET', meta_key, 'epoch', epoch) end
 

@@ -14,6 +14,8 @@ local epoch, seen_version, identity, erased_ms = ARGV[1], ARGV[2], ARGV[3], ARGV
 local stored = tonumber(redis.call('HGET', meta_key, 'epoch') or '0')
 local mine = tonumber(epoch)
 if mine < stored then return {'fenced', tostring(stored)} end
+-- a thread that left Redis (EVICT) is loaded back first: its ids are taken out of the index from its rows
+if redis.call('HEXISTS', meta_key, 'cold') == 1 then return {'cold', ''} end
 local version = tonumber(redis.call('HGET', meta_key, 'version') or '0')
 local erasures = redis.call('HGET', meta_key, 'erasures') or ''
 for at = 1, #erasures, 8 do

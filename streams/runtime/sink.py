@@ -1,0 +1,117 @@
+"""The sink: `persist-messages` into PostgreSQL, and idle threads out of Redis.
+
+`memfilter sink` (one or more, one consumer group: MEMFILTER_SINK_GROUP) consumes
+`persist-messages`, the history's log. For a batch of events it waits until the workers have
+applied them (their group's committed offsets on `persist-messages` are past the batch: the
+worker applies each event, or skips its own, in the transaction that commits that offset),
+then writes each thread the batch names to PostgreSQL whole, as Redis holds it now
+(`memfilter.store.cold.whole`, `PostgresHistory.write`), and commits its own offsets. A thread
+is written only over an older version of itself: an event consumed again (a crash before the
+commit, a second sink) changes nothing, and PostgreSQL holds every thread as of the log.
+
+Every MEMFILTER_IDLE_S / 10 seconds (a minute at most) it takes threads unused for MEMFILTER_IDLE_S out
+of Redis (`memfilter.store.cold.evict`), each only at the version PostgreSQL holds.
+
+PostgreSQL down or slow: the batch is written again until it is (its offsets are not
+committed before), eviction pauses, and the workers go on deciding threads in Redis. Nothing
+the sink does is on a worker's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from memfilter.settings import Settings
+from memfilter.store import cold
+from memfilter.store.history import HistoryStore
+from memfilter.store.postgres import PostgresHistory, Unavailable
+from memfilter.store.redis_driver import connect
+
+log = logging.getLogger("memfilter.sink")
+RETRY_S = 1.0  # seconds between tries while PostgreSQL or Redis does not answer
+
+
+class Sink:
+    def __init__(self, settings: Settings, batch_max: int = 1000):
+        self.settings = settings
+        self.store = HistoryStore(connect(settings.redis.url), settings.redis.prefix)
+        self.pg = PostgresHistory(settings.postgres.url, settings.redis.prefix, settings.postgres.timeout)
+        self.batch_max = batch_max
+        self.written = 0  # threads written to PostgreSQL
+        self.evicted = 0  # threads taken out of Redis
+        self._next_eviction = 0.0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        s = self.settings
+        consumer = AIOKafkaConsumer(
+            s.topics.persist,
+            bootstrap_servers=s.kafka.bootstrap,
+            group_id=s.postgres.sink_group,
+            client_id="memfilter-sink",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            isolation_level="read_committed",
+        )
+        admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka.bootstrap)
+        await consumer.start()
+        await admin.start()
+        try:
+            while not stop.is_set():
+                batch = await consumer.getmany(timeout_ms=500, max_records=self.batch_max)
+                if batch:
+                    ends = {tp: records[-1].offset + 1 for tp, records in batch.items()}
+                    written_ms: dict[str, int] = {}
+                    for records in batch.values():
+                        for r in records:
+                            if r.key is not None:
+                                thread = r.key.decode(errors="replace")
+                                written_ms[thread] = max(written_ms.get(thread, 0), r.timestamp)
+                    await self._applied(admin, ends, stop)
+                    await self._write(written_ms, stop)
+                    if stop.is_set():
+                        break
+                    await consumer.commit(ends)
+                await self._evict()
+        finally:
+            await consumer.stop()
+            await admin.close()
+            await self.pg.close()
+            await self.store.redis.aclose()
+
+    async def _applied(self, admin: AIOKafkaAdminClient, ends: dict[TopicPartition, int], stop: asyncio.Event) -> None:
+        """Until the workers' group has committed past `ends` on every partition of it."""
+        while not stop.is_set():
+            committed = await admin.list_consumer_group_offsets(self.settings.worker.group, partitions=list(ends))
+            if all(tp in committed and committed[tp].offset >= end for tp, end in ends.items()):
+                return
+            await asyncio.sleep(0.2)
+
+    async def _write(self, written_ms: dict[str, int], stop: asyncio.Event) -> None:
+        """The threads, as Redis holds them, into PostgreSQL; tried again until both answer."""
+        while not stop.is_set():
+            try:
+                threads = await cold.whole(self.store, sorted(written_ms), written_ms)
+                self.written += await self.pg.write(threads)
+                return
+            except (Unavailable, RedisConnectionError, OSError, TimeoutError) as e:
+                log.warning("memfilter sink: %s; writing %d threads again in %.0f s", e, len(written_ms), RETRY_S)
+                await asyncio.sleep(RETRY_S)
+
+    async def _evict(self) -> None:
+        """Idle threads out of Redis, every tenth of MEMFILTER_IDLE_S (a minute at most); paused while PostgreSQL does not answer."""
+        now = time.time()
+        if now < self._next_eviction:
+            return
+        idle = self.settings.postgres.idle_s
+        self._next_eviction = now + min(idle / 10, 60.0)
+        try:
+            while (left := await cold.evict(self.store, self.pg, int((now - idle) * 1000))) > 0:
+                self.evicted += left
+        except (Unavailable, RedisConnectionError, OSError, TimeoutError) as e:
+            log.warning("memfilter sink: eviction paused: %s", e)

@@ -1,0 +1,259 @@
+"""The PostgreSQL tier of history: every thread as of the log, queryable with SQL.
+
+Redis holds the threads in use (the working set the worker decides against); PostgreSQL
+holds them all. The sink (`memfilter.runtime.sink`) writes each thread here as
+`persist-messages` leaves it, a whole thread at a time, ordered by the thread's version: a
+thread is written only over an older version of itself, so writing a thread again, or an
+older copy late, changes nothing. A thread idle in Redis leaves it once this tier holds its
+latest version (`memfilter.store.cold`), and is loaded back from here on its next use.
+
+Tables, in the schema named by the store's prefix (`mf` by default; Mastra's `PostgresStore`
+takes a `schemaName` too), laid out as Mastra's storage lays out threads and messages, with
+what the working set needs beside them (docs/postgres.md says where and why they differ):
+
+| table | holds |
+|---|---|
+| `mastra_threads` | one row a thread: `id`, `resourceId` (its owner; null once erased), `title`, `metadata`, `createdAt`, `updatedAt` (its last write); and `version`, `newest`, `erased`, `saved` (the identities of the saves applied to it: a save of the log applied again changes nothing), `touched` (its last use in Redis) and `in_redis` |
+| `mastra_messages` | one row a stored message: `id`, `thread_id`, `content` (the message's `content`, JSON, as Mastra's format 2), `role`, `type`, `createdAt`, `resourceId`; and `row` (the stored row, byte for byte), `position` (its place in the conversation; null once superseded) and `superseded_by` (the request that took it out) |
+
+An erased thread keeps its `mastra_threads` row (version, when erased, no owner, no title)
+and no message. Everything here is I/O on PostgreSQL through asyncpg; what a thread is, and
+how Redis gives and takes it, is `memfilter.store.cold`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import asyncpg
+import msgspec
+
+from memfilter.core.filter import parse_ms
+from memfilter.settings import without_password
+
+
+class Unavailable(Exception):
+    """PostgreSQL did not answer in time, or refused: what needed it waits or is refused with this reason."""
+
+
+class Thread(msgspec.Struct, frozen=True):
+    """One thread as Redis holds it, whole: what the sink writes and a cold load gives back."""
+
+    id: str
+    version: int
+    owner: str | None
+    newest_ms: int | None
+    erased_ms: int | None
+    order: list[str]  # the conversation's ids, in order
+    rows: dict[str, bytes]  # every stored row, superseded ones too
+    superseded: dict[str, str]  # id -> the request that superseded it
+    saved: bytes  # `saved`: identities of the saves applied
+    written_ms: int  # when it was last written (the newest record time of its events)
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+SCHEMA = """
+CREATE SCHEMA IF NOT EXISTS {s};
+CREATE TABLE IF NOT EXISTS {s}.mastra_threads (
+    id text PRIMARY KEY,
+    "resourceId" text,
+    title text NOT NULL DEFAULT '',
+    metadata text NOT NULL DEFAULT '{{}}',
+    "createdAt" timestamptz NOT NULL,
+    "updatedAt" timestamptz NOT NULL,
+    version bigint NOT NULL,
+    newest bigint,
+    erased bigint,
+    saved bytea NOT NULL DEFAULT '',
+    touched timestamptz NOT NULL,
+    in_redis boolean NOT NULL DEFAULT true
+);
+CREATE INDEX IF NOT EXISTS mastra_threads_resource ON {s}.mastra_threads ("resourceId");
+CREATE INDEX IF NOT EXISTS mastra_threads_idle ON {s}.mastra_threads (touched) WHERE in_redis;
+CREATE TABLE IF NOT EXISTS {s}.mastra_messages (
+    thread_id text NOT NULL,
+    id text NOT NULL,
+    content text NOT NULL,
+    role text NOT NULL,
+    type text NOT NULL,
+    "createdAt" timestamptz NOT NULL,
+    "resourceId" text,
+    "row" text NOT NULL,
+    position integer,
+    superseded_by text,
+    PRIMARY KEY (thread_id, id)
+);
+"""
+
+
+class _Row(msgspec.Struct):
+    """What the Mastra columns take from a stored row."""
+
+    role: str
+    content: msgspec.Raw
+    type: str = "v2"
+    createdAt: str | None = None
+
+
+_ROW = msgspec.json.Decoder(_Row)
+
+
+def _at(ms: int | None) -> datetime:
+    return datetime.fromtimestamp((ms or 0) / 1000, UTC)
+
+
+def _messages(t: Thread) -> list[tuple]:
+    """The thread's `mastra_messages` rows."""
+    place = {mid: i for i, mid in enumerate(t.order)}
+    out = []
+    for mid, raw in t.rows.items():
+        row = _ROW.decode(raw)
+        created = parse_ms(row.createdAt) if row.createdAt else None
+        text = raw.decode()
+        out.append(
+            (t.id, mid, bytes(row.content).decode(), row.role, row.type, _at(created or t.written_ms), t.owner, text, place.get(mid), t.superseded.get(mid))
+        )
+    return out
+
+
+class PostgresHistory:
+    """Threads in one PostgreSQL database, under the schema `prefix`."""
+
+    def __init__(self, url: str, prefix: str = "mf", timeout: float = 5.0):
+        self.url = url
+        self.schema = _quote(prefix)
+        self.timeout = timeout  # seconds any call waits for PostgreSQL; then Unavailable
+        self._pool: asyncpg.Pool | None = None
+        self._starting = asyncio.Lock()
+
+    async def _ready(self) -> asyncpg.Pool:
+        """The connection pool, made on first use with the tables that are missing (a worker
+        starts while PostgreSQL is down; only what needs it waits)."""
+        async with self._starting:
+            if self._pool is None:
+                pool = await asyncpg.create_pool(self.url, min_size=1, max_size=4, command_timeout=self.timeout)
+                try:
+                    async with pool.acquire() as conn:
+                        await conn.execute(SCHEMA.format(s=self.schema))
+                except BaseException:
+                    await pool.close()
+                    raise
+                self._pool = pool
+        return self._pool
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+
+    async def _call(self, coro):
+        """`coro` within the timeout; a failure of PostgreSQL or the network is Unavailable."""
+        try:
+            return await asyncio.wait_for(coro, self.timeout)
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            raise Unavailable(f"PostgreSQL at {without_password(self.url)} did not answer within {self.timeout:g} s: {e!r}") from e
+
+    async def _fetch(self, query: str, *args) -> list:
+        return await (await self._ready()).fetch(query, *args)
+
+    async def _execute(self, query: str, *args) -> str:
+        return await (await self._ready()).execute(query, *args)
+
+    async def write(self, threads: list[Thread]) -> int:
+        """Write each thread over an older version of it (or as new), in one transaction; how
+        many were written. A thread at or below the version held already changes nothing."""
+        return await self._call(self._write(threads))
+
+    async def _write(self, threads: list[Thread]) -> int:
+        s = self.schema
+        written = 0
+        async with (await self._ready()).acquire() as conn, conn.transaction():
+            for t in threads:
+                at = _at(t.written_ms)
+                done = await conn.fetchval(
+                    f"""INSERT INTO {s}.mastra_threads AS held (id, "resourceId", "createdAt", "updatedAt", version, newest, erased, saved, touched, in_redis)
+                        VALUES ($1, $2, $3, $3, $4, $5, $6, $7, now(), true)
+                        ON CONFLICT (id) DO UPDATE SET "resourceId" = $2, "updatedAt" = greatest(held."updatedAt", $3), version = $4,
+                            newest = $5, erased = $6, saved = $7, touched = now(), in_redis = true
+                        WHERE held.version < $4
+                        RETURNING 1""",
+                    t.id,
+                    t.owner,
+                    at,
+                    t.version,
+                    t.newest_ms,
+                    t.erased_ms,
+                    t.saved,
+                )
+                if done is None:
+                    continue
+                written += 1
+                await conn.execute(f"DELETE FROM {s}.mastra_messages WHERE thread_id = $1", t.id)
+                if t.rows:
+                    await conn.executemany(
+                        f"""INSERT INTO {s}.mastra_messages (thread_id, id, content, role, type, "createdAt", "resourceId", "row", position, superseded_by)
+                            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)""",
+                        _messages(t),
+                    )
+        return written
+
+    async def versions(self, ids: list[str]) -> dict[str, int]:
+        """The version held of each of these threads that is held."""
+        rows = await self._call(self._fetch(f"SELECT id, version FROM {self.schema}.mastra_threads WHERE id = ANY($1)", ids))
+        return {r["id"]: r["version"] for r in rows}
+
+    async def load(self, ids: list[str]) -> dict[str, Thread]:
+        """These threads as held, whole (those held), marked as in Redis again: one round trip each for threads and messages."""
+        return await self._call(self._load(ids))
+
+    async def _load(self, ids: list[str]) -> dict[str, Thread]:
+        s = self.schema
+        async with (await self._ready()).acquire() as conn:
+            threads = await conn.fetch(
+                f"""UPDATE {s}.mastra_threads SET in_redis = true, touched = now() WHERE id = ANY($1)
+                    RETURNING id, version, "resourceId", newest, erased, saved, "updatedAt\"""",
+                ids,
+            )
+            messages = await conn.fetch(f"""SELECT thread_id, id, "row", position, superseded_by FROM {s}.mastra_messages WHERE thread_id = ANY($1)""", ids)
+        by_thread: dict[str, list] = {}
+        for m in messages:
+            by_thread.setdefault(m["thread_id"], []).append(m)
+        out = {}
+        for t in threads:
+            held = by_thread.get(t["id"], [])
+            out[t["id"]] = Thread(
+                t["id"],
+                t["version"],
+                t["resourceId"],
+                t["newest"],
+                t["erased"],
+                [m["id"] for m in sorted((m for m in held if m["position"] is not None), key=lambda m: m["position"])],
+                {m["id"]: m["row"].encode() for m in held},
+                {m["id"]: m["superseded_by"] for m in held if m["superseded_by"] is not None},
+                bytes(t["saved"]),
+                int(t["updatedAt"].timestamp() * 1000),
+            )
+        return out
+
+    async def idle(self, before_ms: int, limit: int) -> list[tuple[str, int]]:
+        """Threads in Redis not used since `before_ms`: (id, version held), oldest first."""
+        rows = await self._call(
+            self._fetch(
+                f"SELECT id, version FROM {self.schema}.mastra_threads WHERE in_redis AND touched < $1 ORDER BY touched LIMIT $2",
+                _at(before_ms),
+                limit,
+            )
+        )
+        return [(r["id"], r["version"]) for r in rows]
+
+    async def left_redis(self, ids: list[str]) -> None:
+        """Mark these threads as evicted from Redis."""
+        if ids:
+            await self._call(self._execute(f"UPDATE {self.schema}.mastra_threads SET in_redis = false WHERE id = ANY($1)", ids))
+
+    async def drop(self) -> None:
+        """Drop the schema and everything in it."""
+        await self._call(self._execute(f"DROP SCHEMA IF EXISTS {self.schema} CASCADE"))

@@ -1,0 +1,345 @@
+"""Threads out of Redis and back: the PostgreSQL tier against a real PostgreSQL and Redis.
+
+The promise pinned here: a thread that left Redis (evicted once PostgreSQL held its latest
+version) and came back is decided exactly as one that never left, any number of times;
+eviction never takes the only copy; PostgreSQL holds each thread as of its version, written
+again or late without effect; and PostgreSQL down costs the cold threads alone, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import msgspec
+import pytest
+from factories import CASES, SECRET, T0, msg
+
+from memfilter.core.filter import HISTORY_MESSAGES, Policy, parse_ms
+from memfilter.runtime.persister import Persister
+from memfilter.runtime.processor import Processor
+from memfilter.runtime.records import Record
+from memfilter.settings import Topics
+from memfilter.store import cold
+from memfilter.store.history import HistoryStore, Save
+from memfilter.store.postgres import PostgresHistory
+
+FAR_FUTURE_MS = 253_000_000_000_000  # the year 9987: `evict` takes every thread PostgreSQL holds
+
+
+async def sink(store: HistoryStore, pg: PostgresHistory, threads: list[str]) -> int:
+    """What `memfilter sink` does for events naming these threads."""
+    return await pg.write(await cold.whole(store, threads, dict.fromkeys(threads, T0)))
+
+
+async def seed(store: HistoryStore, case: dict) -> list[str]:
+    """A conformance case's stored history (and the other threads' rows), as the worker
+    would have saved it; the threads it made."""
+    thread = case["request"]["threadId"]
+    groups = defaultdict(list)
+    for row in case["stored"]:
+        groups[thread].append(row)
+    for row in case["storedElsewhere"]:
+        groups[row["threadId"]].append(row)
+    for t, rows in groups.items():
+        owner = case.get("owner") if t == thread and case.get("owner") else rows[0]["resourceId"]
+        newest = max((parse_ms(r.get("createdAt")) or -1 for r in rows), default=-1)
+        await store.claim([(r["id"], t) for r in rows])
+        saved = [(r["id"], msgspec.json.encode(r)) for r in rows]
+        assert await store.apply([Save(t, owner, newest, saved, [r["role"] for r in rows], b"", writer="processor")]) == [1]
+        if t == thread and case.get("superseded"):  # as an earlier regenerate left them
+            await store.apply([Save(t, owner, newest, [], [], b"", superseded=case["superseded"], request_id="earlier")])
+    if case.get("owner") and not case["stored"]:
+        await store.redis.hset(store.keys(thread)[2], "owner", case["owner"])
+    return list(groups)
+
+
+def request_record(case: dict, offset: int = 0) -> Record:
+    r = case["request"]
+    return Record("chat-requests", 0, offset, case["timestamp"], r["threadId"].encode(), json.dumps(r).encode())
+
+
+def policy_of(case: dict) -> Policy:
+    return Policy(history=case.get("historyMessages", HISTORY_MESSAGES), edits=case.get("edits", "on") == "on")
+
+
+def emitted(outs) -> list[tuple]:
+    return [(o.topic, o.key, o.value, o.headers) for o in outs]
+
+
+async def redis_keys(store: HistoryStore) -> set[bytes]:
+    return {k async for k in store.redis.scan_iter(match=f"{store.prefix}:t:*")}
+
+
+class TestDecisionsOnThreadsThatLeftRedis:
+    @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+    def test_a_conformance_case_on_an_evicted_thread_is_decided_as_on_one_that_never_left(self, index, tiers):
+        case = CASES[index]["case"]
+
+        async def go(make):
+            (stayed, _), (left, pg) = make(), make()
+            await seed(stayed, case)
+            threads = await seed(left, case)
+            await sink(left, pg, threads)
+            evicted = await cold.evict(left, pg, FAR_FUTURE_MS)
+            keys_cold = await redis_keys(left)
+            policy = policy_of(case)
+            want = await Processor(stayed, policy=policy, secret=SECRET).process([request_record(case)])
+            got = await Processor(left, policy=policy, secret=SECRET).process([request_record(case)])
+            return threads, evicted, keys_cold, emitted(want), emitted(got), left.metrics.value("memfilter_cold_loads_total")
+
+        threads, evicted, keys_cold, want, got, loads = tiers(go)
+        if case["stored"] or case["storedElsewhere"]:
+            assert evicted == len(threads)
+            assert all(k.endswith(b":meta") for k in keys_cold)  # only the meta stayed
+        if any(topic == Topics().filtered for topic, *_ in want) and case["stored"]:
+            assert loads >= 1  # decided on its thread loaded back
+        assert got == want
+
+    def test_a_thread_evicted_and_loaded_back_again_and_again_keeps_every_row_and_decision(self, tiers):
+        async def go(make):
+            (stayed, _), (left, pg) = make(), make()
+            outs = ([], [])
+            history: list[dict] = []
+            for turn in range(6):
+                history = [*history, msg(f"u{turn}", text=f"question {turn}")]
+                rec = Record(
+                    "chat-requests", 0, turn, T0 + turn * 1000, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": history}).encode()
+                )
+                for store, out in zip((stayed, left), outs):
+                    out.extend(emitted(await Processor(store, secret=SECRET).process([rec])))
+                await sink(left, pg, ["t1"])
+                assert await cold.evict(left, pg, FAR_FUTURE_MS) == 1  # out between the request and its reply
+                reply = Record(
+                    "persist-messages",
+                    0,
+                    turn,
+                    T0 + turn * 1000 + 500,
+                    b"t1",
+                    json.dumps(
+                        {"requestId": f"a{turn}", "threadId": "t1", "resourceId": "r1", "messages": [msg(f"a{turn}", "assistant", f"answer {turn}")]}
+                    ).encode(),
+                )
+                for store in (stayed, left):
+                    assert await Persister(store, Topics().dlq, SECRET).process([reply]) == []
+                history = [*history, msg(f"a{turn}", "assistant", f"answer {turn}")]
+                await sink(left, pg, ["t1"])
+                assert await cold.evict(left, pg, FAR_FUTURE_MS) == 1
+            return outs, await stayed.thread_rows("t1"), await left.thread_rows("t1"), left.metrics.value("memfilter_cold_loads_total")
+
+        (want, got), rows_stayed, rows_left, loads = tiers(go)
+        assert got == want
+        assert rows_left == rows_stayed and len(rows_left) == 12
+        assert loads == 12  # every request but the first, every reply and the last read found the thread cold
+
+    def test_a_save_on_a_cold_thread_is_applied_once_and_its_repeat_changes_nothing(self, tiers):
+        async def go(make):
+            store, pg = make()
+            await Processor(store, secret=SECRET).process(
+                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())]
+            )
+            reply = json.dumps({"requestId": "a0", "threadId": "t1", "resourceId": "r1", "messages": [msg("a0", "assistant", "answer")]}).encode()
+            first = Record("persist-messages", 0, 0, T0 + 1, b"t1", reply)
+            assert await Persister(store, Topics().dlq, SECRET).process([first]) == []
+            await sink(store, pg, ["t1"])
+            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            again = Record("persist-messages", 0, 1, T0 + 2, b"t1", reply)  # the same event published twice
+            results = await Persister(store, Topics().dlq, SECRET).apply([again])
+            return results, [json.loads(r)["id"] for r in await store.thread_rows("t1")]
+
+        results, ids = tiers(go)
+        assert results == [2]  # the version it was at: nothing applied a second time
+        assert ids == ["u0", "a0"]
+
+    def test_an_erasure_of_a_cold_thread_frees_its_ids_and_leaves_no_message_in_postgresql(self, tiers):
+        async def go(make):
+            store, pg = make()
+            await Processor(store, secret=SECRET).process(
+                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())]
+            )
+            await sink(store, pg, ["t1"])
+            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            result = await store.erase("t1", 1, b"erasure1", T0)
+            await sink(store, pg, ["t1"])
+            owners, _, _ = await store.owners(["u0"])
+            async with (await pg._ready()).acquire() as conn:
+                messages = await conn.fetchval(f"SELECT count(*) FROM {pg.schema}.mastra_messages WHERE thread_id = 't1'")
+                thread = await conn.fetchrow(f"SELECT version, \"resourceId\", erased FROM {pg.schema}.mastra_threads WHERE id = 't1'")
+            return result, owners, messages, dict(thread)
+
+        result, owners, messages, thread = tiers(go)
+        assert result == 2
+        assert owners == {}  # u0 is no thread's any more
+        assert messages == 0
+        assert thread == {"version": 2, "resourceId": None, "erased": T0}
+
+
+class TestEvictionNeverTakesTheOnlyCopy:
+    def test_a_thread_written_after_postgresql_took_it_stays_in_redis(self, tiers):
+        async def go(make):
+            store, pg = make()
+            p = Processor(store, secret=SECRET)
+            await p.process([Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())])
+            await sink(store, pg, ["t1"])
+            await p.process(
+                [Record("chat-requests", 0, 1, T0 + 1, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0"), msg("u1")]}).encode())]
+            )
+            first = await cold.evict(store, pg, FAR_FUTURE_MS)
+            await sink(store, pg, ["t1"])
+            second = await cold.evict(store, pg, FAR_FUTURE_MS)
+            return first, second
+
+        assert tiers(go) == (0, 1)
+
+    def test_a_thread_used_within_the_idle_time_stays(self, tiers):
+        async def go(make):
+            store, pg = make()
+            await Processor(store, secret=SECRET).process(
+                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())]
+            )
+            await sink(store, pg, ["t1"])
+            return await cold.evict(store, pg, int(time.time() * 1000) - 60_000)
+
+        assert tiers(go) == 0
+
+    def test_a_decision_made_before_its_thread_left_is_made_again_on_the_thread_loaded_back(self, tiers):
+        async def go(make):
+            store, pg = make()
+            p = Processor(store, secret=SECRET)
+            await p.process([Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())])
+            await sink(store, pg, ["t1"])
+            commit = store.commit
+
+            async def evicted_meanwhile(writes):  # the thread leaves between the batch's read and its commit
+                await cold.evict(store, pg, FAR_FUTURE_MS)
+                store.commit = commit
+                return await commit(writes)
+
+            store.commit = evicted_meanwhile
+            outs = await p.process(
+                [Record("chat-requests", 0, 1, T0 + 1, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0"), msg("u1")]}).encode())]
+            )
+            return [json.loads(o.value) for o in outs if o.topic == Topics().filtered], [json.loads(r)["id"] for r in await store.thread_rows("t1")]
+
+        (filtered,), ids = tiers(go)
+        assert [m["id"] for m in filtered["context"]] == ["u0", "u1"]
+        assert ids == ["u0", "u1"]
+
+
+class TestPostgresqlHoldsEachThreadAsOfItsVersion:
+    def test_writing_a_thread_again_or_an_older_copy_late_changes_nothing(self, tiers):
+        async def go(make):
+            store, pg = make()
+            p = Processor(store, secret=SECRET)
+            await p.process([Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())])
+            old = await cold.whole(store, ["t1"], {"t1": T0})
+            await p.process(
+                [Record("chat-requests", 0, 1, T0 + 1, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0"), msg("u1")]}).encode())]
+            )
+            new = await cold.whole(store, ["t1"], {"t1": T0 + 1})
+            counts = [await pg.write(new), await pg.write(new), await pg.write(old)]
+            return counts, await pg.load(["t1"]), new
+
+        counts, held, new = tiers(go)
+        assert counts == [1, 0, 0]
+        assert held["t1"].version == 2 and held["t1"].order == ["u0", "u1"] and held["t1"].rows == new[0].rows
+
+    def test_the_tables_answer_sql_as_mastra_lays_them_out(self, tiers):
+        async def go(make):
+            store, pg = make()
+            await Processor(store, secret=SECRET).process(
+                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0", text="hello")]}).encode())]
+            )
+            await sink(store, pg, ["t1"])
+            async with (await pg._ready()).acquire() as conn:
+                return await conn.fetch(
+                    f'SELECT m.id, m.role, m.content, m."resourceId", t."resourceId" AS owner FROM {pg.schema}.mastra_messages m '
+                    f'JOIN {pg.schema}.mastra_threads t ON t.id = m.thread_id ORDER BY m."createdAt"'
+                )
+
+        (row,) = tiers(go)
+        assert (row["id"], row["role"], row["resourceId"], row["owner"]) == ("u0", "user", "r1", "r1")
+        assert json.loads(row["content"])["parts"] == [{"type": "text", "text": "hello"}]
+
+
+def signal_postgres(pid: int, sig: int) -> None:
+    """Signal a PostgreSQL server and every process of it (each backend is a session of its own)."""
+    children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == pid]
+    for each in (pid, *children):
+        os.kill(each, sig)
+
+
+def _parent(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class TestPostgresqlDown:
+    def test_stopped_it_costs_the_cold_threads_alone_with_the_reason(self, tiers, tmp_path):
+        from stacks import REPO, start_postgres
+
+        folder = REPO / ".stack" / f"postgres-fault-{os.getpid()}-{time.monotonic_ns()}"
+        server, url = start_postgres(folder)
+
+        async def go(make):
+            store, pg = make(timeout=1.0)
+            p = Processor(store, secret=SECRET)
+            first = [
+                Record("chat-requests", 0, i, T0, t.encode(), json.dumps({"threadId": t, "resourceId": "r1", "messages": [msg(f"{t}-u0")]}).encode())
+                for i, t in enumerate(("cold", "warm"))
+            ]
+            await p.process(first)
+            await sink(store, pg, ["cold"])
+            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            signal_postgres(server.pid, signal.SIGSTOP)  # PostgreSQL hangs: every connection waits
+            try:
+                started = time.monotonic()
+                outs = await p.process(
+                    [
+                        Record(
+                            "chat-requests",
+                            0,
+                            2 + i,
+                            T0 + 1,
+                            t.encode(),
+                            json.dumps({"threadId": t, "resourceId": "r1", "messages": [msg(f"{t}-u0"), msg(f"{t}-u1")]}).encode(),
+                        )
+                        for i, t in enumerate(("cold", "warm"))
+                    ]
+                )
+                took = time.monotonic() - started
+            finally:
+                signal_postgres(server.pid, signal.SIGCONT)
+            later = await p.process(
+                [
+                    Record(
+                        "chat-requests",
+                        0,
+                        4,
+                        T0 + 2,
+                        b"cold",
+                        json.dumps({"threadId": "cold", "resourceId": "r1", "messages": [msg("cold-u0"), msg("cold-u1")]}).encode(),
+                    )
+                ]
+            )
+            return outs, took, later
+
+        try:
+            outs, took, later = tiers(go, pg_url=url)
+        finally:
+            server.send_signal(signal.SIGINT)
+            server.wait(30)
+        by_thread = {o.key: o for o in outs if o.topic != Topics().persist}
+        dead = by_thread[b"cold"]
+        assert dead.topic == Topics().dlq and dict(dead.headers)["error.type"] == b"unavailable"
+        assert b"did not answer within 1 s" in dict(dead.headers)["error.message"]
+        assert by_thread[b"warm"].topic == Topics().filtered
+        assert took < 5  # one bounded wait, not one per request or a hang
+        (decided,) = [o for o in later if o.topic == Topics().filtered]  # PostgreSQL back: the request published again is decided
+        assert [m["id"] for m in json.loads(decided.value)["context"]] == ["cold-u0", "cold-u1"]
