@@ -75,6 +75,7 @@ class Pipeline:
     secret: bytes = field(default_factory=lambda: uuid.uuid4().hex.encode())  # the pipeline's MEMFILTER_SECRET
     settings: dict[str, str] = field(default_factory=dict)  # further settings of its workers (the stack's)
     containers: ContainerStack | None = None  # on the container backend: workers are containers on it
+    postgres_url: str = ""  # the history's PostgreSQL tier (POSTGRES_URL), for the tests that use it
 
     @property
     def topics(self) -> Topics:
@@ -103,6 +104,7 @@ class Pipeline:
             "MEMFILTER_TOPIC_STOPS": t.stops,
             "MEMFILTER_DATA_DIR": f"/tmp/memfilter-test-{self.name}",
             "MEMFILTER_SECRET": self.secret.decode(),
+            **({"POSTGRES_URL": self.postgres_url} if self.postgres_url else {}),
             **self.settings,
             **extra,
         }
@@ -143,6 +145,15 @@ class Pipeline:
         log = WORKER_LOGS / f"memfilter-test-{self.name}-agent{len(self.workers)}.log"
         # From the beginning: a test's inputs may be on the topic before the runner has its partitions.
         return self._start("agent", log, {"MEMFILTER_AGENT_GROUP": f"agent-{self.name}", "MEMFILTER_AGENT_START": "earliest", **extra_env})
+
+    def start_sink(self, **extra_env: str) -> subprocess.Popen:
+        """`memfilter sink` on the pipeline's topics, store and PostgreSQL; stopped with the workers."""
+        log = WORKER_LOGS / f"memfilter-test-{self.name}-sink{len(self.workers)}.log"
+        env = self.env(MEMFILTER_SINK_GROUP=f"sink-{self.name}", **extra_env)
+        process = subprocess.Popen([sys.executable, "-m", "memfilter", "sink"], env=env, cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+        process.log_path = log
+        self.workers.append(process)
+        return process
 
     def _start(self, command: str, log_path: Path, extra_env: dict[str, str]) -> subprocess.Popen:
         loglevel = os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")

@@ -37,7 +37,7 @@ class Services:
         """A `Pipeline` on these services (see `pipeline`)."""
         from pipeline import Pipeline
 
-        return Pipeline(self.bootstrap, self.redis_url, settings=self.settings, containers=self.containers)
+        return Pipeline(self.bootstrap, self.redis_url, settings=self.settings, containers=self.containers, postgres_url=self.postgres_url)
 
 
 def stack_env(**overrides: str) -> dict[str, str]:
@@ -88,15 +88,15 @@ def stop_if_workers_started(env: dict[str, str]) -> None:
         mark.unlink(missing_ok=True)
 
 
-def start_postgres(folder: Path) -> tuple[subprocess.Popen, str]:
-    """A PostgreSQL of a test's own (Debian's, as `memfilter stack up` starts it) on a free
-    port, its data in `folder` (under the checkout: the `postgres` user must reach it when the
+def start_postgres(folder: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A PostgreSQL of a test's own (Debian's, as `memfilter stack up` starts it) on `port` (a
+    free one unless given: a restart on the same data gives the same), its data in `folder` (under the checkout: the `postgres` user must reach it when the
     tests run as root), once it answers; and its URL."""
     from pipeline import free_port
 
     from memfilter.stack import POSTGRES_USER, postgres_answers, postgres_bin, start_postgres
 
-    port = free_port()
+    port = port or free_port()
     server = start_postgres(folder, port, postgres_bin())
     deadline = time.monotonic() + 60
     while not postgres_answers(port):

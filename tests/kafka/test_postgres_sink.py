@@ -1,0 +1,125 @@
+"""The PostgreSQL tier end to end: a worker, the agent runner and `memfilter sink` on a real
+Kafka, Redis and PostgreSQL. PostgreSQL holds every thread as the log leaves it, idle threads
+leave Redis and come back on their next request, and a PostgreSQL killed under load costs
+nothing but waiting: the threads in Redis go on, and the sink catches up once it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import uuid
+
+import asyncpg
+from factories import T0, msg
+from pipeline import Pipeline, publish, read
+from stacks import REPO, start_postgres
+
+THREADS = 12
+
+
+def request(thread: str, messages: list[dict], n: int) -> tuple:
+    value = {"threadId": thread, "resourceId": "r1", "requestId": f"{thread}-q{n}", "messages": messages}
+    return thread.encode(), json.dumps(value).encode(), T0 + n
+
+
+async def held(pipeline: Pipeline) -> dict[str, list[str]]:
+    """Each thread's conversation as PostgreSQL holds it: message ids in order."""
+    conn = await asyncpg.connect(pipeline.postgres_url)
+    try:
+        rows = await conn.fetch(f'SELECT thread_id, id FROM "{pipeline.prefix}".mastra_messages WHERE position IS NOT NULL ORDER BY thread_id, position')
+    except asyncpg.UndefinedTableError:
+        return {}
+    finally:
+        await conn.close()
+    out: dict[str, list[str]] = {}
+    for r in rows:
+        out.setdefault(r["thread_id"], []).append(r["id"])
+    return out
+
+
+async def until(check, timeout: float = 90):
+    deadline = time.monotonic() + timeout
+    while not (result := await check()):
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.3)
+    return result
+
+
+async def cold_threads(pipeline: Pipeline, threads: list[str]) -> int:
+    _, store = pipeline.store()
+    try:
+        return sum([bool(await store.redis.hexists(store.keys(t)[2], "cold")) for t in threads])
+    finally:
+        await store.redis.aclose()
+
+
+def test_postgresql_holds_every_thread_and_idle_threads_leave_redis_and_come_back(pipeline):
+    threads = [f"t{i}-{uuid.uuid4().hex[:6]}" for i in range(THREADS)]
+    pipeline.start_worker()
+    pipeline.start_agent()
+    pipeline.start_sink(MEMFILTER_IDLE_S="2")
+    t = pipeline.topics
+
+    async def go():
+        await publish(pipeline.bootstrap, t.requests, [request(th, [msg(f"{th}-u0")], 0) for th in threads])
+        first = await until(lambda: _all_held(pipeline, threads, 2))  # each question and the echo agent's answer
+        await until(lambda: _equal(cold_threads(pipeline, threads), THREADS))
+        answers = {th: ids[1] for th, ids in first.items()}
+        second = [request(th, [msg(f"{th}-u0"), msg(answers[th], "assistant", "echo"), msg(f"{th}-u1")], 1) for th in threads]
+        await publish(pipeline.bootstrap, t.requests, second)
+        records = await read(pipeline.bootstrap, [t.filtered, t.dlq], until=lambda recs: len(recs) >= 2 * THREADS)
+        return records, await until(lambda: _all_held(pipeline, threads, 4))
+
+    records, final = asyncio.run(go())
+    assert [r.topic for r in records] == [t.filtered] * 2 * THREADS
+    contexts = {json.loads(r.value)["requestId"]: [m["id"] for m in json.loads(r.value)["context"]] for r in records}
+    for th in threads:  # decided on the thread loaded back: the stored answer is in the context
+        assert contexts[f"{th}-q1"] == final[th][:3]
+        assert final[th][0] == f"{th}-u0" and final[th][2] == f"{th}-u1"
+
+
+async def _all_held(pipeline: Pipeline, threads: list[str], n: int):
+    h = await held(pipeline)
+    return h if all(len(h.get(th, [])) == n for th in threads) else None
+
+
+async def _equal(value, want) -> bool:
+    return (await value) == want
+
+
+def test_postgresql_killed_under_load_stops_no_thread_in_redis_and_loses_nothing(services):
+    folder = REPO / ".stack" / f"postgres-kill-{uuid.uuid4().hex[:8]}"
+    server, url = start_postgres(folder)
+    pipeline = Pipeline(services.bootstrap, services.redis_url, settings=services.settings, postgres_url=url)
+    threads = [f"k{i}-{uuid.uuid4().hex[:6]}" for i in range(THREADS)]
+    t = pipeline.topics
+    try:
+        asyncio.run(pipeline.create_topics())
+        pipeline.start_worker(MEMFILTER_POSTGRES_TIMEOUT="1")
+        pipeline.start_sink(MEMFILTER_POSTGRES_TIMEOUT="1")
+
+        async def go():
+            await publish(pipeline.bootstrap, t.requests, [request(th, [msg(f"{th}-u0")], 0) for th in threads])
+            await until(lambda: _all_held(pipeline, threads, 1))
+            server.send_signal(signal.SIGKILL)
+            server.wait(10)
+            # PostgreSQL gone: every thread is in Redis, so every request is decided
+            await publish(pipeline.bootstrap, t.requests, [request(th, [msg(f"{th}-u0"), msg(f"{th}-u1")], 1) for th in threads])
+            records = await read(pipeline.bootstrap, [t.filtered, t.dlq], until=lambda recs: len(recs) >= 2 * THREADS)
+            return records
+
+        records = asyncio.run(go())
+        assert [r.topic for r in records] == [t.filtered] * 2 * THREADS
+        server = start_postgres(folder, int(url.rsplit(":", 1)[1].split("/")[0]))[0]  # back on its data, on its port
+
+        # the sink wrote nothing while PostgreSQL was gone, and catches up now
+        final = asyncio.run(until(lambda: _all_held(pipeline, threads, 2)))
+        assert all(final[th] == [f"{th}-u0", f"{th}-u1"] for th in threads)
+    finally:
+        pipeline.stop_all()
+        asyncio.run(pipeline.delete_topics())
+        server.send_signal(signal.SIGINT)
+        server.wait(30)
