@@ -54,17 +54,23 @@ from memfilter.runtime.processor import ELSEWHERE_HEADER, VERSION_HEADER, Proces
 from memfilter.runtime.records import Record
 from memfilter.schemas.wire import FilteredInput
 from memfilter.settings import Topics
+from memfilter.store import cold
 from memfilter.store.history import HistoryStore
 
 
 async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: bytes, progress: Progress | None = None) -> tuple[int, int, int]:
     """Replace what is under `store`'s prefix with every `persist-messages` event applied as it
-    was live; (events applied, events refused, events left out as erased: `apply_log`). Stop the workers using that prefix first.
+    was live; (events applied, events refused, events left out as erased: `apply_log`); with a
+    PostgreSQL tier, write every thread to it too (`memfilter.store.cold.fill`: over older
+    versions only, so PostgreSQL and Redis agree). Stop the workers using that prefix first.
     `secret` is the deployment's MEMFILTER_SECRET, which tells the processor's events."""
     with Recorded.temporary(topics, secret) as recorded:
         await recorded.load(bootstrap, [topics.persist, topics.dlq], progress)
         await store.drop()
-        return await apply_log(recorded, store, progress)
+        counts = await apply_log(recorded, store, progress)
+    if store.warmer is not None:  # with a PostgreSQL tier, it holds every thread as Redis now does
+        await cold.fill(store, store.warmer.pg)
+    return counts
 
 
 async def apply_log(recorded: Recorded, store: HistoryStore, progress: Progress | None = None) -> tuple[int, int, int]:

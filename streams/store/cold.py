@@ -4,7 +4,7 @@ Redis holds the threads in use, PostgreSQL (`memfilter.store.postgres`) all of t
 module moves a thread across, and promises that nothing is decided differently for it:
 
 - `whole` reads threads from Redis as they stand, for the sink (`memfilter.runtime.sink`) and
-  a rebuild to write to PostgreSQL.
+  a rebuild (`fill`) to write to PostgreSQL.
 - `evict` takes threads idle in Redis out of it (EVICT), each only if PostgreSQL holds its
   latest version: never the only copy. What stays is the thread's meta (owner, version,
   erasure, a `cold` mark) and its ids in the message-id index, a few dozen bytes a thread and
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 async def whole(store: HistoryStore, threads: list[str], written_ms: dict[str, int]) -> list[Thread]:
     """These threads as Redis holds them now, whole (one round trip); a thread that is cold
     (PostgreSQL holds its latest already) or unknown is left out. `written_ms`: when each was
-    last written, as the caller knows it."""
+    last written, as the caller knows it (else its newest message's time)."""
     commands = []
     for thread in threads:
         rows, order, meta, saved, _, superseded, _ = store.keys(thread)
@@ -64,10 +64,19 @@ async def whole(store: HistoryStore, threads: list[str], written_ms: dict[str, i
                 {mid.decode(): row for mid, row in rows.items()},
                 {mid.decode(): by.decode() for mid, by in superseded.items()},
                 saved or b"",
-                written_ms.get(thread, 0),
+                written_ms.get(thread) or int(newest or 0),
             )
         )
     return out
+
+
+async def fill(store: HistoryStore, pg: PostgresHistory) -> int:
+    """Write every thread of the store's prefix to PostgreSQL (a rebuild's last step); how many
+    were written (a thread PostgreSQL holds at its version already is not)."""
+    written = 0
+    async for threads in store.thread_batches(200):
+        written += await pg.write(await whole(store, threads, {}))
+    return written
 
 
 async def evict(store: HistoryStore, pg: PostgresHistory, idle_before_ms: int, limit: int = 500) -> int:

@@ -651,10 +651,15 @@ class HistoryStore(Keys):
         """The threads `resource` owns: a scan of every thread's meta key (an operator's
         command: as long as Redis takes to walk its keys)."""
         found: list[str] = []
-        async for keys in _batches(self.redis.scan_iter(match=f"{_glob_escape(self.prefix)}:t:*:meta", count=1000), 1000):
-            owners = await self._pipeline([("HGET", key, "owner") for key in keys])
-            found += [self.thread_of_meta(key.decode()) for key, owner in zip(keys, owners) if owner is not None and owner.decode() == resource]
+        async for threads in self.thread_batches():
+            owners = await self._pipeline([("HGET", self.keys(t)[2], "owner") for t in threads])
+            found += [t for t, owner in zip(threads, owners) if owner is not None and owner.decode() == resource]
         return sorted(found)
+
+    async def thread_batches(self, size: int = 1000):
+        """Every thread under this store's prefix (cold ones too), `size` at a time: a scan of their meta keys."""
+        async for keys in _batches(self.redis.scan_iter(match=f"{_glob_escape(self.prefix)}:t:*:meta", count=1000), size):
+            yield [self.thread_of_meta(key.decode()) for key in keys]
 
     async def thread_rows(self, thread: str) -> list[bytes]:
         """A thread's conversation: its rows in save order, without the superseded ones."""

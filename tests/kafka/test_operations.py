@@ -22,6 +22,9 @@ from pipeline import REPO, Collector, Pipeline, dump, end_offsets, free_port, he
 from stacks import memfilter
 from test_worker_streams import stream
 
+from memfilter.store.history import HistoryStore
+from memfilter.store.redis_driver import connect
+
 pytestmark = pytest.mark.xdist_group("operations")  # the module's workers and records are shared (`--dist loadgroup`)
 
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
@@ -88,7 +91,7 @@ def processed(services):
     of chat-requests after the normal part, before the tampered thread). The sample's last
     request is published twice: the second is a `duplicate`, and a replay must agree."""
     # A Redis database of the module's own: its replays' keys (`replay-*`) are the only ones there.
-    pipeline = Pipeline(services.bootstrap, services.redis_url.rsplit("/", 1)[0] + "/7")
+    pipeline = Pipeline(services.bootstrap, services.redis_url.rsplit("/", 1)[0] + "/7", postgres_url=services.postgres_url)
     t = pipeline.topics
 
     async def run():
@@ -176,6 +179,8 @@ class TestHistory:
         live, rebuilt = asyncio.run(dump(pipeline, pipeline.prefix)), asyncio.run(dump(pipeline, pipeline.prefix, empty))
         assert len(live) > 130  # rows, order and meta of 44 threads, and the id index
         assert rebuilt == live  # the tampered row too: the processor saved it, altered, with its result
+        # with the stack's PostgreSQL (POSTGRES_URL), the rebuild filled it too, and the two agree
+        assert asyncio.run(postgres_conversations(pipeline)) == asyncio.run(redis_conversations(pipeline, empty))
 
         again = pipeline.memfilter("history", "rebuild", "--redis-url", empty)
         assert again.returncode == 0 and asyncio.run(dump(pipeline, pipeline.prefix, empty)) == rebuilt  # idempotent
@@ -188,6 +193,32 @@ class TestHistory:
         assert [line.split()[1] for line in readable] == ["ops3-u0", "ops3-u1", "ops3-u2"]
         missing = pipeline.memfilter("history", "show", "no-such-thread")
         assert missing.returncode == 1 and "no-such-thread has no stored messages" in missing.stderr
+
+
+async def postgres_conversations(pipeline) -> dict[str, list[str]]:
+    """Each thread's conversation as PostgreSQL holds it (message ids in order)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(pipeline.postgres_url)
+    try:
+        threads = await conn.fetch(f'SELECT id FROM "{pipeline.prefix}".mastra_threads')
+        rows = await conn.fetch(f'SELECT thread_id, id FROM "{pipeline.prefix}".mastra_messages WHERE position IS NOT NULL ORDER BY position')
+    finally:
+        await conn.close()
+    out: dict[str, list[str]] = {t["id"]: [] for t in threads}
+    for r in rows:
+        out[r["thread_id"]].append(r["id"])
+    return out
+
+
+async def redis_conversations(pipeline, url: str) -> dict[str, list[str]]:
+    """Each thread's conversation as the Redis at `url` holds it."""
+    client = connect(url)
+    store = HistoryStore(client, pipeline.prefix)
+    try:
+        return {t: [json.loads(r)["id"] for r in await store.thread_rows(t)] async for batch in store.thread_batches() for t in batch}
+    finally:
+        await client.aclose()
 
 
 def scrape(port: int, path: str) -> tuple[int, str]:
