@@ -5,6 +5,7 @@
 #   memfilter/kafka   Debian's JRE + the Kafka jars the stack uses (streams/kafka-pom.xml),
 #                     configured from KAFKA_* variables as apache/kafka's image is;
 #   memfilter/redis   Debian's redis-server;
+#   memfilter/postgres Debian's postgresql (the history's PostgreSQL tier);
 #   memfilter/worker  the project's Dockerfile (`memfilter worker`, and `memfilter agent`).
 # Where a registry is reachable, the same files build on the official bases instead:
 #   MEMFILTER_IMAGE_BASE=debian:bookworm-slim MEMFILTER_IMAGE_PYTHON=python:3.11-slim deploy/images.sh
@@ -25,7 +26,7 @@ build() {  # build TAG ARGS...: one image, quietly but for errors (not the class
 }
 
 if [ "${1:-}" = "--from-nothing" ]; then
-  docker image rm -f memfilter/worker memfilter/kafka memfilter/redis memfilter/python:3.11 memfilter/debian:bookworm > /dev/null 2>&1 || true
+  docker image rm -f memfilter/worker memfilter/kafka memfilter/redis memfilter/postgres memfilter/python:3.11 memfilter/debian:bookworm > /dev/null 2>&1 || true
   rm -rf "$cache"
 fi
 mkdir -p "$cache"
@@ -57,10 +58,10 @@ if ! cmp -s streams/kafka-pom.xml "$cache/kafka/kafka-pom.xml"; then
   cp streams/kafka-pom.xml "$cache/kafka/"
 fi
 cp deploy/images/kafka-start.sh "$cache/kafka/"
-for name in kafka redis; do
+for name in kafka redis postgres; do
   context=deploy/images
   [ $name = kafka ] && context="$cache/kafka"
   build memfilter/$name --build-arg BASE="$base" -f deploy/images/$name.Dockerfile "$context"
 done
 build memfilter/worker --build-arg PYTHON="$python" .
-echo "images: memfilter/kafka, memfilter/redis, memfilter/worker built in $(( $(date +%s) - start )) s"
+echo "images: memfilter/kafka, memfilter/redis, memfilter/postgres, memfilter/worker built in $(( $(date +%s) - start )) s"

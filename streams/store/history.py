@@ -641,7 +641,7 @@ class HistoryStore(Keys):
         return int(value) if status == b"ok" else (status.decode(), value.decode())
 
     async def meta(self, thread: str) -> Meta:
-        """A thread's meta and how many rows it holds: one round trip."""
+        """A thread's meta and how many rows it holds (loaded back first if it left Redis: `warm_if_cold`)."""
         await self.warm_if_cold([thread])
         rows, _, meta, *_ = self.keys(thread)
         (owner, version, erased, erasures), size = await self._pipeline([("HMGET", meta, "owner", "version", "erased", "erasures"), ("HLEN", rows)])

@@ -136,6 +136,19 @@ class TestDecisionsOnThreadsThatLeftRedis:
         assert rows_left == rows_stayed and len(rows_left) == 12
         assert loads == 12  # every request but the first, every reply and the last read found the thread cold
 
+    def test_a_clients_retry_after_its_thread_left_is_the_same_duplicate_as_before(self, tiers):
+        async def go(make):
+            store, pg = make()
+            p = Processor(store, secret=SECRET)
+            value = json.dumps({"threadId": "t1", "resourceId": "r1", "requestId": "q0", "messages": [msg("u0")]}).encode()
+            await p.process([Record("chat-requests", 0, 0, T0, b"t1", value)])
+            await sink(store, pg, ["t1"])
+            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            return await p.process([Record("chat-requests", 0, 1, T0 + 1000, b"t1", value)])  # published again, within the retry window
+
+        (dead,) = tiers(go)
+        assert dead.topic == Topics().dlq and dict(dead.headers)["error.type"] == b"duplicate"
+
     def test_a_save_on_a_cold_thread_is_applied_once_and_its_repeat_changes_nothing(self, tiers):
         async def go(make):
             store, pg = make()

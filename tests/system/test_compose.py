@@ -1,7 +1,7 @@
 """docker-compose.yml run for real, with `docker compose` (v2) and Debian's `docker-compose`
-1.29, on the images `deploy/images.sh` builds: the whole product comes up (Kafka, Redis, the
-topics, two workers, the agent runner), answers the sample session, and goes away with its
-network. And the networks containers run on, compose's and the container test backend's,
+1.29, on the images `deploy/images.sh` builds: the whole product comes up (Kafka, Redis,
+PostgreSQL, the topics, two workers, the sink, the agent runner), answers the sample session,
+holds it in PostgreSQL, and goes away with its network. And the networks containers run on, compose's and the container test backend's,
 reach nothing beyond the machine and publish ports on loopback only.
 """
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.xdist_group("compose")  # one Compose project at a time
 
 TOOLS = {"compose-v2": ["docker", "compose"], "docker-compose-1.29": ["docker-compose"]}
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
-SERVICES = {"kafka", "redis", "topics", "worker-1", "worker-2", "agent"}
+SERVICES = {"kafka", "redis", "postgres", "topics", "worker-1", "worker-2", "sink", "agent"}
 
 # Run inside a container: which of the given (host, port) it can open a connection to.
 REACH = """
@@ -85,12 +85,13 @@ def test_the_container_backends_network_reaches_no_further_than_its_containers_a
 @pytest.mark.parametrize("tool", TOOLS)
 def test_compose_brings_up_the_product_it_answers_the_sample_session_and_goes_away(tool):
     project = f"memfilter-test-{uuid.uuid4().hex[:8]}"
-    kafka_port, redis_port = free_port(), free_port()
+    kafka_port, redis_port, postgres_port = free_port(), free_port(), free_port()
     env = {
         **os.environ,
         "MEMFILTER_SECRET": secrets.token_hex(32),
         "MEMFILTER_KAFKA_PORT": str(kafka_port),
         "MEMFILTER_REDIS_PORT": str(redis_port),
+        "MEMFILTER_POSTGRES_PORT": str(postgres_port),
     }
 
     def compose(*args: str) -> subprocess.CompletedProcess:
@@ -133,15 +134,33 @@ def test_compose_brings_up_the_product_it_answers_the_sample_session_and_goes_aw
         assert filtered == requests  # one partition (the thread's), in the order sent
         assert replies(records) == [f"{r}/reply" for r in requests]  # the agent runner answered each, through persist-messages
 
+        # the sink wrote the session's thread to PostgreSQL: every row Redis holds of it
+        thread = json.loads(SAMPLE.read_text().splitlines()[0])["threadId"]
+        sql = f"SELECT count(*) FROM mf.mastra_messages WHERE thread_id = '{thread}'"
+        while (held := psql(running["postgres"], sql)) != (stored := hlen(running["redis"], f"mf:t:{{{thread}}}:rows")) or int(stored) <= len(requests):
+            assert time.monotonic() < deadline + 60, f"PostgreSQL holds {held} messages of {thread}, Redis {stored}"
+            time.sleep(1)
+
         far = beyond_the_machine()
         assert reaches(running["worker-1"], [("kafka", 19092), ("redis", 6379), far]) == {"kafka": True, "redis": True, far[0]: False}
-        for service in ("kafka", "redis", "worker-1", "agent"):
+        for service in ("kafka", "redis", "postgres", "worker-1", "agent"):
             assert {b["HostIp"] for bindings in running[service].ports.values() if bindings for b in bindings} == {"127.0.0.1"}
     finally:
         down = compose("down", "-v")
     assert down.returncode == 0, down.stderr
     assert not containers()
     assert not client.networks.list(filters={"label": f"com.docker.compose.project={project}"})
+
+
+def psql(container, sql: str) -> str:
+    """One value from PostgreSQL, asked with psql in its container."""
+    code, out = container.exec_run(["psql", "-U", "memfilter", "-d", "postgres", "-h", "127.0.0.1", "-tAc", sql])
+    return out.decode().strip() if code == 0 else f"an error: {out.decode().strip()}"
+
+
+def hlen(container, key: str) -> str:
+    code, out = container.exec_run(["redis-cli", "HLEN", key])
+    return out.decode().strip() if code == 0 else f"an error: {out.decode().strip()}"
 
 
 def replies(records) -> list[str]:
@@ -160,4 +179,5 @@ def all_ready(found: dict) -> bool:
     """Every service healthy, and the topics made (their container exited 0)."""
     if found.keys() != SERVICES:
         return False
-    return all(state(c) == ("exited 0" if name == "topics" else "healthy") for name, c in found.items())
+    wanted = {"topics": "exited 0", "sink": "running"}  # the sink has no web server to ask
+    return all(state(c) == wanted.get(name, "healthy") for name, c in found.items())
