@@ -5,7 +5,7 @@ Kafka in KRaft mode (broker and controller in one JVM), from the `org.apache.kaf
 jars that Maven collects from Maven Central (`streams/kafka-pom.xml`, shipped in the package), Debian's
 `redis-server`, and Debian's PostgreSQL (the history's PostgreSQL tier: docs/postgres.md; run
 as the `postgres` user when the stack is started as root, since PostgreSQL refuses to run as
-root; trust authentication, loopback only). All listen on loopback ports; their jars, data, logs and pids live under one
+root, its data then under /var/lib/postgresql/memfilter/; trust authentication, loopback only). All listen on loopback ports; their jars, data, logs and pids live under one
 stack folder (default `.stack/` in the checkout, git-ignored; for an installed package
 `~/.local/state/memfilter/stack`).
 
@@ -27,6 +27,7 @@ service, what runs (and exits 3 unless all of it does).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -199,7 +200,7 @@ def recorded(s: Settings) -> Running | None:
 def _marker(name: str, s: Settings) -> str:
     """What the command line of the stack's process `name` holds."""
     if name == "postgres":
-        return str(_home(s, name) / "data")
+        return str(_postgres_home(s) / "data")
     return str(s.dir) if name.startswith("kafka") else "redis-server"
 
 
@@ -405,8 +406,17 @@ def _start_redis(s: Settings, name: str, server: str) -> subprocess.Popen:
     return _spawn([server, str(conf)], home / "stdout.log")
 
 
-def _start_postgres(s: Settings, name: str, bin_dir: Path) -> subprocess.Popen:
-    return start_postgres(_home(s, name), s.postgres_port, bin_dir)
+def _postgres_home(s: Settings) -> Path:
+    """Where the stack's PostgreSQL keeps its data and log: in the stack folder; started as
+    root, under Debian's home of PostgreSQL's clusters, one folder per stack folder (PostgreSQL
+    runs as `postgres`, which may not reach a root's folder: /root is 0700)."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/postgresql/memfilter") / hashlib.sha256(str(s.dir).encode()).hexdigest()[:16]
+    return _home(s, "postgres")
+
+
+def _start_postgres(s: Settings, bin_dir: Path) -> subprocess.Popen:
+    return start_postgres(_postgres_home(s), s.postgres_port, bin_dir)
 
 
 def start_postgres(home: Path, port: int, bin_dir: Path) -> subprocess.Popen:
@@ -617,7 +627,7 @@ def _wait(s: Settings, started: dict[str, subprocess.Popen], timeout: float) -> 
     deadline = time.monotonic() + timeout
     for name, process in started.items():
         port = _ports(s, name)[0][1]
-        log = _home(s, name) / {"r": "redis.log", "k": "kafka.log", "p": "postgres.log"}[name[0]]
+        log = _postgres_home(s) / "postgres.log" if name == "postgres" else _home(s, name) / ("redis.log" if name.startswith("redis") else "kafka.log")
         answers = {"r": _redis_answers, "k": _port_open, "p": postgres_answers}[name[0]]
         while not answers(port):
             if process.poll() is not None:
@@ -630,11 +640,11 @@ def _wait(s: Settings, started: dict[str, subprocess.Popen], timeout: float) -> 
     asyncio.run(_create_topics(s, deadline))
 
 
-def _stop(pid: int, marker: str, grace: float) -> None:
+def _stop(name: str, pid: int, marker: str, grace: float) -> None:
     if not _alive(pid, marker):
         return
     # PostgreSQL's SIGTERM waits for its clients to leave; SIGINT is its fast shutdown.
-    os.kill(pid, signal.SIGINT if marker.endswith("postgres/data") else signal.SIGTERM)
+    os.kill(pid, signal.SIGINT if name == "postgres" else signal.SIGTERM)
     deadline = time.monotonic() + grace
     while _alive(pid, marker) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -688,13 +698,13 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
                 started[name] = _start_redis(s, name, server)
             elif name == "postgres":
                 assert pg_bin is not None
-                started[name] = _start_postgres(s, name, pg_bin)
+                started[name] = _start_postgres(s, pg_bin)
             else:
                 started[name] = _start_kafka(s, name, java, libs, cluster_id)
         _wait(s, started, timeout)
     except BaseException:
         for name, process in reversed(started.items()):
-            _stop(process.pid, _marker(name, s), grace=5)
+            _stop(name, process.pid, _marker(name, s), grace=5)
         raise
     running = {**(before.pids if before is not None else {}), **{name: process.pid for name, process in started.items()}}
     pids = {name: running[name] for name in s.names()}
@@ -714,7 +724,7 @@ def down(s: Settings) -> bool:
         return False
     s = r.settings(s)
     for name, pid in r.pids.items():
-        _stop(pid, _marker(name, s), grace=30 if name.startswith("kafka") else 10)
+        _stop(name, pid, _marker(name, s), grace=30 if name.startswith("kafka") else 10)
     _state_file(s).unlink(missing_ok=True)
     return True
 

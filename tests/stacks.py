@@ -106,6 +106,21 @@ def start_postgres(folder: Path, port: int | None = None) -> tuple[subprocess.Po
     return server, f"postgresql://{POSTGRES_USER}@127.0.0.1:{port}/postgres"
 
 
+def signal_postgres(pid: int, sig: int) -> None:
+    """Signal a PostgreSQL server and every process of it (each backend is a session of its
+    own: SIGSTOP of the server alone leaves open connections answering)."""
+    children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == pid]
+    for each in (pid, *children):
+        os.kill(each, sig)
+
+
+def _parent(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def start_redis(conf: Path, url: str) -> subprocess.Popen:
     """A redis-server of a test's own on `conf` (`pipeline.redis_config`), once it answers at `url`."""
     from memfilter.stack import redis_server

@@ -344,7 +344,7 @@ class HistoryStore(Keys):
     async def warm_if_cold(self, threads: list[str]) -> None:
         """Load these threads back if any left Redis (one round trip when none did); raise
         Unavailable naming the reason if one cannot be (for the commands that read one thread)."""
-        flags = await self._pipeline([("HEXISTS", self.keys(t)[2], "cold") for t in threads])
+        flags = [await self.redis.hexists(self.keys(t)[2], "cold") for t in threads]  # as these commands read: outside the batch's round trips
         if cold := [t for t, flag in zip(threads, flags) if flag]:
             failed = await self.warm(cold)
             if failed:

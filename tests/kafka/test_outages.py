@@ -56,7 +56,12 @@ def answered(pipeline: Pipeline, thread: str, request_id: str) -> list[str]:
 
 
 def test_a_worker_started_before_kafka_waits_saying_so_and_works_once_kafka_answers(services, tmp_path):
-    ports = {"MEMFILTER_KAFKA_PORT": str(free_port()), "MEMFILTER_CONTROLLER_PORT": str(free_port()), "MEMFILTER_REDIS_PORT": str(free_port())}
+    ports = {
+        "MEMFILTER_KAFKA_PORT": str(free_port()),
+        "MEMFILTER_CONTROLLER_PORT": str(free_port()),
+        "MEMFILTER_REDIS_PORT": str(free_port()),
+        "MEMFILTER_POSTGRES_PORT": str(free_port()),
+    }
     pipeline = Pipeline(f"127.0.0.1:{ports['MEMFILTER_KAFKA_PORT']}", services.redis_url)
     env = stack_env(MEMFILTER_STACK_DIR=str(tmp_path / "stack"), MEMFILTER_PARTITIONS="2", **ports, **pipeline.settings_env())
     try:
@@ -138,7 +143,12 @@ def test_a_worker_and_an_agent_wait_out_a_kafka_outage_with_a_batch_in_flight_an
     `memfilter.runtime.loop`). Then the broker hangs (SIGSTOP) for a while. Meanwhile the worker
     and the agent runner say they wait for Kafka (log and `/readyz`); afterwards both are up and
     ready, and every request is answered once."""
-    ports = {"MEMFILTER_KAFKA_PORT": str(free_port()), "MEMFILTER_CONTROLLER_PORT": str(free_port()), "MEMFILTER_REDIS_PORT": str(free_port())}
+    ports = {
+        "MEMFILTER_KAFKA_PORT": str(free_port()),
+        "MEMFILTER_CONTROLLER_PORT": str(free_port()),
+        "MEMFILTER_REDIS_PORT": str(free_port()),
+        "MEMFILTER_POSTGRES_PORT": str(free_port()),
+    }
     bootstrap, redis_url = f"127.0.0.1:{ports['MEMFILTER_KAFKA_PORT']}", f"redis://127.0.0.1:{ports['MEMFILTER_REDIS_PORT']}/0"
     pipeline = Pipeline(bootstrap, redis_url)
     env = stack_env(MEMFILTER_STACK_DIR=str(tmp_path / "stack"), MEMFILTER_PARTITIONS="2", **ports, **pipeline.settings_env())

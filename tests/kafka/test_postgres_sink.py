@@ -1,7 +1,8 @@
 """The PostgreSQL tier end to end: a worker, the agent runner and `memfilter sink` on a real
 Kafka, Redis and PostgreSQL. PostgreSQL holds every thread as the log leaves it, idle threads
-leave Redis and come back on their next request, and a PostgreSQL killed under load costs
-nothing but waiting: the threads in Redis go on, and the sink catches up once it is back.
+leave Redis and come back on their next request, and a PostgreSQL stopped or killed under
+load costs the cold threads alone (refused with the reason, to publish again): the threads in
+Redis go on, and the sink catches up once it is back, nothing lost.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import uuid
 import asyncpg
 from factories import T0, msg
 from pipeline import Pipeline, publish, read
-from stacks import REPO, start_postgres
+from stacks import REPO, signal_postgres, start_postgres
+
+from memfilter.store.cold import evict
+from memfilter.store.postgres import PostgresHistory
 
 THREADS = 12
 
@@ -90,34 +94,61 @@ async def _equal(value, want) -> bool:
     return (await value) == want
 
 
-def test_postgresql_killed_under_load_stops_no_thread_in_redis_and_loses_nothing(services):
+def test_postgresql_stopped_or_killed_under_load_costs_the_cold_threads_alone_and_loses_nothing(services):
     folder = REPO / ".stack" / f"postgres-kill-{uuid.uuid4().hex[:8]}"
     server, url = start_postgres(folder)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
     pipeline = Pipeline(services.bootstrap, services.redis_url, settings=services.settings, postgres_url=url)
     threads = [f"k{i}-{uuid.uuid4().hex[:6]}" for i in range(THREADS)]
+    cold, warm = threads[: THREADS // 2], threads[THREADS // 2 :]
     t = pipeline.topics
     try:
         asyncio.run(pipeline.create_topics())
         pipeline.start_worker(MEMFILTER_POSTGRES_TIMEOUT="1")
         pipeline.start_sink(MEMFILTER_POSTGRES_TIMEOUT="1")
 
-        async def go():
+        async def evict_idle_half():
             await publish(pipeline.bootstrap, t.requests, [request(th, [msg(f"{th}-u0")], 0) for th in threads])
             await until(lambda: _all_held(pipeline, threads, 1))
-            server.send_signal(signal.SIGKILL)
-            server.wait(10)
-            # PostgreSQL gone: every thread is in Redis, so every request is decided
-            await publish(pipeline.bootstrap, t.requests, [request(th, [msg(f"{th}-u0"), msg(f"{th}-u1")], 1) for th in threads])
-            records = await read(pipeline.bootstrap, [t.filtered, t.dlq], until=lambda recs: len(recs) >= 2 * THREADS)
-            return records
+            cutoff = int(time.time() * 1000) + 1
+            await asyncio.sleep(0.5)
+            await publish(pipeline.bootstrap, t.requests, [request(th, [msg(f"{th}-u0"), msg(f"{th}-u1")], 1) for th in warm])
+            await until(lambda: _all_held(pipeline, warm, 2))
+            _, store = pipeline.store()
+            pg = PostgresHistory(url, pipeline.prefix)
+            try:
+                assert await evict(store, pg, cutoff) == len(cold)  # as the sink evicts idle threads
+            finally:
+                await pg.close()
+                await store.redis.aclose()
 
-        records = asyncio.run(go())
-        assert [r.topic for r in records] == [t.filtered] * 2 * THREADS
-        server = start_postgres(folder, int(url.rsplit(":", 1)[1].split("/")[0]))[0]  # back on its data, on its port
+        asyncio.run(evict_idle_half())
+        signal_postgres(server.pid, signal.SIGSTOP)  # PostgreSQL hangs: every connection waits
+        try:
+            turn = [request(th, [msg(f"{th}-u0"), msg(f"{th}-u1")], 2) for th in cold] + [
+                request(th, [msg(f"{th}-u0"), msg(f"{th}-u1"), msg(f"{th}-u2")], 2) for th in warm
+            ]
+            asyncio.run(publish(pipeline.bootstrap, t.requests, turn))
+            stopped = asyncio.run(read(pipeline.bootstrap, [t.filtered, t.dlq], until=lambda recs: len(recs) >= 2 * THREADS + len(warm)))
+        finally:
+            signal_postgres(server.pid, signal.SIGCONT)
+        outcome = {json.loads(r.value)["requestId"]: (r.topic, dict(r.headers).get("error.type")) for r in stopped}
+        assert all(outcome[f"{th}-q2"] == (t.filtered, None) for th in warm)  # threads in Redis: decided as ever
+        assert all(outcome[f"{th}-q2"] == (t.dlq, b"unavailable") for th in cold)  # cold ones: refused with the reason, to publish again
 
-        # the sink wrote nothing while PostgreSQL was gone, and catches up now
-        final = asyncio.run(until(lambda: _all_held(pipeline, threads, 2)))
-        assert all(final[th] == [f"{th}-u0", f"{th}-u1"] for th in threads)
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        asyncio.run(publish(pipeline.bootstrap, t.requests, [request(th, [msg(f"{th}-u{n}") for n in range(4)], 3) for th in warm]))
+        killed = asyncio.run(read(pipeline.bootstrap, [t.filtered], until=lambda recs: len(recs) >= THREADS + 3 * len(warm)))
+        assert {json.loads(r.value)["requestId"] for r in killed} >= {f"{th}-q3" for th in warm}  # decided with PostgreSQL gone
+
+        server = start_postgres(folder, port)[0]  # back on its data: the sink catches up, the cold threads load again
+        # the cold threads' refused requests, published again as the dead letters say: decided now
+        asyncio.run(publish(pipeline.bootstrap, t.requests, [request(th, [msg(f"{th}-u0"), msg(f"{th}-u1")], 2) for th in cold]))
+        final = asyncio.run(until(lambda: _all_held(pipeline, warm, 4)))
+        final |= asyncio.run(until(lambda: _all_held(pipeline, cold, 2)))
+        assert all(final[th] == [f"{th}-u{n}" for n in range(4)] for th in warm)
+        assert all(final[th] == [f"{th}-u0", f"{th}-u1"] for th in cold)
     finally:
         pipeline.stop_all()
         asyncio.run(pipeline.delete_topics())

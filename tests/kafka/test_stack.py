@@ -211,7 +211,7 @@ class TestTheStackAnswers:
 def second_stack(tmp_path_factory):
     """A stack of its own folder and free ports, for what needs a stack besides the session's."""
     folder = tmp_path_factory.mktemp("second") / "stack"
-    ports = {k: str(free_port()) for k in ("MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT")}
+    ports = {k: str(free_port()) for k in ("MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT", "MEMFILTER_POSTGRES_PORT")}
     env = stack_env(MEMFILTER_STACK_DIR=str(folder), MEMFILTER_PARTITIONS="2", **ports)
     up = memfilter("stack", "up", env=env)
     assert up.returncode == 0, up.stderr
@@ -350,7 +350,7 @@ class TestFailuresAreOneLineAndLeaveNothingRunning:
             </settings>
         """)
         )
-        ports = {k: str(free_port()) for k in ("MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT")}
+        ports = {k: str(free_port()) for k in ("MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT", "MEMFILTER_POSTGRES_PORT")}
         env = stack_env(MEMFILTER_STACK_DIR=str(tmp_path / "stack"), MEMFILTER_MAVEN_SETTINGS=str(settings), **ports)
         line = one_line_failure(memfilter("stack", "up", env=env))
         assert "Maven could not fetch the Kafka jars" in line

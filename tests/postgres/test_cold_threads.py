@@ -13,7 +13,6 @@ import os
 import signal
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -279,23 +278,9 @@ class TestPostgresqlHoldsEachThreadAsOfItsVersion:
         assert json.loads(row["content"])["parts"] == [{"type": "text", "text": "hello"}]
 
 
-def signal_postgres(pid: int, sig: int) -> None:
-    """Signal a PostgreSQL server and every process of it (each backend is a session of its own)."""
-    children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == pid]
-    for each in (pid, *children):
-        os.kill(each, sig)
-
-
-def _parent(proc: Path) -> int | None:
-    try:
-        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 class TestPostgresqlDown:
     def test_stopped_it_costs_the_cold_threads_alone_with_the_reason(self, tiers, tmp_path):
-        from stacks import REPO, start_postgres
+        from stacks import REPO, signal_postgres, start_postgres
 
         folder = REPO / ".stack" / f"postgres-fault-{os.getpid()}-{time.monotonic_ns()}"
         server, url = start_postgres(folder)

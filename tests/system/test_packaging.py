@@ -89,7 +89,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def test_stack_up_from_the_wheel_keeps_its_stack_in_the_users_state_folder(installed, tmp_path):
-    ports = {k: str(free_port()) for k in ("MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT")}
+    ports = {k: str(free_port()) for k in ("MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT", "MEMFILTER_POSTGRES_PORT")}
     env = clean_env(XDG_STATE_HOME=str(tmp_path / "state"), MEMFILTER_PARTITIONS="2", **ports)
     folder = tmp_path / "state" / "memfilter" / "stack"
     up = run(installed, "stack", "up", env=env, cwd=tmp_path)
