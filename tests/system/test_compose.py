@@ -179,5 +179,5 @@ def all_ready(found: dict) -> bool:
     """Every service healthy, and the topics made (their container exited 0)."""
     if found.keys() != SERVICES:
         return False
-    wanted = {"topics": "exited 0", "sink": "running"}  # the sink has no web server to ask
+    wanted = {"topics": "exited 0", "sink": "running 0"}  # the sink has no web server to ask
     return all(state(c) == wanted.get(name, "healthy") for name, c in found.items())
