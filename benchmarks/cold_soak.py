@@ -11,8 +11,9 @@ REDIS_URL and POSTGRES_URL as it prints), one `memfilter worker` and one `memfil
    as its cut-off, as the sink runs it with MEMFILTER_IDLE_S); printed: Redis's `used_memory`
    grown since the run began and the run's keys' bytes (`MEMORY USAGE`), with every thread in
    Redis (today's layout) and after eviction, and their ratio;
-3. latency: requests to cold threads and to warm ones, interleaved at `--rate`, publish to
-   filtered input: p50 and p99 of each, and the cold loads the worker made.
+3. latency, publish to filtered input at `--rate`: p50 and p99 of warm threads alone, then of
+   cold threads' first requests interleaved with warm threads' (a batch waits for its cold
+   loads, so the warm ones beside them pay too), and the cold loads the worker made.
 
     .venv/bin/python -m benchmarks.cold_soak [--threads 20000] [--active 0.1] [--turns 5] [--sample 500] [--rate 100]
 """
@@ -81,6 +82,25 @@ async def until_held(url: str, schema: str, n: int, version: int, timeout: float
             raise SystemExit(f"PostgreSQL holds {await held_threads(url, schema, version)} of {n} threads after {timeout:.0f} s")
         await asyncio.sleep(0.25)
     return time.monotonic()
+
+
+async def paced_latency(args, bootstrap: str, topics: dict[str, str], kinds: dict[str, str], paced: list[tuple[bytes, bytes]]) -> None:
+    """Publish at `--rate`; print p50 and p99 of publish -> filtered input by each thread's kind."""
+    latencies: dict[str, list[float]] = {kind: [] for kind in kinds.values()}
+    positioned = asyncio.Event()
+    keyed = {t.encode(): kind for t, kind in kinds.items()}
+    reading = asyncio.create_task(
+        count_until(
+            bootstrap, topics["filtered"], len(paced), from_end=positioned, on_record=lambda r: latencies[keyed[r.key]].append(time.time() * 1000 - r.timestamp)
+        )
+    )
+    await positioned.wait()
+    await publish(bootstrap, topics["requests"], paced, rate=args.rate)
+    await reading
+    for kind, got in latencies.items():
+        print(
+            f"  {kind}: publish -> filtered input at {args.rate:,.0f} requests/s, p50 {percentile(got, 0.5):.0f} ms, p99 {percentile(got, 0.99):.0f} ms ({len(got)} requests)"
+        )
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -172,30 +192,16 @@ async def soak(args, bootstrap: str, redis_url: str, pg_url: str, topics: dict[s
         print(f"    active threads in Redis, idle ones in PostgreSQL: {cold_used / 1e6:,.1f} MB / {cold_keys / 1e6:,.1f} MB")
         print(f"    ratio: {cold_used / max(full_used, 1):.2f} / {cold_keys / max(full_keys, 1):.2f}")
 
-        # 3. latency of cold threads' first requests against warm threads' requests
+        # 3. latency: warm threads alone, then cold threads' first requests interleaved with warm ones
         idle = sorted(set(threads) - set(active))
         sample_cold = random.Random(2).sample(idle, min(args.sample, len(idle)))
-        sample_warm = random.Random(3).sample(active, min(args.sample, len(active)))
-        kinds = {t.encode(): "cold" for t in sample_cold} | {t.encode(): "warm" for t in sample_warm}
-        latencies: dict[str, list[float]] = {"cold": [], "warm": []}
-        positioned = asyncio.Event()
-        n = len(sample_cold) + len(sample_warm)
-        reading = asyncio.create_task(
-            count_until(
-                bootstrap, topics["filtered"], n, from_end=positioned, on_record=lambda r: latencies[kinds[r.key]].append(time.time() * 1000 - r.timestamp)
-            )
-        )
-        await positioned.wait()
-        paced = [request(t, echo_of(histories[t]), "late") for pair in zip(sample_cold, sample_warm) for t in pair]
+        sample_warm = random.Random(3).sample(active, min(2 * args.sample, len(active)))
+        alone, mixed = sample_warm[: len(sample_warm) // 2], sample_warm[len(sample_warm) // 2 :]
+        await paced_latency(args, bootstrap, topics, {t: "warm, alone" for t in alone}, [request(t, echo_of(histories[t]), "late") for t in alone])
         loads_before = worker_metrics(port).get("memfilter_cold_loads_total", 0)
-        await publish(bootstrap, topics["requests"], paced, rate=args.rate)
-        await reading
+        kinds = {t: "cold" for t in sample_cold} | {t: "warm, among cold" for t in mixed}
+        await paced_latency(args, bootstrap, topics, kinds, [request(t, echo_of(histories[t]), "late") for pair in zip(sample_cold, mixed) for t in pair])
         loads = worker_metrics(port).get("memfilter_cold_loads_total", 0) - loads_before
-        for kind in ("cold", "warm"):
-            got = latencies[kind]
-            print(
-                f"  {kind} threads: publish -> filtered input at {args.rate:,.0f} requests/s, p50 {percentile(got, 0.5):.0f} ms, p99 {percentile(got, 0.99):.0f} ms ({len(got)} requests)"
-            )
         print(f"  the worker loaded {loads:,.0f} threads back from PostgreSQL")
     finally:
         await client.aclose()
