@@ -9,11 +9,14 @@ module moves a thread across, and promises that nothing is decided differently f
   latest version: never the only copy. What stays is the thread's meta (owner, version,
   erasure, a `cold` mark) and its ids in the message-id index, a few dozen bytes a thread and
   a message: ownership, versions and id claims answer as if it had never left.
-- `Warmer.warm` loads cold threads back (RESTORE) before anything reads or writes them:
-  the history store (`memfilter.store.history`) calls it for every thread it finds cold, in
-  the batch's round trips (one PostgreSQL query for all of a batch's cold threads, one Redis
-  round trip to restore them). Every writer's script refuses a cold thread, so a thread
-  evicted between a read and a write is read again, loaded back, and decided again.
+- `Warmer.warm` loads cold threads back (RESTORE) before the worker that owns them reads or
+  writes them: the history store (`memfilter.store.history`) calls it for every thread it
+  finds cold, in the batch's round trips (one PostgreSQL query for all of a batch's cold
+  threads, one Redis round trip to restore them). Every writer's script refuses a cold thread,
+  so a thread evicted between a read and a write is read again, loaded back, and decided
+  again; RESTORE is fenced by the owner epoch, so only the thread's worker loads it back, and
+  a thread never turns warm in the middle of its worker's round trip (the commands that read
+  one thread, the gateway's and `history show`, read a cold one from PostgreSQL instead).
 
 A load waits for PostgreSQL for MEMFILTER_POSTGRES_TIMEOUT at most; then the thread is
 `unavailable`, with the reason, and what needed it is refused with that reason (a request
@@ -25,12 +28,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from memfilter.store import scripts
+from memfilter.store.history import Fenced, HistoryStore
 from memfilter.store.layout import pack
 from memfilter.store.postgres import PostgresHistory, Thread, Unavailable
 
 if TYPE_CHECKING:
     from memfilter.settings import Settings
-    from memfilter.store.history import HistoryStore
 
 
 async def whole(store: HistoryStore, threads: list[str], written_ms: dict[str, int]) -> list[Thread]:
@@ -132,6 +135,7 @@ class Warmer:
             rows, order, meta, saved, _, superseded, _ = store.keys(thread)
             calls.append(
                 scripts.RESTORE.command(
+                    epoch=store.epoch,
                     rows_key=rows,
                     order_key=order,
                     meta_key=meta,
@@ -145,6 +149,8 @@ class Warmer:
                 )
             )
         for thread, (status, version) in zip(loading, await store._pipeline(calls) if calls else []):
+            if status == b"fenced":
+                raise Fenced(thread, store.epoch, int(version))
             if status == b"behind":
                 missing[thread] = (
                     f"thread {thread} is at version {version.decode()} in Redis but PostgreSQL holds version {held[thread].version}; "

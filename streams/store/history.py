@@ -78,7 +78,7 @@ from memfilter.metrics import Metrics
 from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
 from memfilter.store import redis_driver, scripts
 from memfilter.store.layout import NO_COUNTS, RECORDED, STATE_RANKS_PACKED, WINDOW_ENTRY, Keys, Recorded, pack, pack_rows, thread_tag
-from memfilter.store.postgres import Unavailable
+from memfilter.store.postgres import Thread, Unavailable
 
 if TYPE_CHECKING:
     from memfilter.store.cold import Warmer
@@ -341,15 +341,20 @@ class HistoryStore(Keys):
             return dict.fromkeys(threads, "it left Redis for PostgreSQL, and this command has no POSTGRES_URL to load it back from: set it")
         return await self.warmer.warm(self, threads)
 
-    async def warm_if_cold(self, threads: list[str]) -> None:
-        """Load these threads back if any left Redis (one round trip when none did); raise
-        Unavailable naming the reason if one cannot be (for the commands that read one thread)."""
-        flags = [await self.redis.hexists(self.keys(t)[2], "cold") for t in threads]  # as these commands read: outside the batch's round trips
-        if cold := [t for t, flag in zip(threads, flags) if flag]:
-            failed = await self.warm(cold)
-            if failed:
-                thread, why = next(iter(failed.items()))
-                raise Unavailable(f"thread {thread}: {why}")
+    async def _cold_copy(self, thread: str) -> Thread | None:
+        """The thread as PostgreSQL holds it, if it left Redis (for the commands that read one
+        thread: read there, not loaded back, which only its worker does between its own reads
+        and writes); None if it is in Redis. Raise Unavailable naming the reason if it cannot be read."""
+        if not await self.redis.hexists(self.keys(thread)[2], "cold"):
+            return None
+        if self.warmer is None:
+            raise Unavailable(f"thread {thread} left Redis for PostgreSQL, and this command has no POSTGRES_URL to read it from: set it")
+        held = (await self.warmer.pg.load([thread], into_redis=False)).get(thread)
+        if held is None:
+            raise Unavailable(
+                f"thread {thread} left Redis but PostgreSQL holds no copy of it (schema {self.warmer.pg.schema}); rebuild it (memfilter history rebuild)"
+            )
+        return held
 
     def _counts(self, ids: Sequence[str], stored: list[bytes | None]) -> dict[str, float]:
         """The stored counts of these ids that are the counter's."""
@@ -599,10 +604,8 @@ class HistoryStore(Keys):
         an erased thread there (`memfilter.audit.recorded`, `ThreadLog`). The thread's version
         after it. Two round trips, three with ids to unindex; ('unavailable', why) for a thread
         that left Redis and cannot be loaded back (its ids are taken out of the index from its rows)."""
-        try:
-            await self.warm_if_cold([thread])
-        except Unavailable as e:
-            return ("unavailable", str(e))
+        if await self.redis.hexists(self.keys(thread)[2], "cold") and (failed := await self.warm([thread])):
+            return ("unavailable", f"thread {thread}: {failed[thread]}")
         rows, order, meta, saved, recent, superseded, tokens = self.keys(thread)
         (stored, erasures), ids, window = await self._pipeline([("HMGET", meta, "version", "erasures"), ("HKEYS", rows), ("GET", recent)])
         if holds(erasures or b"", identity):
@@ -641,10 +644,11 @@ class HistoryStore(Keys):
         return int(value) if status == b"ok" else (status.decode(), value.decode())
 
     async def meta(self, thread: str) -> Meta:
-        """A thread's meta and how many rows it holds (loaded back first if it left Redis: `warm_if_cold`)."""
-        await self.warm_if_cold([thread])
+        """A thread's meta and how many rows it holds (in PostgreSQL if it left Redis)."""
         rows, _, meta, *_ = self.keys(thread)
         (owner, version, erased, erasures), size = await self._pipeline([("HMGET", meta, "owner", "version", "erased", "erasures"), ("HLEN", rows)])
+        if (held := await self._cold_copy(thread)) is not None:
+            size = len(held.rows)
         return Meta(owner.decode() if owner is not None else None, int(version or 0), erased is not None, erasures or b"", size)
 
     async def threads_of(self, resource: str) -> list[str]:
@@ -663,20 +667,23 @@ class HistoryStore(Keys):
 
     async def thread_rows(self, thread: str) -> list[bytes]:
         """A thread's conversation: its rows in save order, without the superseded ones."""
-        await self.warm_if_cold([thread])
+        if (held := await self._cold_copy(thread)) is not None:
+            return [held.rows[mid] for mid in held.order]
         rows, order, *_ = self.keys(thread)
         ids = await self.redis.lrange(order, 0, -1)
         return await self.redis.hmget(rows, ids) if ids else []
 
     async def row(self, thread: str, message_id: str) -> bytes | None:
         """One stored row of a thread (superseded or not), by message id."""
-        await self.warm_if_cold([thread])
+        if (held := await self._cold_copy(thread)) is not None:
+            return held.rows.get(message_id)
         rows, *_ = self.keys(thread)
         return await self.redis.hget(rows, message_id)
 
     async def superseded_rows(self, thread: str) -> list[tuple[str, bytes]]:
         """A thread's superseded rows, each with the id of the request that superseded it."""
-        await self.warm_if_cold([thread])
+        if (held := await self._cold_copy(thread)) is not None:
+            return [(request, held.rows[mid]) for mid, request in held.superseded.items() if mid in held.rows]
         rows, *_, superseded, _ = self.keys(thread)
         by = await self.redis.hgetall(superseded)
         found = await self.redis.hmget(rows, list(by)) if by else []

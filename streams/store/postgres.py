@@ -211,18 +211,19 @@ class PostgresHistory:
         rows = await self._call(self._fetch(f"SELECT id, version FROM {self.schema}.mastra_threads WHERE id = ANY($1)", ids))
         return {r["id"]: r["version"] for r in rows}
 
-    async def load(self, ids: list[str]) -> dict[str, Thread]:
-        """These threads as held, whole (those held), marked as in Redis again: one round trip each for threads and messages."""
-        return await self._call(self._load(ids))
+    async def load(self, ids: list[str], into_redis: bool = True) -> dict[str, Thread]:
+        """These threads as held, whole (those held): one round trip each for threads and
+        messages; `into_redis`: marked as in Redis again (a cold load), else only read."""
+        return await self._call(self._load(ids, into_redis))
 
-    async def _load(self, ids: list[str]) -> dict[str, Thread]:
+    async def _load(self, ids: list[str], into_redis: bool) -> dict[str, Thread]:
         s = self.schema
+        columns = 'id, version, "resourceId", newest, erased, saved, "updatedAt"'
         async with (await self._ready()).acquire() as conn:
-            threads = await conn.fetch(
-                f"""UPDATE {s}.mastra_threads SET in_redis = true, touched = now() WHERE id = ANY($1)
-                    RETURNING id, version, "resourceId", newest, erased, saved, "updatedAt\"""",
-                ids,
-            )
+            if into_redis:
+                threads = await conn.fetch(f"UPDATE {s}.mastra_threads SET in_redis = true, touched = now() WHERE id = ANY($1) RETURNING {columns}", ids)
+            else:
+                threads = await conn.fetch(f"SELECT {columns} FROM {s}.mastra_threads WHERE id = ANY($1)", ids)
             messages = await conn.fetch(f"""SELECT thread_id, id, "row", position, superseded_by FROM {s}.mastra_messages WHERE thread_id = ANY($1)""", ids)
         by_thread: dict[str, list] = {}
         for m in messages:

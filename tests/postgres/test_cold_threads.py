@@ -24,7 +24,7 @@ from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Record
 from memfilter.settings import Topics
 from memfilter.store import cold
-from memfilter.store.history import HistoryStore, Save
+from memfilter.store.history import Fenced, HistoryStore, Save
 from memfilter.store.postgres import PostgresHistory
 
 FAR_FUTURE_MS = 253_000_000_000_000  # the year 9987: `evict` takes every thread PostgreSQL holds
@@ -133,7 +133,7 @@ class TestDecisionsOnThreadsThatLeftRedis:
         (want, got), rows_stayed, rows_left, loads = tiers(go)
         assert got == want
         assert rows_left == rows_stayed and len(rows_left) == 12
-        assert loads == 12  # every request but the first, every reply and the last read found the thread cold
+        assert loads == 11  # every request but the first and every reply found the thread cold (the last read reads PostgreSQL)
 
     def test_a_clients_retry_after_its_thread_left_is_the_same_duplicate_as_before(self, tiers):
         async def go(make):
@@ -188,6 +188,41 @@ class TestDecisionsOnThreadsThatLeftRedis:
         assert owners == {}  # u0 is no thread's any more
         assert messages == 0
         assert thread == {"version": 2, "resourceId": None, "erased": T0}
+
+
+class TestReadersOfOneThread:
+    def test_a_cold_thread_is_read_from_postgresql_and_stays_out_of_redis(self, tiers):
+        async def go(make):
+            store, pg = make()
+            p = Processor(store, secret=SECRET)
+            await p.process(
+                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0"), msg("u1")]}).encode())]
+            )
+            before = (await store.thread_rows("t1"), await store.row("t1", "u1"), await store.meta("t1"))
+            await sink(store, pg, ["t1"])
+            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            after = (await store.thread_rows("t1"), await store.row("t1", "u1"), await store.meta("t1"))
+            return before, after, await store.redis.hexists(store.keys("t1")[2], "cold")
+
+        before, after, still_cold = tiers(go)
+        assert after == before and len(before[0]) == 2
+        assert still_cold  # only the thread's worker loads it back, between its own reads and writes
+
+    def test_a_worker_fenced_out_cannot_load_a_thread_back(self, tiers):
+        async def go(make):
+            store, pg = make()
+            await Processor(store, secret=SECRET).process(
+                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())]
+            )
+            await sink(store, pg, ["t1"])
+            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            await store.redis.hset(store.keys("t1")[2], "epoch", 7)  # another worker, given the partition since, wrote it
+            store.epoch = 3
+            with pytest.raises(Fenced):
+                await store.read({"t1": []})
+            return await store.redis.hexists(store.keys("t1")[2], "cold")
+
+        assert tiers(go)
 
 
 class TestEvictionNeverTakesTheOnlyCopy:
