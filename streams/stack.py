@@ -226,18 +226,23 @@ def _check_java() -> str:
     return java
 
 
-def redis_server() -> str:
-    """Debian's redis-server, installed with apt-get when missing (as root)."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
+def _apt_install(package: str, missing: str) -> None:
+    """Debian's `package`, installed with apt-get (as root; otherwise a StackError naming the
+    command to run). `missing` names what was not found."""
     if os.geteuid() != 0:
-        raise StackError("no `redis-server` on PATH: install it (sudo apt-get install redis-server)")
-    _say("redis-server missing; installing Debian's redis-server with apt-get")
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "redis-server"]):
+        raise StackError(f"no {missing}: install it (sudo apt-get install {package})")
+    _say(f"{missing} missing; installing Debian's {package} with apt-get")
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", package]):
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
         if done.returncode != 0:
             raise StackError(f"`{' '.join(cmd)}` failed: {done.stderr.strip().splitlines()[-1:]}")
+
+
+def redis_server() -> str:
+    """Debian's redis-server, installed with apt-get when missing (as root)."""
+    if found := shutil.which("redis-server"):
+        return found
+    _apt_install("redis-server", "`redis-server` on PATH")
     return shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
@@ -247,17 +252,16 @@ POSTGRES_USER = "memfilter"  # the stack's PostgreSQL superuser (initdb -U), tru
 def postgres_bin() -> Path:
     """The folder of Debian's PostgreSQL server programs (the newest installed), installed
     with apt-get when missing (as root)."""
-    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"), key=lambda p: int(p.parts[-3]) if p.parts[-3].isdigit() else 0)
-    if found:
-        return found[-1].parent
-    if os.geteuid() != 0:
-        raise StackError("no PostgreSQL server in /usr/lib/postgresql: install it (sudo apt-get install postgresql)")
-    _say("PostgreSQL missing; installing Debian's postgresql with apt-get")
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "postgresql"]):
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        if done.returncode != 0:
-            raise StackError(f"`{' '.join(cmd)}` failed: {done.stderr.strip().splitlines()[-1:]}")
-    return postgres_bin()
+    if not _postgres_servers():
+        _apt_install("postgresql", "PostgreSQL server in /usr/lib/postgresql")
+    if not (found := _postgres_servers()):
+        raise StackError("apt-get installed postgresql, but no server is in /usr/lib/postgresql/*/bin")
+    return found[-1].parent
+
+
+def _postgres_servers() -> list[Path]:
+    """Debian's PostgreSQL servers, oldest major version first."""
+    return sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"), key=lambda p: int(p.parts[-3]) if p.parts[-3].isdigit() else 0)
 
 
 def _listener_of(port: int) -> str:

@@ -16,19 +16,22 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import ConsumerRecord
 
+from memfilter.core.filter import parse_ms
 from memfilter.settings import Topics
 from memfilter.stack import topic_configs
-from memfilter.store.history import HistoryStore
+from memfilter.store.history import HistoryStore, Save
 from memfilter.store.redis_driver import connect
 
 if TYPE_CHECKING:
@@ -191,6 +194,28 @@ class Pipeline:
     def store(self) -> tuple[aioredis.Redis, HistoryStore]:
         client = connect(self.redis_url)
         return client, HistoryStore(client, self.prefix)
+
+
+async def save_case_history(store: HistoryStore, case: dict) -> list[str]:
+    """A conformance case's stored history (and the other threads' rows) saved as the worker
+    would have saved them, a regenerate's superseded rows superseded; the threads it made."""
+    thread = case["request"]["threadId"]
+    groups = defaultdict(list)
+    for row in case["stored"]:
+        groups[thread].append(row)
+    for row in case["storedElsewhere"]:
+        groups[row["threadId"]].append(row)
+    for t, rows in groups.items():
+        owner = case.get("owner") if t == thread and case.get("owner") else rows[0]["resourceId"]
+        newest = max((parse_ms(r.get("createdAt")) or -1 for r in rows), default=-1)
+        await store.claim([(r["id"], t) for r in rows])
+        saved = [(r["id"], msgspec.json.encode(r)) for r in rows]
+        assert await store.apply([Save(t, owner, newest, saved, [r["role"] for r in rows], b"", writer="processor")]) == [1]
+        if t == thread and case.get("superseded"):  # as an earlier regenerate left them
+            await store.apply([Save(t, owner, newest, [], [], b"", superseded=case["superseded"], request_id="earlier")])
+    if case.get("owner") and not case["stored"]:
+        await store.redis.hset(store.keys(thread)[2], "owner", case["owner"])
+    return list(groups)
 
 
 async def publish(bootstrap: str, topic: str, records: Iterable[tuple]) -> int:

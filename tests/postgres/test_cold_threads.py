@@ -12,19 +12,18 @@ import json
 import os
 import signal
 import time
-from collections import defaultdict
 
-import msgspec
 import pytest
 from factories import CASES, SECRET, T0, msg
+from pipeline import save_case_history
 
-from memfilter.core.filter import HISTORY_MESSAGES, Policy, parse_ms
+from memfilter.core.filter import HISTORY_MESSAGES, Policy
 from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Record
 from memfilter.settings import Topics
 from memfilter.store import cold
-from memfilter.store.history import Fenced, HistoryStore, Save
+from memfilter.store.history import Fenced, HistoryStore
 from memfilter.store.postgres import PostgresHistory
 
 FAR_FUTURE_MS = 253_000_000_000_000  # the year 9987: `evict` takes every thread PostgreSQL holds
@@ -35,26 +34,9 @@ async def sink(store: HistoryStore, pg: PostgresHistory, threads: list[str]) -> 
     return await pg.write(await cold.whole(store, threads, dict.fromkeys(threads, T0)))
 
 
-async def seed(store: HistoryStore, case: dict) -> list[str]:
-    """A conformance case's stored history (and the other threads' rows), as the worker
-    would have saved it; the threads it made."""
-    thread = case["request"]["threadId"]
-    groups = defaultdict(list)
-    for row in case["stored"]:
-        groups[thread].append(row)
-    for row in case["storedElsewhere"]:
-        groups[row["threadId"]].append(row)
-    for t, rows in groups.items():
-        owner = case.get("owner") if t == thread and case.get("owner") else rows[0]["resourceId"]
-        newest = max((parse_ms(r.get("createdAt")) or -1 for r in rows), default=-1)
-        await store.claim([(r["id"], t) for r in rows])
-        saved = [(r["id"], msgspec.json.encode(r)) for r in rows]
-        assert await store.apply([Save(t, owner, newest, saved, [r["role"] for r in rows], b"", writer="processor")]) == [1]
-        if t == thread and case.get("superseded"):  # as an earlier regenerate left them
-            await store.apply([Save(t, owner, newest, [], [], b"", superseded=case["superseded"], request_id="earlier")])
-    if case.get("owner") and not case["stored"]:
-        await store.redis.hset(store.keys(thread)[2], "owner", case["owner"])
-    return list(groups)
+def ask(thread: str, messages: list[dict], offset: int, at: int) -> Record:
+    """A request of resource r1 in `thread`, at `offset` of partition 0, stamped `at`."""
+    return Record("chat-requests", 0, offset, at, thread.encode(), json.dumps({"threadId": thread, "resourceId": "r1", "messages": messages}).encode())
 
 
 def request_record(case: dict, offset: int = 0) -> Record:
@@ -81,8 +63,8 @@ class TestDecisionsOnThreadsThatLeftRedis:
 
         async def go(make):
             (stayed, _), (left, pg) = make(), make()
-            await seed(stayed, case)
-            threads = await seed(left, case)
+            await save_case_history(stayed, case)
+            threads = await save_case_history(left, case)
             await sink(left, pg, threads)
             evicted = await cold.evict(left, pg, FAR_FUTURE_MS)
             keys_cold = await redis_keys(left)
@@ -151,9 +133,7 @@ class TestDecisionsOnThreadsThatLeftRedis:
     def test_a_save_on_a_cold_thread_is_applied_once_and_its_repeat_changes_nothing(self, tiers):
         async def go(make):
             store, pg = make()
-            await Processor(store, secret=SECRET).process(
-                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())]
-            )
+            await Processor(store, secret=SECRET).process([ask("t1", [msg("u0")], 0, T0)])
             reply = json.dumps({"requestId": "a0", "threadId": "t1", "resourceId": "r1", "messages": [msg("a0", "assistant", "answer")]}).encode()
             first = Record("persist-messages", 0, 0, T0 + 1, b"t1", reply)
             assert await Persister(store, Topics().dlq, SECRET).process([first]) == []
@@ -170,9 +150,7 @@ class TestDecisionsOnThreadsThatLeftRedis:
     def test_an_erasure_of_a_cold_thread_frees_its_ids_and_leaves_no_message_in_postgresql(self, tiers):
         async def go(make):
             store, pg = make()
-            await Processor(store, secret=SECRET).process(
-                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())]
-            )
+            await Processor(store, secret=SECRET).process([ask("t1", [msg("u0")], 0, T0)])
             await sink(store, pg, ["t1"])
             assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
             result = await store.erase("t1", 1, b"erasure1", T0)
@@ -195,9 +173,7 @@ class TestReadersOfOneThread:
         async def go(make):
             store, pg = make()
             p = Processor(store, secret=SECRET)
-            await p.process(
-                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0"), msg("u1")]}).encode())]
-            )
+            await p.process([ask("t1", [msg("u0"), msg("u1")], 0, T0)])
             before = (await store.thread_rows("t1"), await store.row("t1", "u1"), await store.meta("t1"))
             await sink(store, pg, ["t1"])
             assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
@@ -211,9 +187,7 @@ class TestReadersOfOneThread:
     def test_a_worker_fenced_out_cannot_load_a_thread_back(self, tiers):
         async def go(make):
             store, pg = make()
-            await Processor(store, secret=SECRET).process(
-                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())]
-            )
+            await Processor(store, secret=SECRET).process([ask("t1", [msg("u0")], 0, T0)])
             await sink(store, pg, ["t1"])
             assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
             await store.redis.hset(store.keys("t1")[2], "epoch", 7)  # another worker, given the partition since, wrote it
@@ -230,11 +204,9 @@ class TestEvictionNeverTakesTheOnlyCopy:
         async def go(make):
             store, pg = make()
             p = Processor(store, secret=SECRET)
-            await p.process([Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())])
+            await p.process([ask("t1", [msg("u0")], 0, T0)])
             await sink(store, pg, ["t1"])
-            await p.process(
-                [Record("chat-requests", 0, 1, T0 + 1, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0"), msg("u1")]}).encode())]
-            )
+            await p.process([ask("t1", [msg("u0"), msg("u1")], 1, T0 + 1)])
             first = await cold.evict(store, pg, FAR_FUTURE_MS)
             await sink(store, pg, ["t1"])
             second = await cold.evict(store, pg, FAR_FUTURE_MS)
@@ -245,9 +217,7 @@ class TestEvictionNeverTakesTheOnlyCopy:
     def test_a_thread_used_within_the_idle_time_stays(self, tiers):
         async def go(make):
             store, pg = make()
-            await Processor(store, secret=SECRET).process(
-                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())]
-            )
+            await Processor(store, secret=SECRET).process([ask("t1", [msg("u0")], 0, T0)])
             await sink(store, pg, ["t1"])
             return await cold.evict(store, pg, int(time.time() * 1000) - 60_000)
 
@@ -257,7 +227,7 @@ class TestEvictionNeverTakesTheOnlyCopy:
         async def go(make):
             store, pg = make()
             p = Processor(store, secret=SECRET)
-            await p.process([Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())])
+            await p.process([ask("t1", [msg("u0")], 0, T0)])
             await sink(store, pg, ["t1"])
             commit = store.commit
 
@@ -267,9 +237,7 @@ class TestEvictionNeverTakesTheOnlyCopy:
                 return await commit(writes)
 
             store.commit = evicted_meanwhile
-            outs = await p.process(
-                [Record("chat-requests", 0, 1, T0 + 1, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0"), msg("u1")]}).encode())]
-            )
+            outs = await p.process([ask("t1", [msg("u0"), msg("u1")], 1, T0 + 1)])
             return [json.loads(o.value) for o in outs if o.topic == Topics().filtered], [json.loads(r)["id"] for r in await store.thread_rows("t1")]
 
         (filtered,), ids = tiers(go)
@@ -282,11 +250,9 @@ class TestPostgresqlHoldsEachThreadAsOfItsVersion:
         async def go(make):
             store, pg = make()
             p = Processor(store, secret=SECRET)
-            await p.process([Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0")]}).encode())])
+            await p.process([ask("t1", [msg("u0")], 0, T0)])
             old = await cold.whole(store, ["t1"], {"t1": T0})
-            await p.process(
-                [Record("chat-requests", 0, 1, T0 + 1, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0"), msg("u1")]}).encode())]
-            )
+            await p.process([ask("t1", [msg("u0"), msg("u1")], 1, T0 + 1)])
             new = await cold.whole(store, ["t1"], {"t1": T0 + 1})
             counts = [await pg.write(new), await pg.write(new), await pg.write(old)]
             return counts, await pg.load(["t1"]), new
@@ -298,9 +264,7 @@ class TestPostgresqlHoldsEachThreadAsOfItsVersion:
     def test_the_tables_answer_sql_as_mastra_lays_them_out(self, tiers):
         async def go(make):
             store, pg = make()
-            await Processor(store, secret=SECRET).process(
-                [Record("chat-requests", 0, 0, T0, b"t1", json.dumps({"threadId": "t1", "resourceId": "r1", "messages": [msg("u0", text="hello")]}).encode())]
-            )
+            await Processor(store, secret=SECRET).process([ask("t1", [msg("u0", text="hello")], 0, T0)])
             await sink(store, pg, ["t1"])
             async with (await pg._ready()).acquire() as conn:
                 return await conn.fetch(
@@ -323,10 +287,7 @@ class TestPostgresqlDown:
         async def go(make):
             store, pg = make(timeout=1.0)
             p = Processor(store, secret=SECRET)
-            first = [
-                Record("chat-requests", 0, i, T0, t.encode(), json.dumps({"threadId": t, "resourceId": "r1", "messages": [msg(f"{t}-u0")]}).encode())
-                for i, t in enumerate(("cold", "warm"))
-            ]
+            first = [ask(t, [msg(f"{t}-u0")], i, T0) for i, t in enumerate(("cold", "warm"))]
             await p.process(first)
             await sink(store, pg, ["cold"])
             assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1

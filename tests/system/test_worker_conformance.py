@@ -18,16 +18,14 @@ import asyncio
 import json
 from collections import defaultdict
 
-import msgspec
 import pytest
 from factories import CASES
-from pipeline import Pipeline, header, publish, read
+from pipeline import Pipeline, header, publish, read, save_case_history
 from stacks import BACKEND
 
 from memfilter.core.explain import explain
-from memfilter.core.filter import HISTORY_MESSAGES, parse_ms
+from memfilter.core.filter import HISTORY_MESSAGES
 from memfilter.core.filtered import whole
-from memfilter.store.history import Save
 
 pytestmark = pytest.mark.containers
 # The replicated half first, right after the cluster tests in their group, so the replicated stack stops before the other half.
@@ -55,23 +53,8 @@ def renamed(value, prefix: str):
 
 async def save_history(pipeline: Pipeline, case: dict) -> None:
     client, store = pipeline.store()
-    thread = case["request"]["threadId"]
     try:
-        groups = defaultdict(list)
-        for row in case["stored"]:
-            groups[thread].append(row)
-        for row in case["storedElsewhere"]:
-            groups[row["threadId"]].append(row)
-        for t, rows in groups.items():
-            owner = case.get("owner") if t == thread and case.get("owner") else rows[0]["resourceId"]
-            newest = max((parse_ms(r.get("createdAt")) or -1 for r in rows), default=-1)
-            await store.claim([(r["id"], t) for r in rows])
-            rows_json = [(r["id"], msgspec.json.encode(r)) for r in rows]
-            assert await store.apply([Save(t, owner, newest, rows_json, [r["role"] for r in rows], b"", writer="processor")]) == [1]
-            if t == thread and case.get("superseded"):  # as an earlier regenerate left them
-                await store.apply([Save(t, owner, newest, [], [], b"", superseded=case["superseded"], request_id="earlier")])
-        if case.get("owner") and not case["stored"]:
-            await client.hset(store.keys(thread)[2], "owner", case["owner"])
+        await save_case_history(store, case)
     finally:
         await client.aclose()
 
