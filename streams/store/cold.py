@@ -84,8 +84,9 @@ async def fill(store: HistoryStore, pg: PostgresHistory) -> int:
 
 async def evict(store: HistoryStore, pg: PostgresHistory, idle_before_ms: int, limit: int = 500) -> int:
     """Take out of Redis up to `limit` threads not used since `idle_before_ms`, each only at
-    the version PostgreSQL holds; how many left. Raises Unavailable if PostgreSQL does not
-    answer (eviction pauses; nothing has moved)."""
+    the version PostgreSQL holds; how many are out now (an erased thread's tombstone counts:
+    nothing of it is left to take, and it is not asked for again). Raises Unavailable if
+    PostgreSQL does not answer (eviction pauses; nothing has moved)."""
     idle = await pg.idle(idle_before_ms, limit)
     if not idle:
         return 0

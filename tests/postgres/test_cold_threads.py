@@ -214,6 +214,20 @@ class TestEvictionNeverTakesTheOnlyCopy:
 
         assert tiers(go) == (0, 1)
 
+    def test_an_erased_threads_tombstone_is_not_asked_for_again(self, tiers):
+        async def go(make):
+            store, pg = make()
+            await Processor(store, secret=SECRET).process([ask("t1", [msg("u0")], 0, T0)])
+            assert await store.erase("t1", 1, b"erasure1", T0) == 2
+            await sink(store, pg, ["t1"])
+            first = await cold.evict(store, pg, FAR_FUTURE_MS)
+            meta = await store.redis.hgetall(store.keys("t1")[2])
+            return first, await cold.evict(store, pg, FAR_FUTURE_MS), meta
+
+        first, again, meta = tiers(go)
+        assert (first, again) == (1, 0)
+        assert b"cold" not in meta and meta[b"erased"] == str(T0).encode()  # still refused as erased, not loaded from anywhere
+
     def test_a_thread_used_within_the_idle_time_stays(self, tiers):
         async def go(make):
             store, pg = make()
