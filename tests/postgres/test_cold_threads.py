@@ -24,7 +24,7 @@ from memfilter.runtime.records import Record
 from memfilter.settings import Topics
 from memfilter.store import cold
 from memfilter.store.history import Fenced, HistoryStore
-from memfilter.store.postgres import PostgresHistory
+from memfilter.store.postgres import PostgresHistory, Unavailable
 
 FAR_FUTURE_MS = 253_000_000_000_000  # the year 9987: `evict` takes every thread PostgreSQL holds
 
@@ -301,45 +301,26 @@ class TestPostgresqlDown:
         async def go(make):
             store, pg = make(timeout=1.0)
             p = Processor(store, secret=SECRET)
-            first = [ask(t, [msg(f"{t}-u0")], i, T0) for i, t in enumerate(("cold", "warm"))]
+            first = [ask(t, [msg(f"{t}-u0")], i, T0) for i, t in enumerate(("cold", "warm", "idle"))]
             await p.process(first)
             await sink(store, pg, ["cold"])
             assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            await sink(store, pg, ["idle"])  # written to PostgreSQL and not used since: what eviction would take next
             signal_postgres(server.pid, signal.SIGSTOP)  # PostgreSQL hangs: every connection waits
             try:
                 started = time.monotonic()
-                outs = await p.process(
-                    [
-                        Record(
-                            "chat-requests",
-                            0,
-                            2 + i,
-                            T0 + 1,
-                            t.encode(),
-                            json.dumps({"threadId": t, "resourceId": "r1", "messages": [msg(f"{t}-u0"), msg(f"{t}-u1")]}).encode(),
-                        )
-                        for i, t in enumerate(("cold", "warm"))
-                    ]
-                )
+                outs = await p.process([ask(t, [msg(f"{t}-u0"), msg(f"{t}-u1")], 10 + i, T0 + 1) for i, t in enumerate(("cold", "warm"))])
                 took = time.monotonic() - started
+                with pytest.raises(Unavailable):  # eviction pauses: nothing moves
+                    await cold.evict(store, pg, FAR_FUTURE_MS)
+                paused = not await store.redis.hexists(store.keys("idle")[2], "cold")
             finally:
                 signal_postgres(server.pid, signal.SIGCONT)
-            later = await p.process(
-                [
-                    Record(
-                        "chat-requests",
-                        0,
-                        4,
-                        T0 + 2,
-                        b"cold",
-                        json.dumps({"threadId": "cold", "resourceId": "r1", "messages": [msg("cold-u0"), msg("cold-u1")]}).encode(),
-                    )
-                ]
-            )
-            return outs, took, later
+            later = await p.process([ask("cold", [msg("cold-u0"), msg("cold-u1")], 20, T0 + 2)])
+            return outs, took, later, paused
 
         try:
-            outs, took, later = tiers(go, pg_url=url)
+            outs, took, later, paused = tiers(go, pg_url=url)
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(30)
@@ -349,5 +330,6 @@ class TestPostgresqlDown:
         assert b"did not answer within 1 s" in dict(dead.headers)["error.message"]
         assert by_thread[b"warm"].topic == Topics().filtered
         assert took < 5  # one bounded wait, not one per request or a hang
+        assert paused
         (decided,) = [o for o in later if o.topic == Topics().filtered]  # PostgreSQL back: the request published again is decided
         assert [m["id"] for m in json.loads(decided.value)["context"]] == ["cold-u0", "cold-u1"]
