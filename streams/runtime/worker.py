@@ -189,8 +189,11 @@ class WorkerHandler:
         sent is then decided before it, whatever the order in which the fetcher brought the two
         partitions. A task's save partition is caught up once a fetch of it answered after its
         request partition's last one (the fetcher has one fetch in flight per broker, so that
-        fetch saw the log when the requests were already in it) and everything below the stable
-        offset that fetch reported is consumed. Waits at most CATCH_UP_S; stops if a rebalance
+        fetch saw the log when the requests were already in it) and everything below the log's
+        end that fetch reported is stable and consumed (`_caught_up`). Waits at most
+        CATCH_UP_S: a task not caught up by then is taken out of the batch whole (both
+        partitions sought back to its first records), to be fetched and decided in order with
+        the next one, never decided without the saves before its requests. Stops if a rebalance
         takes the partitions away (the loop then drops the batch). A rebalance can run inside
         a fetch here, which then returns records from the new assignment's positions: those are
         handed back (the partitions are sought back to them), or dropping the batch would lose
@@ -205,8 +208,9 @@ class WorkerHandler:
                     return
                 since[tp] = consumer.last_poll_timestamp(requests_tp) or 0
             deadline = time.monotonic() + CATCH_UP_S
+            ends: dict[TopicPartition, int] = {}  # save partition -> its log's end when first fetched after its requests
             while since and time.monotonic() < deadline:
-                since = {tp: t for tp, t in since.items() if not await _caught_up(consumer, tp, t)}
+                since = {tp: t for tp, t in since.items() if not await _caught_up(consumer, tp, t, ends)}
                 if since:
                     more = await consumer.getmany(*since, timeout_ms=CATCH_UP_POLL_MS, max_records=self.settings.kafka.batch_max)
                     if epoch != loop.epoch:
@@ -216,15 +220,33 @@ class WorkerHandler:
                         return
                     for tp, records in more.items():
                         batch.setdefault(tp, []).extend(records)
+            for tp in since:  # not caught up in time: the task waits for the next batch rather than be decided out of order
+                for task_tp in (TopicPartition(topics.requests, tp.partition), tp):
+                    if records := batch.pop(task_tp, None):
+                        consumer.seek(task_tp, records[0].offset)
+            if since:
+                log.warning(
+                    "persist-messages of tasks %s not caught up within %s s: their records wait for the next batch",
+                    sorted(tp.partition for tp in since),
+                    CATCH_UP_S,
+                )
         except IllegalStateError:  # no longer assigned
             return
 
 
-async def _caught_up(consumer: AIOKafkaConsumer, tp: TopicPartition, since: int) -> bool:
+async def _caught_up(consumer: AIOKafkaConsumer, tp: TopicPartition, since: int, ends: dict[TopicPartition, int]) -> bool:
+    """Is the save partition `tp` consumed up to where its log ended when a fetch first
+    answered at or after `since` (kept in `ends`), and is all of that stable? A transaction
+    committed before a request was sent can still hold back the stable offset for a moment
+    (Kafka writes its commit markers after the commit returns), with saves beyond it: consumed
+    only up to the stable offset, they would be decided after the request."""
     if tp not in consumer.assignment():  # revoked meanwhile (aiokafka asserts, below): nothing to wait for
         return True
     polled, stable = consumer.last_poll_timestamp(tp), consumer.last_stable_offset(tp)
-    return polled is not None and polled >= since and stable is not None and await consumer.position(tp) >= stable
+    if polled is None or polled < since or stable is None:
+        return False
+    end = ends.setdefault(tp, consumer.highwater(tp) or 0)
+    return stable >= end and await consumer.position(tp) >= end
 
 
 def in_order(batch: dict[TopicPartition, list], topics: Topics, secret: bytes) -> list[tuple[list[Record], list[Record]]]:

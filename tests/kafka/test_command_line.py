@@ -331,7 +331,7 @@ def run_local_env(services) -> dict[str, str]:
 def test_run_local_runs_the_loop_and_shows_what_the_model_saw_and_what_is_stored(services):
     """The whole loop: the client's turns, each answered by the agent, one tool round trip, a
     regenerate and an edit; the stored thread has the client's conversation, then the two
-    answers they superseded, marked."""
+    answers they superseded, marked; PostgreSQL holds the same rows."""
     result = subprocess.run(["bash", "deploy/run-local.sh"], capture_output=True, text=True, env=run_local_env(services), cwd=REPO, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -342,10 +342,12 @@ def test_run_local_runs_the_loop_and_shows_what_the_model_saw_and_what_is_stored
     assert any(line.startswith('< assistant: [pickSeat({"flight": "TP1234"}) result -> ') and "pickSeat returned" in line for line in out.splitlines())
     assert out.count("    superseded (out of the conversation, still stored): ") == 2
     assert "> user: Thanks. Print my itinerary and the seat map." in out
-    stored = out.split("--- the thread as it is stored")[1]
+    stored, held = out.split("--- the thread as it is stored")[1].split("--- the thread as PostgreSQL holds it")
     assert stored.count("(superseded by request ") == 2
     # three answers (the answer to the tool's result continues the call's message) and the two superseded
     assert stored.count("assistant") == 3 + 2 and "Print my itinerary and the seat map." in stored
+    held = held.split("--- the chat page")[0]  # the sink wrote the same thread to PostgreSQL
+    assert held.count("| assistant |") == 3 + 2 and "(8 rows)" in held
 
 
 @pytest.mark.xdist_group("default-topics")  # run-local uses the default topics, groups and prefix: one at a time

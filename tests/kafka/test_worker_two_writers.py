@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.partitioner import murmur2
-from pipeline import Collector, Pipeline, dump, end_offsets, header, publish
+from pipeline import Collector, Pipeline, dump, end_offsets, header, publish, read
 
 TURNS = 3
 
@@ -194,6 +194,20 @@ async def problems(pipeline: Pipeline, agent: Agent, conversations: dict[str, li
     return out
 
 
+async def log_of(pipeline: Pipeline, threads: set[str]) -> str:
+    """These threads' records on the requests and persist topics, in log order, for a failure's
+    report: where each request and save was, and when it was stamped."""
+    t = pipeline.topics
+    records = await read(pipeline.bootstrap, [t.requests, t.persist, t.dlq], until=lambda _: False, timeout=3)
+    lines = []
+    for r in records:
+        if r.key is not None and r.key.decode() in threads:
+            event = json.loads(r.value)
+            ids = [m.get("id") for m in event.get("messages", [])][-2:]
+            lines.append(f"{r.topic}-{r.partition}@{r.offset} ts={r.timestamp} {event.get('requestId')} {ids} {dict(r.headers).get('error.type') or ''}")
+    return "\n".join(lines)
+
+
 def not_once(records, request_ids) -> list[str]:
     """Request ids seen more than once, and those of `request_ids` never seen."""
     seen: dict[str, int] = {}
@@ -260,7 +274,7 @@ def test_a_killed_worker_and_replies_published_again_leave_the_same_history(pipe
             await asyncio.gather(answering, return_exceptions=True)
 
     wrong, repeated_or_missing = asyncio.run(run())
-    assert wrong == [] and repeated_or_missing == []
+    assert wrong == [] and repeated_or_missing == [], asyncio.run(log_of(pipeline, {w.split(":")[0] for w in wrong}))
     other_db = pipeline.redis_url.rsplit("/", 1)[0] + "/3"
     rebuilt = pipeline.memfilter("history", "rebuild", "--redis-url", other_db)
     assert rebuilt.returncode == 0, rebuilt.stderr
