@@ -1,7 +1,7 @@
 -- COMMIT: one request's effect on its thread, atomically (memfilter.store.history, `commit`).
 -- Refuses a decision made on a version that has since moved, or on a thread that has left
--- Redis since (`stale`), and a write of a
--- worker whose partitions were given to another that has written this thread since (`fenced`).
+-- Redis since (`stale`), and a write of a worker whose partitions were given to another that
+-- has written this thread since (`fenced`).
 -- With a context budget, each row's token count is written beside it (`tokens_key`).
 -- KEYS: rows_key order_key meta_key recent_key pending_key after_key superseded_key tokens_key
 -- ARGV: epoch record seen_version resource newest_ms packed_rows ttl entry window_bytes packed_superseded request_id packed_counts
