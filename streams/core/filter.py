@@ -36,7 +36,6 @@ on as the bytes that were stored. Nothing here mutates what it was given.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import hmac
@@ -178,36 +177,29 @@ def decode_json(decoder: msgspec.json.Decoder, raw: bytes | None, what: str, sha
     if raw is None:
         raise Rejected("decode", f"{what} is null (a tombstone); send a JSON object")
     try:
-        raw.decode()
+        raw.isascii() or raw.decode()  # ASCII is UTF-8: checked without making a str
     except UnicodeDecodeError as e:
         raise Rejected("decode", f"{what} is not UTF-8: byte {e.start} ({raw[e.start : e.start + 1]!r}); encode it as UTF-8") from None
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit - DEPTH_HEADROOM)  # (inline, not a context manager: every request pays for it)
     try:
-        with _headroom():
+        try:
+            return decoder.decode(raw)
+        except msgspec.DecodeError as e:
+            shape_error = str(e).replace("`$.", "`")
+        if fallback is not None:
             try:
-                return decoder.decode(raw)
-            except msgspec.DecodeError as e:
-                shape_error = str(e).replace("`$.", "`")
-            if fallback is not None:
-                try:
-                    return fallback.decode(raw)
-                except msgspec.DecodeError:
-                    pass
-            decoded = msgspec.json.decode(raw)  # a shape error can stop the decoder before malformed JSON
+                return fallback.decode(raw)
+            except msgspec.DecodeError:
+                pass
+        decoded = msgspec.json.decode(raw)  # a shape error can stop the decoder before malformed JSON
     except RecursionError:
         raise Rejected("decode", f"{what} nests JSON too deeply; flatten it (about 750 levels at most)") from None
     except msgspec.DecodeError as e:
         raise Rejected("decode", f"{what} is not JSON: {e}") from None
-    raise Rejected("schema", f"{what} does not match {shape}: {shape_error}", decoded)
-
-
-@contextlib.contextmanager
-def _headroom():
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(limit - DEPTH_HEADROOM)
-    try:
-        yield
     finally:
         sys.setrecursionlimit(limit)
+    raise Rejected("schema", f"{what} does not match {shape}: {shape_error}", decoded)
 
 
 def decode_request(raw: bytes | None, default_id: str, limits: Limits = Limits(), id_key: bytes = b"") -> Request:

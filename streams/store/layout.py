@@ -110,8 +110,12 @@ def encode_recorded(r: Recorded) -> bytes:
 class Keys:
     """A store's key names, under its prefix."""
 
+    # Threads whose key names are kept (`keys`): a batch names each of its threads several times.
+    KEPT_THREADS = 1 << 14
+
     def __init__(self, prefix: str):
         self.prefix = prefix
+        self._keys: dict[str, tuple[str, ...]] = {}
 
     def _tag(self, thread: str) -> str:
         if "{" in thread or "}" in thread or "%" in thread:  # one whole hash tag (see the layout)
@@ -123,10 +127,15 @@ class Keys:
         tag = key[len(self.prefix) + len(":t:{") : -len("}:meta")]
         return tag.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
 
-    def keys(self, thread: str) -> list[str]:
+    def keys(self, thread: str) -> tuple[str, ...]:
         """The thread's keys: rows, order, meta, saved, recent, superseded, tokens."""
-        base = self._tag(thread)
-        return [f"{base}:rows", f"{base}:order", f"{base}:meta", f"{base}:saved", f"{base}:recent", f"{base}:superseded", f"{base}:tokens"]
+        names = self._keys.get(thread)
+        if names is None:
+            if len(self._keys) >= self.KEPT_THREADS:
+                self._keys.clear()
+            base = self._tag(thread)
+            names = self._keys[thread] = tuple(f"{base}:{name}" for name in ("rows", "order", "meta", "saved", "recent", "superseded", "tokens"))
+        return names
 
     def pending_key(self, thread: str, key: bytes) -> str:
         """Where the record of a processed request (`window_key`) waits for its batch's Kafka commit."""
