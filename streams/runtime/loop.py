@@ -17,7 +17,8 @@ records to produce, by task; the loop owns everything Kafka, the same for both:
   (the worker takes a new Redis owner epoch); (3) only then reads the committed offsets it
   starts from, which no fenced owner can move any more;
 - one batch at a time: a batch's transactions are committed while the next batch is fetched
-  and before it is handled; a rebalance waits for the batch in hand, and a batch fetched
+  and before it is handled, and what the fetcher brought meanwhile joins that batch
+  (`_top_up`); a rebalance waits for the batch in hand, and a batch fetched
   before an assignment is dropped and fetched again from the committed offsets;
 - the committed position is the consumer's (past the transaction markers after the last
   record), so an idle consumer's lag is 0;
@@ -283,6 +284,8 @@ class TaskLoop(mode.Service):
             await self._drain()
             drained = time.time()
             phase.labels("previous-commit").observe(drained - fetched)
+            if (room := self.max_records - sum(map(len, batch.values()))) > 0:
+                self._top_up(batch, await self.consumer.getmany(timeout_ms=0, max_records=room), epoch)
             await self.handler.prepare(self, batch, epoch)
             phase.labels("catch-up").observe(time.time() - drained)
         async with self._turn:
@@ -407,6 +410,23 @@ class TaskLoop(mode.Service):
         for result in await asyncio.gather(*(p.stop() for p in producers.values()), return_exceptions=True):
             if isinstance(result, Exception) and not isinstance(result, ProducerFenced):  # fenced: expected, said already
                 log.warning("memfilter %s: a producer did not stop cleanly (%s)", self.name, _reason(result))
+
+    def _top_up(self, batch: Batch, more: Batch, epoch: int) -> None:
+        """Add to the batch what the fetcher brought while the previous batch was committed
+        (up to the batch's limit, MEMFILTER_BATCH_MAX). aiokafka fetches a partition again only once its buffered records are taken, so the
+        records of a fetch wait in its buffer for the next batch: without this, a request waits
+        about two batches before it is handled rather than one. Before the handler's `prepare`:
+        the worker's catch-up then waits for the saves committed before these requests too.
+        Records fetched after a rebalance (the batch is then dropped) are handed back: the
+        partitions are sought back to them."""
+        assert self.consumer is not None
+        for tp, records in more.items():
+            if not records:
+                continue
+            if epoch != self.epoch:
+                self.consumer.seek(tp, records[0].offset)
+            else:
+                batch.setdefault(tp, []).extend(records)
 
     async def _drain(self) -> None:
         """Wait for the previous batch's transactions; they raise if they failed (`_run` then rejoins)."""
