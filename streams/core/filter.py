@@ -42,7 +42,6 @@ import hmac
 import re
 import sys
 import time
-import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -347,7 +346,7 @@ def message_ids(shape: ChatRequestOf[Message], request_id: str, id_key: bytes = 
         mid = m.id
         if mid is UNSET:
             digest = hmac.digest(id_key, f"{shape.threadId}\n{request_id}\n{pos}".encode(), hashlib.sha256)
-            mid = str(uuid.UUID(bytes=digest[:16], version=4))
+            mid = _uuid4(digest)
         elif mid in sent:
             raise Rejected("schema", f"message id {mid} appears twice in the request; each message needs its own id")
         else:
@@ -356,6 +355,16 @@ def message_ids(shape: ChatRequestOf[Message], request_id: str, id_key: bytes = 
         conversation.append(pos)
         named.append(mid)
     return ids, conversation, named
+
+
+def _uuid4(digest: bytes) -> str:
+    """`str(uuid.UUID(bytes=digest[:16], version=4))`, at a third of its cost: the version
+    and variant bits set, then the hex in 8-4-4-4-12."""
+    b = bytearray(digest[:16])
+    b[6] = b[6] & 0x0F | 0x40
+    b[8] = b[8] & 0x3F | 0x80
+    h = b.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def lookup_ids(request: Request) -> list[str]:

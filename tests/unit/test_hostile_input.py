@@ -4,7 +4,10 @@ predicted, shared or spread by a client. Pure: no Kafka, no Redis."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import uuid
 
 import msgspec
 import pytest
@@ -226,6 +229,21 @@ class TestIdentitiesNoClientCanTakeOver:
         ours, again = decode_request(raw, "q", id_key=b"ours" * 8).ids, decode_request(raw, "q", id_key=b"ours" * 8).ids
         guessed = [decode_request(raw, "q", id_key=key).ids for key in (b"", b"memfilter", b"theirs" * 8)]
         assert ours == again and all(ours != g for g in guessed)
+
+    @settings(max_examples=300)
+    @given(st.text(min_size=1, max_size=20), st.text(min_size=1, max_size=20), st.binary(max_size=40))
+    def test_server_assigned_ids_stay_the_uuids_of_their_keyed_hash(self, thread, request_id, secret):
+        """A replay of an old request must find its rows under the ids it was given then."""
+        raw = json.dumps(
+            {
+                "threadId": thread,
+                "requestId": request_id,
+                "resourceId": "r",
+                "messages": [{"role": "system", "content": {"format": 2, "parts": []}}, {"role": "user", "content": {"format": 2, "parts": []}}],
+            }
+        ).encode()
+        digest = hmac.digest(secret, f"{thread}\n{request_id}\n1".encode(), hashlib.sha256)
+        assert decode_request(raw, "q", id_key=secret).ids == [None, str(uuid.UUID(bytes=digest[:16], version=4))]
 
     @settings(max_examples=300)
     @given(st.text(min_size=1, max_size=20))
