@@ -413,12 +413,12 @@ class TaskLoop(mode.Service):
 
     def _top_up(self, batch: Batch, more: Batch, epoch: int) -> None:
         """Add to the batch what the fetcher brought while the previous batch was committed
-        (up to the batch's limit, MEMFILTER_BATCH_MAX). aiokafka fetches a partition again only once its buffered records are taken, so the
-        records of a fetch wait in its buffer for the next batch: without this, a request waits
-        about two batches before it is handled rather than one. Before the handler's `prepare`:
-        the worker's catch-up then waits for the saves committed before these requests too.
-        Records fetched after a rebalance (the batch is then dropped) are handed back: the
-        partitions are sought back to them."""
+        (up to the batch's limit, MEMFILTER_BATCH_MAX). aiokafka fetches a partition again only
+        once its buffered records are taken, so the records of a fetch wait in its buffer for
+        the next batch: without this, a request waits about two batches before it is handled
+        rather than one. Before the handler's `prepare`: the worker's catch-up then waits for
+        the saves committed before these requests too. Records fetched after a rebalance (the
+        batch is then dropped) are handed back: the partitions are sought back to them."""
         assert self.consumer is not None
         for tp, records in more.items():
             if not records:

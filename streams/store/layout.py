@@ -110,8 +110,10 @@ def encode_recorded(r: Recorded) -> bytes:
 class Keys:
     """A store's key names, under its prefix."""
 
-    # Threads whose key names are kept (`keys`): a batch names each of its threads several times.
-    KEPT_THREADS = 1 << 14
+    # Key names kept (`keys`): a batch names each of its threads several times. Bounded in
+    # threads and in a thread id's length (ids are the client's: a long one is not kept).
+    KEPT_THREADS = 1 << 12
+    KEPT_ID_LENGTH = 128
 
     def __init__(self, prefix: str):
         self.prefix = prefix
@@ -131,10 +133,12 @@ class Keys:
         """The thread's keys: rows, order, meta, saved, recent, superseded, tokens."""
         names = self._keys.get(thread)
         if names is None:
-            if len(self._keys) >= self.KEPT_THREADS:
-                self._keys.clear()
             base = self._tag(thread)
-            names = self._keys[thread] = tuple(f"{base}:{name}" for name in ("rows", "order", "meta", "saved", "recent", "superseded", "tokens"))
+            names = tuple(f"{base}:{name}" for name in ("rows", "order", "meta", "saved", "recent", "superseded", "tokens"))
+            if len(thread) <= self.KEPT_ID_LENGTH:
+                if len(self._keys) >= self.KEPT_THREADS:
+                    self._keys.clear()
+                self._keys[thread] = names
         return names
 
     def pending_key(self, thread: str, key: bytes) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import tracemalloc
 import uuid
 
 import msgspec
@@ -265,3 +266,23 @@ class TestIdentitiesNoClientCanTakeOver:
     def test_a_processed_record_is_kept_under_the_resource_and_the_request_id(self):
         assert record_field("r1", "q") != record_field("r2", "q")
         assert record_field("a\nb", "c") != record_field("a", "b\nc")
+
+
+class TestNoClientFillsTheWorkersMemory:
+    def test_long_thread_ids_leave_no_key_names_behind(self):
+        """The store keeps the key names of the threads it sees (a batch names each several
+        times); a thread id is the client's, so a long one must not be kept."""
+        store = HistoryStore(None, "mf")
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(100):
+                store.keys(f"{i}-" + "x" * 100_000)  # 7 names of ~100 KB each
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert grown < 1_000_000
+
+    def test_the_key_names_kept_are_the_ones_made(self):
+        store = HistoryStore(None, "mf")
+        assert store.keys("t1") == store.keys("t1") == tuple(f"mf:t:{{t1}}:{n}" for n in ("rows", "order", "meta", "saved", "recent", "superseded", "tokens"))
