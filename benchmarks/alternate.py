@@ -1,0 +1,97 @@
+"""Benchmark: two commits' workers side by side, runs alternated on one stack, as ratios.
+
+This machine's speed swings up to 2x from one day to the next and 10-20% from one run to the
+next, so a change is measured against the commit before it in the same sitting, old and new
+alternated (old, new, new, old, old, new, ...), and judged by the ratio of each adjacent pair.
+Each commit runs its own `benchmarks.worker_throughput` from a git worktree (made once under
+the temporary folder, set up with its own `deploy/setup.sh`), so an old commit is measured as
+it was, whatever its benchmark's options were then. `--new .` measures this checkout as it is,
+uncommitted changes too.
+
+    eval "$(memfilter stack up)"
+    python -m benchmarks.alternate --old d428f30 --new . --pairs 3 \\
+        --new-args "--history 10" -- --threads 5000 --requests 50000 --latency-rate 1500
+
+It prints, for each run, the worker's requests/s, CPU per request, the filtered input's mean
+bytes and p50/p99 latency (what the run printed), then each pair's new/old ratio and their median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What a run's output says, as worker_throughput has printed it since d428f30; the last match
+# counts (the last (b) is the worker the latency phase ran on).
+FIGURES = {
+    "requests/s": re.compile(r"^\(b\) memfilter worker.*?([\d,]+) requests/s", re.M),
+    "CPU µs/request": re.compile(r"worker CPU: (\d+) µs per request"),
+    "filtered bytes": re.compile(r"filtered input: ([\d,]+) bytes mean"),
+    "p50 ms": re.compile(r"p50 ([\d,]+) ms"),
+    "p99 ms": re.compile(r"p99 ([\d,]+) ms"),
+}
+
+
+def checkout(rev: str) -> Path:
+    """A set-up worktree of `rev` (`.`: this checkout as it is)."""
+    if rev == ".":
+        return ROOT
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=12", rev], check=True, capture_output=True, text=True).stdout.strip()
+    path = Path(tempfile.gettempdir()) / "memfilter-bench" / commit
+    if not (path / ".venv").exists():
+        if not path.exists():
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-f", path, commit], check=True, capture_output=True)
+        print(f"setting up {rev} ({commit}) in {path}", flush=True)
+        subprocess.run(["./deploy/setup.sh"], cwd=path, check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+def run(path: Path, args: list[str]) -> dict[str, float]:
+    """One run of that checkout's benchmark: its figures (a missing one is left out)."""
+    env = {**os.environ, "PYTHONPATH": "."}
+    done = subprocess.run([".venv/bin/python", "-m", "benchmarks.worker_throughput", *args], cwd=path, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the benchmark failed in {path} (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    figures = {}
+    for name, pattern in FIGURES.items():
+        if found := pattern.findall(done.stdout):
+            figures[name] = float(found[-1].replace(",", ""))
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, help="the baseline commit (any git revision)")
+    parser.add_argument("--new", default=".", help="the commit measured against it (default: this checkout as it is)")
+    parser.add_argument("--pairs", type=int, default=3, help="old/new pairs, alternated (default 3: six runs)")
+    parser.add_argument("--old-args", default="", help="options for the old commit's benchmark only")
+    parser.add_argument("--new-args", default="", help="options for the new commit's benchmark only")
+    parser.add_argument("common", nargs="*", help="options for both benchmarks (after --)")
+    args = parser.parse_args()
+    sides = {"old": (checkout(args.old), [*args.common, *shlex.split(args.old_args)]), "new": (checkout(args.new), [*args.common, *shlex.split(args.new_args)])}
+    results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    for pair in range(args.pairs):
+        for side in ("old", "new") if pair % 2 == 0 else ("new", "old"):
+            path, options = sides[side]
+            figures = run(path, options)
+            results[side].append(figures)
+            shown = "  ".join(f"{name} {value:,.0f}" for name, value in figures.items())
+            print(f"pair {pair + 1} {side}: {shown}", flush=True)
+    print(f"new ({args.new}) / old ({args.old}), by pair, and the median:")
+    for name in FIGURES:
+        ratios = [n[name] / o[name] for o, n in zip(results["old"], results["new"]) if n.get(name) and o.get(name)]
+        if ratios:
+            print(f"  {name:16s} {'  '.join(f'{r:.2f}' for r in ratios)}   median {statistics.median(ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()
