@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -108,10 +110,16 @@ def start_postgres(folder: Path, port: int | None = None) -> tuple[subprocess.Po
 
 def signal_postgres(pid: int, sig: int) -> None:
     """Signal a PostgreSQL server and every process of it (each backend is a session of its
-    own: SIGSTOP of the server alone leaves open connections answering)."""
-    children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == pid]
-    for each in (pid, *children):
-        os.kill(each, sig)
+    own: SIGSTOP of the server alone leaves open connections answering). SIGSTOP goes to the
+    server first, so that it forks no backend between the listing of its processes and their
+    stop; any other signal to it last. A backend gone meanwhile (its session closed) needs none."""
+    if sig == signal.SIGSTOP:
+        os.kill(pid, sig)
+    for child in [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, sig)
+    if sig != signal.SIGSTOP:
+        os.kill(pid, sig)
 
 
 def _parent(proc: Path) -> int | None:
