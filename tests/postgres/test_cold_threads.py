@@ -34,6 +34,12 @@ async def sink(store: HistoryStore, pg: PostgresHistory, threads: list[str]) -> 
     return await pg.write(await cold.whole(store, threads, dict.fromkeys(threads, T0)))
 
 
+async def to_postgresql(store: HistoryStore, pg: PostgresHistory, thread: str) -> None:
+    """The thread written to PostgreSQL as the sink writes it, then evicted: the only thread out."""
+    await sink(store, pg, [thread])
+    assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+
+
 def ask(thread: str, messages: list[dict], offset: int, at: int) -> Record:
     """A request of resource r1 in `thread`, at `offset` of partition 0, stamped `at`."""
     return Record("chat-requests", 0, offset, at, thread.encode(), json.dumps({"threadId": thread, "resourceId": "r1", "messages": messages}).encode())
@@ -123,8 +129,7 @@ class TestDecisionsOnThreadsThatLeftRedis:
             p = Processor(store, secret=SECRET)
             value = json.dumps({"threadId": "t1", "resourceId": "r1", "requestId": "q0", "messages": [msg("u0")]}).encode()
             await p.process([Record("chat-requests", 0, 0, T0, b"t1", value)])
-            await sink(store, pg, ["t1"])
-            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            await to_postgresql(store, pg, "t1")
             return await p.process([Record("chat-requests", 0, 1, T0 + 1000, b"t1", value)])  # published again, within the retry window
 
         (dead,) = tiers(go)
@@ -137,8 +142,7 @@ class TestDecisionsOnThreadsThatLeftRedis:
             reply = json.dumps({"requestId": "a0", "threadId": "t1", "resourceId": "r1", "messages": [msg("a0", "assistant", "answer")]}).encode()
             first = Record("persist-messages", 0, 0, T0 + 1, b"t1", reply)
             assert await Persister(store, Topics().dlq, SECRET).process([first]) == []
-            await sink(store, pg, ["t1"])
-            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            await to_postgresql(store, pg, "t1")
             again = Record("persist-messages", 0, 1, T0 + 2, b"t1", reply)  # the same event published twice
             results = await Persister(store, Topics().dlq, SECRET).apply([again])
             return results, [json.loads(r)["id"] for r in await store.thread_rows("t1")]
@@ -151,8 +155,7 @@ class TestDecisionsOnThreadsThatLeftRedis:
         async def go(make):
             store, pg = make()
             await Processor(store, secret=SECRET).process([ask("t1", [msg("u0")], 0, T0)])
-            await sink(store, pg, ["t1"])
-            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            await to_postgresql(store, pg, "t1")
             result = await store.erase("t1", 1, b"erasure1", T0)
             await sink(store, pg, ["t1"])
             owners, _, _ = await store.owners(["u0"])
@@ -175,8 +178,7 @@ class TestReadersOfOneThread:
             p = Processor(store, secret=SECRET)
             await p.process([ask("t1", [msg("u0"), msg("u1")], 0, T0)])
             before = (await store.thread_rows("t1"), await store.row("t1", "u1"), await store.meta("t1"))
-            await sink(store, pg, ["t1"])
-            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            await to_postgresql(store, pg, "t1")
             after = (await store.thread_rows("t1"), await store.row("t1", "u1"), await store.meta("t1"))
             return before, after, await store.redis.hexists(store.keys("t1")[2], "cold")
 
@@ -188,8 +190,7 @@ class TestReadersOfOneThread:
         async def go(make):
             store, pg = make()
             await Processor(store, secret=SECRET).process([ask("t1", [msg("u0")], 0, T0)])
-            await sink(store, pg, ["t1"])
-            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            await to_postgresql(store, pg, "t1")
             await store.redis.hset(store.keys("t1")[2], "epoch", 7)  # another worker, given the partition since, wrote it
             store.epoch = 3
             with pytest.raises(Fenced):
@@ -303,8 +304,7 @@ class TestPostgresqlDown:
             p = Processor(store, secret=SECRET)
             first = [ask(t, [msg(f"{t}-u0")], i, T0) for i, t in enumerate(("cold", "warm", "idle"))]
             await p.process(first)
-            await sink(store, pg, ["cold"])
-            assert await cold.evict(store, pg, FAR_FUTURE_MS) == 1
+            await to_postgresql(store, pg, "cold")
             await sink(store, pg, ["idle"])  # written to PostgreSQL and not used since: what eviction would take next
             signal_postgres(server.pid, signal.SIGSTOP)  # PostgreSQL hangs: every connection waits
             try:
