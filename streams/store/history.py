@@ -347,6 +347,10 @@ class HistoryStore(Keys):
         and writes); None if it is in Redis. Raise Unavailable naming the reason if it cannot be read."""
         if not await self.redis.hexists(self.keys(thread)[2], "cold"):
             return None
+        return await self._postgresql_copy(thread)
+
+    async def _postgresql_copy(self, thread: str) -> Thread:
+        """The thread as PostgreSQL holds it (it left Redis); Unavailable naming the reason if it cannot be read."""
         if self.warmer is None:
             raise Unavailable(f"thread {thread} left Redis for PostgreSQL, and this command has no POSTGRES_URL to read it from: set it")
         held = (await self.warmer.pg.load([thread], into_redis=False)).get(thread)
@@ -646,9 +650,11 @@ class HistoryStore(Keys):
     async def meta(self, thread: str) -> Meta:
         """A thread's meta and how many rows it holds (in PostgreSQL if it left Redis)."""
         rows, _, meta, *_ = self.keys(thread)
-        (owner, version, erased, erasures), size = await self._pipeline([("HMGET", meta, "owner", "version", "erased", "erasures"), ("HLEN", rows)])
-        if (held := await self._cold_copy(thread)) is not None:
-            size = len(held.rows)
+        (owner, version, erased, erasures, cold), size = await self._pipeline(
+            [("HMGET", meta, "owner", "version", "erased", "erasures", "cold"), ("HLEN", rows)]
+        )
+        if cold is not None:
+            size = len((await self._postgresql_copy(thread)).rows)
         return Meta(owner.decode() if owner is not None else None, int(version or 0), erased is not None, erasures or b"", size)
 
     async def threads_of(self, resource: str) -> list[str]:
