@@ -5,6 +5,7 @@ import pytest
 from factories import T0
 
 from memfilter.core.filter import Limits, Rejected, StoredView, advances, check_key, decide, decode_request, iso_ms, parse_ms
+from memfilter.core.ui import to_ui
 
 
 def request(*messages, request_id="q", **fields):
@@ -158,6 +159,36 @@ class TestWhatIsSaved:
         assert saved["content"]["parts"][1] == tool("call", title="T") | {
             "toolInvocation": {"state": "result", "toolCallId": "c1", "toolName": "t", "result": 42}
         }
+
+
+class TestOlderMessagesParts:
+    """A decoded request keeps the typed parts of its last assistant message and what follows;
+    a decision that keeps an older stored message reads that message's parts again."""
+
+    def thread(self, ui: bool):
+        a1 = stored_row(assistant("a1", tool("call")))
+        u1, a2 = stored_row(user("u1")), stored_row(assistant("a2", {"type": "text", "text": "ok"}))
+        answered = assistant("a1", tool("result") | {"toolInvocation": {"state": "result", "toolCallId": "c1", "toolName": "t", "result": 7}})
+        sent = [answered, u1, a2, user("u2")]
+        return view_of(a1, u1, a2), [to_ui(m) for m in sent] if ui else sent
+
+    @pytest.mark.parametrize("ui", [False, True], ids=["stored form", "UI messages"])
+    def test_an_older_assistant_messages_outcome_is_applied_when_the_whole_input_is_retained(self, ui):
+        view, sent = self.thread(ui)
+        d = decide(request(*sent, retainFullInput=True), view, T0)
+        assert d.outcome == "retain-full-input"
+        saved = as_json(d)["persist"]
+        assert [row["id"] for row in saved] == ["a1", "u2"]
+        assert saved[0]["content"]["parts"][0]["toolInvocation"] == {"state": "result", "toolCallId": "c1", "toolName": "t", "result": 7}
+
+    @pytest.mark.parametrize("ui", [False, True], ids=["stored form", "UI messages"])
+    def test_the_parts_before_the_last_assistant_message_are_not_held_once_decoded(self, ui):
+        _, sent = self.thread(ui)
+        messages = request(*sent).shape.messages
+        assert [len(m.content.parts) for m in messages[2:]] == [1, 1]
+        for m in messages[:2]:
+            with pytest.raises(AssertionError, match="released"):
+                m.content.parts[0]
 
 
 class TestDropped:
