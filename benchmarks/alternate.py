@@ -14,6 +14,9 @@ uncommitted changes too.
 
 It prints, for each run, the worker's requests/s, CPU per request, the filtered input's mean
 bytes and p50/p99 latency (what the run printed), then each pair's new/old ratio and their median.
+`--benchmark processor_cpu` runs `benchmarks.processor_cpu` instead (the processor alone, on
+Redis, no Kafka: seconds a run, less swing), for a change of the processor, the filter or the
+history store; both commits need that benchmark (since it was added).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ FIGURES = {
     "filtered bytes": re.compile(r"filtered input: ([\d,]+) bytes mean"),
     "p50 ms": re.compile(r"p50 ([\d,]+) ms"),
     "p99 ms": re.compile(r"p99 ([\d,]+) ms"),
+    "processor CPU µs/request": re.compile(r"processor CPU: (\d+) µs per request"),
 }
 
 
@@ -55,10 +59,10 @@ def checkout(rev: str) -> Path:
     return path
 
 
-def run(path: Path, args: list[str]) -> dict[str, float]:
+def run(path: Path, benchmark: str, args: list[str]) -> dict[str, float]:
     """One run of that checkout's benchmark: its figures (a missing one is left out)."""
     env = {**os.environ, "PYTHONPATH": "."}
-    done = subprocess.run([".venv/bin/python", "-m", "benchmarks.worker_throughput", *args], cwd=path, env=env, capture_output=True, text=True)
+    done = subprocess.run([".venv/bin/python", "-m", f"benchmarks.{benchmark}", *args], cwd=path, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"the benchmark failed in {path} (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     figures = {}
@@ -73,6 +77,9 @@ def main() -> None:
     parser.add_argument("--old", required=True, help="the baseline commit (any git revision)")
     parser.add_argument("--new", default=".", help="the commit measured against it (default: this checkout as it is)")
     parser.add_argument("--pairs", type=int, default=3, help="old/new pairs, alternated (default 3: six runs)")
+    parser.add_argument(
+        "--benchmark", default="worker_throughput", choices=["worker_throughput", "processor_cpu"], help="what each run is (default: the worker)"
+    )
     parser.add_argument("--old-args", default="", help="options for the old commit's benchmark only")
     parser.add_argument("--new-args", default="", help="options for the new commit's benchmark only")
     parser.add_argument("common", nargs="*", help="options for both benchmarks (after --)")
@@ -82,7 +89,7 @@ def main() -> None:
     for pair in range(args.pairs):
         for side in ("old", "new") if pair % 2 == 0 else ("new", "old"):
             path, options = sides[side]
-            figures = run(path, options)
+            figures = run(path, args.benchmark, options)
             results[side].append(figures)
             shown = "  ".join(f"{name} {value:,.0f}" for name, value in figures.items())
             print(f"pair {pair + 1} {side}: {shown}", flush=True)

@@ -1,11 +1,13 @@
 """The worker benchmark's workload still fits the processor: its seeded history and its
-requests, decided by the processor against a real Redis, give filtered inputs and no errors.
-(The benchmark runs by hand, with a stack; this keeps a renamed field or a changed rule from
-breaking it unseen.) The benchmarks are no import name of the package: run from the checkout."""
+requests, decided by the processor against a real Redis, give filtered inputs and no errors;
+and the processor benchmark runs on it. (The benchmarks run by hand, with a stack; this keeps
+a renamed field or a changed rule from breaking them unseen.) The benchmarks are no import
+name of the package: run from the checkout."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -52,3 +54,16 @@ def test_the_benchmarks_workload_is_decided_without_an_error(redis_url):
     assert done.returncode == 0, done.stderr
     counts, errors = (json.loads(line) for line in done.stdout.splitlines())
     assert counts["filtered-inputs"] == 120 and errors == []
+
+
+def test_the_processor_benchmark_decides_the_workload_and_prints_its_cpu_per_request(redis_url):
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.processor_cpu", "--threads", "40", "--requests", "120"],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "REDIS_URL": redis_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"processor CPU: \d+ µs per request \(120 requests in batches of 1,500\)\n", done.stdout)
