@@ -106,7 +106,7 @@ ORIGINAL_HEADER = "memfilter.duplicate-of"
 class _Pending:
     index: int  # position in the batch
     record: Record
-    request: Request
+    request: Request  # deleted once decided (`Processor._round`), decoded again if it is decided again
     outcome: str = ""  # the filter's outcome, "rejected", "duplicate" or "redelivered" (a metric's label)
     seen: tuple[tuple[str, bytes], ...] = ()  # what a rejection saw (`dead_letter`)
 
@@ -233,7 +233,7 @@ class Processor:
     def _decode(self, i: int, record: Record, outs: list[list[Out]]) -> Request | None:
         """The record's request, or None after putting its dead letter in `outs`."""
         try:
-            request = decode_request(record.value, f"{record.topic}-{record.partition}-{record.offset}", self.limits, self.secret)
+            request = self._request(record)
             check_key(request.shape.threadId, record.key)
         except Rejected as e:
             error = Rejection(e.type, e.message)
@@ -244,6 +244,9 @@ class Processor:
         outs[i].append(dead_letter(record, self.topics.dlq, error))
         self.metrics.requests.labels("rejected").inc()
         return None
+
+    def _request(self, record: Record) -> Request:
+        return decode_request(record.value, f"{record.topic}-{record.partition}-{record.offset}", self.limits, self.secret)
 
     async def _lane(self, items: list[tuple[int, Record]], outs: list[list[Out]]) -> None:
         """Decode a lane's records, then rounds until every request is decided and committed."""
@@ -259,6 +262,9 @@ class Processor:
         """Read, decide, claim and commit what is left of each thread; the threads to redo."""
         wanted = {}
         for thread, t in threads.items():
+            for p in t.requests[t.next :]:
+                if not hasattr(p, "request"):  # decided in an earlier round, and cut there or found stale
+                    p.request = self._request(p.record)
             wanted[thread] = list(dict.fromkeys(chain.from_iterable(lookup_ids(p.request) for p in t.requests[t.next :])))
         states = await self.store.read(wanted, self.history)
         unknown = {mid for thread, ids in wanted.items() for mid in ids if mid not in states[thread].rows}
@@ -281,8 +287,14 @@ class Processor:
             for (thread, p), rec in zip(again, await self.store.read_pending([(thread, p.key) for thread, p in again])):
                 if rec is not None:
                     states[thread].pending[p.key] = rec
+        # What a thread's decisions read (its state, its decoded requests) is freed once they are
+        # made, while it is fresh in the CPU's caches: 6-8 µs a request here, against 15-17 at
+        # the end of the round, after the claim's and commit's round trips (timed inside
+        # `benchmarks.processor_cpu`).
         for thread, t in threads.items():
-            t.planned = self._decide_thread(thread, t, states[thread])
+            t.planned = self._decide_thread(thread, t, states.pop(thread))
+            for p, _, _ in t.planned:
+                del p.request
 
         # New ids are claimed first; a thread whose id another thread holds by now is cut
         # there (its earlier requests go on) and decided again on a fresh read.
