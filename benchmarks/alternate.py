@@ -15,8 +15,8 @@ uncommitted changes too.
 It prints, for each run, the worker's requests/s, CPU per request, the filtered input's mean
 bytes and p50/p99 latency (what the run printed), then each pair's new/old ratio and their median.
 `--benchmark processor_cpu` runs `benchmarks.processor_cpu` instead (the processor alone, on
-Redis, no Kafka: seconds a run, less swing), for a change of the processor, the filter or the
-history store; both commits need that benchmark (since it was added).
+Redis, no Kafka: seconds a run, so more pairs), for a change of the processor, the filter or
+the history store; both commits need that benchmark (since it was added).
 """
 
 from __future__ import annotations

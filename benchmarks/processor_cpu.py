@@ -7,9 +7,9 @@ stack's Redis (REDIS_URL, as `memfilter stack up` prints): decoding, reading the
 deciding, claiming ids, committing and making the records to emit, then dropping the batch's
 records as the worker does once its transaction commits; the collector paused during a batch,
 as in the worker. Left out: the worker's Kafka client and task loop, and the broker beside it
-on the same cores. So its figure swings less than the worker's, and a run takes seconds: a
-change of the processor, the filter or the history store is measured with more pairs, side by
-side with the commit before it:
+on the same cores. A run takes seconds rather than minutes, so a change of the processor, the
+filter or the history store is measured with many pairs in one sitting, side by side with the
+commit before it (it swings as the machine does: 8 pairs are not too many here):
 
     eval "$(memfilter stack up)"
     python -m benchmarks.alternate --benchmark processor_cpu --old HEAD --new . --pairs 8
