@@ -1,8 +1,8 @@
 """`benchmarks.alternate` reads the figures a benchmark prints, in the words of today's
 `benchmarks.worker_throughput` and `benchmarks.processor_cpu` and of d428f30's worker benchmark
 (the baseline issue 35 measures against): a reworded line would otherwise drop a figure from
-the side-by-side table unseen. The benchmarks
-are no import name of the package: run from the checkout."""
+the side-by-side table unseen. The benchmarks are no import name of the package: run from the
+checkout."""
 
 from __future__ import annotations
 
