@@ -22,6 +22,8 @@ records to produce, by task; the loop owns everything Kafka, the same for both:
   before an assignment is dropped and fetched again from the committed offsets;
 - the committed position is the consumer's (past the transaction markers after the last
   record), so an idle consumer's lag is 0;
+- what its committed transactions wrote to the topics it reads is noted by offset
+  (`memfilter.runtime.written`), for a handler that reads its own records back (the worker);
 - at start, Kafka and the topics are waited for as long as it takes (`problems` says so to
   `/readyz`, a log line every WAIT_LOG_S), so a process started before Kafka works once it answers;
   while running, Kafka is asked for its metadata every WATCH_S: a Kafka that does not answer is
@@ -65,6 +67,7 @@ from aiokafka.partitioner import murmur2
 
 from memfilter.metrics import LoopMetrics
 from memfilter.runtime.records import MAX_RECORD_BYTES, Out
+from memfilter.runtime.written import Written
 from memfilter.settings import Kafka
 
 log = logging.getLogger("memfilter")
@@ -132,6 +135,7 @@ class TaskLoop(mode.Service):
         transactional_id: Callable[[int], str],
         max_records: int,
         start_at_end: bool = False,
+        written: Written | None = None,
         **kwargs: Any,
     ):
         super().__init__(**kwargs)
@@ -144,6 +148,7 @@ class TaskLoop(mode.Service):
         self.transactional_id = transactional_id
         self.max_records = max_records
         self.start_at_end = start_at_end  # a partition with no committed offset starts at its end, not its beginning
+        self.written = written  # where its committed transactions' records to its own topics are noted (the worker's)
         self.consumer: AIOKafkaConsumer | None = None
         self.waiting_for: str | None = "Kafka"  # what it waits for before it can work (`_connect`), for `/readyz`
         self.kafka_problem: str | None = None  # once started, a Kafka that does not answer (`_watch`), for `/readyz`
@@ -352,16 +357,22 @@ class TaskLoop(mode.Service):
         async def transaction(task: int) -> None:
             producer = self._producers[task]
             await producer.begin_transaction()
-            await _all(await _send(producer, handled.outs[task]))
+            sent = await _send(producer, handled.outs[task])
             if mine := {tp: o for tp, o in offsets.items() if tp.partition == task}:
                 await producer.send_offsets_to_transaction(mine, self.group)
             await producer.commit_transaction()
+            if self.written is not None:
+                for tp, first, count in sent:
+                    if tp.topic in self.topics:
+                        self.written.add(tp, first, count)
 
         started = time.time()
         await _all([transaction(task) for task in handled.outs])
         self.metrics.batch_phase.labels("committing").observe(time.time() - started)
         self._failures = 0
         self._committed.update(offsets)
+        if self.written is not None:
+            self.written.consumed(offsets)
         if handled.done is not None:
             await handled.done()
 
@@ -372,6 +383,8 @@ class TaskLoop(mode.Service):
             await self._drain_or_give_up()
             await self._stop_producers()
             self._committed = {}
+            if self.written is not None:
+                self.written.clear()
             self.epoch += 1
         self.metrics.lag.clear()
         self.metrics.assigned.set(0)
@@ -450,13 +463,15 @@ def _reason(error: Exception) -> str:
     return text if text.startswith(name) else f"{name}: {text}" if text else name
 
 
-async def _all(awaitables: Sequence[Awaitable[Any]]) -> None:
-    """Wait for all of them, then raise the first failure: each failure is retrieved (a
-    fenced producer fails every send of its transaction), none is left to asyncio's
-    'exception was never retrieved'."""
-    for result in await asyncio.gather(*awaitables, return_exceptions=True):
+async def _all(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
+    """Wait for all of them, then raise the first failure, or return their results: each
+    failure is retrieved (a fenced producer fails every send of its transaction), none is left
+    to asyncio's 'exception was never retrieved'."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for result in results:
         if isinstance(result, BaseException):
             raise result
+    return results
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -466,11 +481,11 @@ def _key_hash(key: bytes) -> int:
     return murmur2(key) & 0x7FFFFFFF
 
 
-async def _send(producer: AIOKafkaProducer, outs: list[Out]) -> list[asyncio.Future]:
-    """Queue the records a batch per topic partition, in their order: the producer's
+async def _send(producer: AIOKafkaProducer, outs: list[Out]) -> list[tuple[TopicPartition, int, int]]:
+    """Send the records a batch per topic partition, in their order: the producer's
     per-record `send` costs ~8 µs of Python each, appending to a batch ~1. Partitions are
-    chosen as `send` chooses them (murmur2 of the key, as Java clients do); the futures
-    complete when the broker has the batches."""
+    chosen as `send` chooses them (murmur2 of the key, as Java clients do). Once the broker
+    has every batch: where each went, as (partition, its first record's offset, its records)."""
     partitions = {topic: sorted(await producer.partitions_for(topic)) for topic in {o.topic for o in outs}}
     by_partition: dict[tuple[str, int], list[Out]] = {}
     for out in outs:
@@ -482,10 +497,11 @@ async def _send(producer: AIOKafkaProducer, outs: list[Out]) -> list[asyncio.Fut
         batch = producer.create_batch()
         for out in group:
             while batch.append(key=out.key, value=out.value, timestamp=out.timestamp_ms, headers=list(out.headers)) is None:
-                sends.append(await producer.send_batch(batch, topic, partition=partition))  # full: the next one
+                sends.append((await producer.send_batch(batch, topic, partition=partition), batch.record_count()))  # full: the next one
                 batch = producer.create_batch()
-        sends.append(await producer.send_batch(batch, topic, partition=partition))
-    return sends
+        sends.append((await producer.send_batch(batch, topic, partition=partition), batch.record_count()))
+    sent = await _all([future for future, _ in sends])
+    return [(meta.topic_partition, meta.offset, count) for meta, (_, count) in zip(sent, sends)]
 
 
 @contextlib.contextmanager

@@ -18,8 +18,9 @@ and saves in one order. The loop, a batch at a time:
    in hand (`_catch_up`);
 2. merge each task's two partitions by record timestamp and cut the batch into phases
    (`in_order`); per phase, hand the requests to the `Processor` (decide against Redis,
-   save, record) and other services' events to the `Persister` (the processor's own events,
-   signed by it, are already saved: `memfilter.core.origin`);
+   save, record) and other services' events to the `Persister` (the processor's own events
+   are already saved: this process's known by their offsets, `memfilter.runtime.written`,
+   the others' by their signatures, `memfilter.core.origin`);
 3. send what they return (to `filtered-inputs`, `persist-messages` and the dead-letter topic,
    a producer batch per partition) and the batch's offsets: a transaction per task, committed
    while the next batch is fetched and before it is decided.
@@ -64,6 +65,7 @@ from memfilter.runtime.loop import Batch, Handled, TaskLoop
 from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Out, Record, dead_letter
+from memfilter.runtime.written import Written
 from memfilter.settings import Settings, Topics, without_password
 from memfilter.store.cold import Warmer
 from memfilter.store.history import Fenced, HistoryStore
@@ -106,8 +108,9 @@ class WorkerHandler:
     stops_on: tuple[type[Exception], ...] = (CoPartitioning,)
     rejoins_on: tuple[type[Exception], ...] = (Fenced,)
 
-    def __init__(self, settings: Settings, store: HistoryStore, metrics: Metrics):
+    def __init__(self, settings: Settings, store: HistoryStore, metrics: Metrics, written: Written):
         self.settings = settings
+        self.written = written  # the loop's note of what its transactions wrote: this process's own persist events
         self.topics = settings.topics
         self.metrics = metrics
         self.store = store
@@ -169,7 +172,7 @@ class WorkerHandler:
         what was written is found then (requests by their records, saves by their identity)."""
         outs: dict[int, list[Out]] = {tp.partition: [] for tp in batch}  # by task
         requests: list[Record] = []
-        for phase_requests, phase_persisted in in_order(batch, self.topics, self.settings.secret):
+        for phase_requests, phase_persisted in in_order(batch, self.topics, self.settings.secret, self.written):
             if phase_requests:
                 for record, record_outs in zip(phase_requests, await self.processor.outputs(phase_requests)):
                     outs[record.partition] += record_outs
@@ -249,7 +252,7 @@ async def _caught_up(consumer: AIOKafkaConsumer, tp: TopicPartition, since: int,
     return stable >= end and await consumer.position(tp) >= end
 
 
-def in_order(batch: dict[TopicPartition, list], topics: Topics, secret: bytes) -> list[tuple[list[Record], list[Record]]]:
+def in_order(batch: dict[TopicPartition, list], topics: Topics, secret: bytes, written: Written) -> list[tuple[list[Record], list[Record]]]:
     """The batch's requests and other writers' persist events, in the order to apply them: in
     each task, the two partitions merged by record timestamp (a save first on a tie), as Kafka
     Streams merges co-partitioned inputs; then cut into phases, (requests, events), such that
@@ -260,10 +263,12 @@ def in_order(batch: dict[TopicPartition, list], topics: Topics, secret: bytes) -
     last: dict[bytes | None, tuple[int, bool]] = {}  # thread (record key) -> (its phase, requests?)
     for task in sorted({tp.partition for tp in batch}):
         requests = [(Record.of(r), True) for r in batch.get(TopicPartition(topics.requests, task), ())]
+        saves = TopicPartition(topics.persist, task)
         persisted = [
             (Record.of(r), False)
-            for r in batch.get(TopicPartition(topics.persist, task), ())
-            if not origin.is_processors(r.value, r.headers, secret)  # the processor's own are saved already
+            for r in batch.get(saves, ())
+            # the processor's own are saved already: this process's by their offsets, the others' by their signatures
+            if not written.holds(saves, r.offset) and not origin.is_processors(r.value, r.headers, secret)
         ]
         for record, is_request in heapq.merge(persisted, requests, key=lambda item: item[0].timestamp_ms):
             phase, was_request = last.get(record.key, (-1, None))
@@ -294,15 +299,17 @@ def create_app(settings: Settings) -> faust.App:
     )
     topics = [settings.topics.requests, settings.topics.persist]
     group = settings.worker.group
+    written = Written()
     loop = TaskLoop(
         "worker",
         settings.kafka,
         group,
         topics,
-        WorkerHandler(settings, store, metrics),
+        WorkerHandler(settings, store, metrics, written),
         metrics,
         lambda task: transactional_id(group, task),
         settings.kafka.batch_max,
+        written=written,
     )
     app = serve_health(group, settings, settings.worker.data_dir, settings.worker.web_port, metrics, loop.problems, client)
     app.add_dependency(loop)

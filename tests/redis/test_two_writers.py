@@ -24,6 +24,7 @@ from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Record
 from memfilter.runtime.worker import in_order
+from memfilter.runtime.written import Written
 from memfilter.settings import Topics
 from memfilter.store.history import Fenced, HistoryStore, Save
 
@@ -210,7 +211,7 @@ class TestMergedOrder:
             TopicPartition(TOPICS.requests, 0): [consumer_record(TOPICS.requests, 0, 100, b"a"), consumer_record(TOPICS.requests, 1, 300, b"a")],
             TopicPartition(TOPICS.persist, 0): [consumer_record(TOPICS.persist, 0, 200, b"a"), consumer_record(TOPICS.persist, 1, 50, b"b")],
         }
-        phases = in_order(batch, TOPICS, SECRET)
+        phases = in_order(batch, TOPICS, SECRET, Written())
         assert [([r.offset for r in q], [r.offset for r in p]) for q, p in phases] == [([0], [1]), ([], [0]), ([1], [])]
 
     def test_threads_that_do_not_alternate_take_one_phase(self):
@@ -218,13 +219,26 @@ class TestMergedOrder:
             TopicPartition(TOPICS.requests, 0): [consumer_record(TOPICS.requests, i, 100 + i, f"t{i}".encode()) for i in range(50)],
             TopicPartition(TOPICS.persist, 0): [consumer_record(TOPICS.persist, i, 100 + i, f"s{i}".encode()) for i in range(50)],
         }
-        [(requests, saves)] = in_order(batch, TOPICS, SECRET)
+        [(requests, saves)] = in_order(batch, TOPICS, SECRET, Written())
         assert len(requests) == len(saves) == 50
 
     def test_the_processors_own_saves_are_left_out(self):
         value = b'{"own": 1}'
         batch = {TopicPartition(TOPICS.persist, 0): [consumer_record(TOPICS.persist, 0, 1, b"a", value, origin.headers(value, SECRET))]}
-        assert in_order(batch, TOPICS, SECRET) == []
+        assert in_order(batch, TOPICS, SECRET, Written()) == []
+
+    def test_saves_at_offsets_this_process_wrote_are_left_out_unverified_and_the_others_applied(self):
+        written = Written()
+        written.add(TopicPartition(TOPICS.persist, 0), 5, 3)
+        batch = {TopicPartition(TOPICS.persist, 0): [consumer_record(TOPICS.persist, o, 100 + o, b"a") for o in range(4, 10)]}
+        [([], saves)] = in_order(batch, TOPICS, SECRET, written)
+        assert [r.offset for r in saves] == [4, 8, 9]
+
+    def test_a_save_forging_the_processors_mark_goes_to_the_persister(self):
+        value = b'{"forged": 1}'
+        batch = {TopicPartition(TOPICS.persist, 0): [consumer_record(TOPICS.persist, 0, 1, b"a", value, origin.headers(value, b"not the secret"))]}
+        [([], saves)] = in_order(batch, TOPICS, SECRET, Written())
+        assert [r.offset for r in saves] == [0]
 
 
 class TestRebuildOrder:
