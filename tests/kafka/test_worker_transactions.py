@@ -4,7 +4,9 @@ A worker sends each batch's outputs and offsets in one transaction per task (par
 both input topics), with the task's transactional id; a worker given a task after another so
 aborts the transaction the other left open and fences it out. Here the other worker is played
 by a bare producer with such an id, whose transaction would otherwise stay open for ten
-minutes and hold up every `read_committed` consumer of the partitions it wrote to.
+minutes and hold up every `read_committed` consumer of the partitions it wrote to. And where
+a transaction's records land: the worker notes it, to pass over its own events when it reads
+them back.
 """
 
 from __future__ import annotations
