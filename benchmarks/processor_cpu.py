@@ -57,6 +57,11 @@ async def main() -> None:
     parser.add_argument("--threads", type=int, default=3000)
     parser.add_argument("--requests", type=int, default=15000)
     parser.add_argument("--history", type=int, default=10, help="the context's rows (MEMFILTER_HISTORY_MESSAGES)")
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="wait for a line on stdin before each batch and print the batch's CPU after it (`benchmarks.alternate --lockstep` drives two of these)",
+    )
     args = parser.parse_args()
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     prefix = f"bench-processor-{secrets.token_hex(4)}"
@@ -72,13 +77,20 @@ async def main() -> None:
         cpu = 0.0
         emitted: Counter[str] = Counter()
         errors: Counter[str] = Counter()
+        if args.lockstep:
+            print(f"ready {-(-len(consumed) // batch)}", flush=True)  # how many batches
         for start in range(0, len(consumed), batch):
+            if args.lockstep and not sys.stdin.readline():
+                return
             began = time.process_time()
             gc.disable()
             outs = await processor.process(consumed[start : start + batch])
             gc.enable()
             await store.drop_records(processor.take_recorded())
-            cpu += time.process_time() - began
+            spent = time.process_time() - began
+            cpu += spent
+            if args.lockstep:
+                print(f"batch {spent:.6f}", flush=True)
             emitted.update(o.topic for o in outs)
             errors.update(dict(o.headers)["error.type"].decode() for o in outs if o.topic == processor.topics.dlq)
         if errors:

@@ -25,3 +25,20 @@ def test_the_benchmarks_workload_is_decided_without_an_error_and_the_processor_b
     )
     assert done.returncode == 0, done.stderr  # a dead letter fails the run, naming its error type
     assert re.fullmatch(r"processor CPU: \d+ µs per request \(120 requests in batches of 1,500: 120 filtered inputs, no dead letters\)\n", done.stdout)
+
+
+def test_two_processors_in_lockstep_take_turns_a_batch_at_a_time_and_print_their_ratio(redis_url):
+    done = subprocess.run(
+        # this checkout against itself (no worktree to set up); 3,100 requests are three batches of the worker's size
+        [sys.executable, "-m", "benchmarks.alternate", "--benchmark", "processor_cpu", "--lockstep", "--old", ".", "--new", ".", "--pairs", "1"]
+        + ["--", "--threads", "1000", "--requests", "3100"],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "REDIS_URL": redis_url},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    run, summary = done.stdout.splitlines()
+    assert re.fullmatch(r"run 1: processor CPU new/old \d\.\d{3} \(batches' median \d\.\d{3}\)", run)
+    assert re.fullmatch(r"new \(\.\) / old \(\.\), processor CPU, by run: \d\.\d{3}   median \d\.\d{3}", summary)
