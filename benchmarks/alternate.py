@@ -121,9 +121,13 @@ def lockstep(sides: dict[str, tuple[Path, list[str]]]) -> tuple[float, float]:
         for side in procs:
             said(side, "processor CPU: ")  # the run's own line: every request decided as a worker decides it
     finally:
-        for p in procs.values():
-            p.kill()
-            p.wait()
+        for p in procs.values():  # stdin closed: a processor stops at its next batch, dropping its keys from Redis
+            p.stdin.close()  # type: ignore[union-attr]
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
     return sum(cpu["new"]) / sum(cpu["old"]), statistics.median(n / o for o, n in zip(cpu["old"], cpu["new"]))
 
 
