@@ -25,7 +25,9 @@ out of the ratio. A process's own layout moves its speed by a few percent too (w
 memory lands, its hash seed), so both run without address randomization and with one hash
 seed. Both run this checkout's `benchmarks.processor_cpu` with their own package (each
 worktree's), so the old commit needs only the processor's interface as it is now. Measured
-here, one commit against itself: 0.983-0.998 over four runs (runs alternated: 0.92-1.17).
+here, one commit against itself: 0.983-0.998 over four runs of 15,000 requests, 0.955-1.004
+over five of 30,000 (median 0.998); runs alternated gave 0.92-1.17 over eight pairs for a
+change worth about 1%.
 
     python -m benchmarks.alternate --benchmark processor_cpu --lockstep --old HEAD --pairs 6 \
         -- --threads 5000 --requests 30000
