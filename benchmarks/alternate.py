@@ -102,10 +102,18 @@ def lockstep(sides: dict[str, tuple[Path, list[str]]]) -> tuple[float, float]:
             text=True,
         )
 
+    def stop(p: subprocess.Popen) -> None:  # stdin closed: a processor stops at its next batch, dropping its keys from Redis
+        p.stdin.close()  # type: ignore[union-attr]
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
     def said(side: str, expected: str) -> str:
         line = procs[side].stdout.readline()  # type: ignore[union-attr]
         if not line.startswith(expected):
-            procs[side].wait()
+            stop(procs[side])
             errors[side].seek(0)
             sys.exit(f"the {side} processor stopped (exit {procs[side].returncode}): {line}{errors[side].read()[-2000:].decode()}")
         return line.removeprefix(expected)
@@ -123,13 +131,8 @@ def lockstep(sides: dict[str, tuple[Path, list[str]]]) -> tuple[float, float]:
         for side in procs:
             said(side, "processor CPU: ")  # the run's own line: every request decided as a worker decides it
     finally:
-        for p in procs.values():  # stdin closed: a processor stops at its next batch, dropping its keys from Redis
-            p.stdin.close()  # type: ignore[union-attr]
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        for p in procs.values():
+            stop(p)
     return sum(cpu["new"]) / sum(cpu["old"]), statistics.median(n / o for o, n in zip(cpu["old"], cpu["new"]))
 
 
