@@ -115,7 +115,7 @@ def lockstep(sides: dict[str, tuple[Path, list[str]]]) -> tuple[float, float]:
         if not line.startswith(expected):
             stop(procs[side])
             errors[side].seek(0)
-            sys.exit(f"the {side} processor stopped (exit {procs[side].returncode}): {line}{errors[side].read()[-2000:].decode()}")
+            sys.exit(f"the {side} processor stopped (exit {procs[side].returncode}): {line}{errors[side].read()[-2000:].decode(errors='replace')}")
         return line.removeprefix(expected)
 
     cpu: dict[str, list[float]] = {"old": [], "new": []}
