@@ -22,7 +22,9 @@ chunks of each thread's latest stream, from its `start` to its end (`error` or `
 than find it nowhere), when it is dropped (or `since_s` after its start, when no
 runner is left to end it). So that a gateway started while replies are being made can resume them, `reply-streams`
 is read from `since_s` seconds back (the longest a reply is waited for); the other topics
-from their ends.
+from their ends. Until it has read `reply-streams` up to where its ends were at the start
+(`caught_up`), it cannot tell that no reply is being made in a thread: the gateway is not
+ready meanwhile, and a resume waits for it.
 
 Nothing is shared between gateways: each reads the topics whole, so any gateway can serve any
 request and resume any reply.
@@ -130,6 +132,8 @@ class Outcomes:
         self._forgetting: set[asyncio.Task] = set()  # replies ended, waited for in Redis
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task | None = None
+        self._behind: dict[TopicPartition, int] = {}  # a `reply-streams` partition read from back -> its end at the start
+        self.caught_up = asyncio.Event()  # every reply begun before the start is known (`live`)
 
     async def start(self, client: Client) -> None:
         """Read from the topics' ends as of now (`client` says what partitions they have)."""
@@ -155,7 +159,10 @@ class Outcomes:
         since = int((time.time() - self.since_s) * 1000)
         for tp, found in (await consumer.offsets_for_times({tp: since for tp in streams})).items():
             if found is not None:  # replies begun in the last `since_s` seconds: resumable here too
+                self._behind[tp] = await consumer.position(tp)
                 consumer.seek(tp, found.offset)
+        if not self._behind:
+            self.caught_up.set()
         self._consumer = consumer
         self._task = asyncio.create_task(self._run())
 
@@ -222,6 +229,10 @@ class Outcomes:
                             w.early.append(record)
                         else:
                             self._decision(w, record)
+            if self._behind:
+                self._behind = {tp: end for tp, end in self._behind.items() if await self._consumer.position(tp) < end}
+                if not self._behind:
+                    self.caught_up.set()
 
     def live(self, thread: str, resource: str) -> Live | None:
         """The reply being made in `thread` for `resource`, if any."""

@@ -19,6 +19,8 @@
 - `GET /api/chat/{id}/stream` (the AI SDK's `resumeStream`): the reply being made in the
   thread, replayed from its first chunk and followed to its end, from any gateway; 204 when
   none is (what the AI SDK's transport takes for "nothing to resume"). The thread's owner only.
+  A gateway just started first reads the replies begun before it (up to RESUME_CATCH_UP_S; 503
+  if it has not by then), so that its 204 is never a reply it has not read yet.
 - `POST /api/chat/{id}/stop`: stops the reply being made in the thread (a StopReply on
   `reply-stops`): the runner ends the model call and saves what was made, finish reason
   `interrupted`. An abort of the fetch cannot be told from a dropped connection, so it stops
@@ -29,7 +31,8 @@
   stored yet.
 - `/`: a chat page, the AI SDK's own client bundled (`page/chat.mjs`), for a newcomer to see
   the loop in a browser;
-- `/healthz`, `/readyz` (the outcomes reader runs and Redis answers), `/metrics`.
+- `/healthz`, `/readyz` (the outcomes reader runs, has read the replies begun before the
+  start, and Redis answers), `/metrics`.
 
 The caller's resource is the only one a request acts for: a body naming another is refused
 (403) before anything is published, and the worker refuses a thread or a message id of
@@ -67,6 +70,8 @@ from memfilter.store.redis_driver import connect
 
 log = logging.getLogger("memfilter")
 PAGE = importlib.resources.files("memfilter.gateway") / "page"  # index.html, and chat.js once built (`npm run build` there)
+# How long a resume waits for a gateway just started to read the replies begun before it.
+RESUME_CATCH_UP_S = 10.0
 
 # A rejection's reason code -> the HTTP status a web developer expects for it.
 STATUS = {
@@ -335,6 +340,10 @@ class Gateway:
         if isinstance(owned, web.Response):
             return owned
         resource, thread = owned
+        try:  # until then, a reply being made may not be known here yet: no 204 that is not so
+            await asyncio.wait_for(self.outcomes.caught_up.wait(), RESUME_CATCH_UP_S)
+        except TimeoutError:
+            return error(503, "starting", "this gateway is still reading the replies being made; try again")
         live = self.outcomes.live(thread, resource)
         if live is None:
             return web.Response(status=204)
@@ -391,6 +400,8 @@ class Gateway:
 
     async def readyz(self, _: web.Request) -> web.Response:
         problems = [] if self.outcomes.running else ["not reading the outcome topics"]
+        if self.outcomes.running and not self.outcomes.caught_up.is_set():
+            problems.append("still reading the replies being made (reply-streams, MEMFILTER_GATEWAY_REPLY_S back)")
         try:
             await asyncio.wait_for(self.redis.ping(), 1.0)
         except Exception as e:  # any failure to answer is "not ready", named in the reply

@@ -33,10 +33,15 @@ import aiohttp
 import jwt
 import msgspec
 import pytest
+import redis.asyncio as aioredis
 from fake_openai import FakeOpenAI
 from pipeline import REPO, WORKER_LOGS, free_port, publish, wait_for_line
 
+from memfilter.client import Client
+from memfilter.core import origin
+from memfilter.gateway.outcomes import Outcomes
 from memfilter.schemas.wire import ReplyChunk
+from memfilter.store.history import HistoryStore
 
 pytestmark = pytest.mark.xdist_group("gateway")  # the module's worker, agent and gateways are shared (`--dist loadgroup`)
 
@@ -184,6 +189,38 @@ def test_a_gateway_started_while_a_reply_is_being_made_resumes_it_from_its_first
     assert replayed == relayed  # the same chunks, from the first
     assert replayed[0]["type"] == "start" and replayed[-1]["type"] == "finish"
     assert "".join(c["delta"] for c in replayed if c["type"] == "text-delta") == "".join(f"t{i} " for i in range(40))  # no FORGED
+
+
+def test_a_gateway_just_started_knows_a_reply_begun_before_it_once_it_says_it_has_caught_up(pipeline):
+    """A gateway reads `reply-streams` from MEMFILTER_GATEWAY_REPLY_S back to know the replies
+    being made; until it has read up to where the topic ended at its start, a thread with no
+    reply known may yet have one. It says when it has (`Outcomes.caught_up`: its readiness,
+    and what a resume waits for), and not before: a reply begun before the start, behind a
+    few thousand other chunks, is known by then."""
+    secret, resource, thread, request_id = b"s" * 32, "r-late", f"late-{secrets.token_hex(4)}", "q-late"
+
+    def chunk(thread: str, request_id: str, c: dict) -> bytes:
+        attempt = origin.attempt(secret, request_id, thread, resource, "n0")
+        return msgspec.json.encode(ReplyChunk(request_id, thread, resource, attempt, c))
+
+    others = [(f"busy-{i % 50}".encode(), chunk(f"busy-{i % 50}", f"q{i}", {"type": "text-delta", "id": "t", "delta": "x" * 200}), None) for i in range(3000)]
+    begun = [(thread.encode(), chunk(thread, request_id, c), None) for c in ({"type": "start"}, {"type": "text-start", "id": "t"})]
+
+    async def go():
+        await publish(pipeline.bootstrap, pipeline.topics.streams, [*others, *begun])
+        client = aioredis.from_url(pipeline.redis_url)
+        outcomes = Outcomes(pipeline.bootstrap, pipeline.topics, 60, secret, HistoryStore(client, pipeline.name))
+        try:
+            async with Client(pipeline.bootstrap, pipeline.topics) as kafka:
+                await outcomes.start(kafka)
+                await asyncio.wait_for(outcomes.caught_up.wait(), 60)
+                live = outcomes.live(thread, resource)
+                return live.request_id if live is not None else None
+        finally:
+            await outcomes.stop()
+            await client.aclose()
+
+    assert asyncio.run(go()) == request_id
 
 
 async def _chunk(response) -> dict | None:
