@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -42,9 +43,19 @@ WORKER_LOGS = Path("/tmp")  # a worker's output: memfilter-test-<pipeline>-worke
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, for a service a test starts, from below the kernel's range for
+    the ports of outgoing connections (`ip_local_port_range`): a port picked in that range (as
+    binding port 0 does) can be taken by any connection before the service binds it, as a
+    Kafka started after Maven had collected its jars found ("Address already in use")."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use
+            return port
 
 
 def redis_config(folder: Path, port: int | None = None) -> tuple[Path, str]:
