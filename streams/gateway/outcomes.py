@@ -153,13 +153,12 @@ class Outcomes:
         tps = [TopicPartition(t, p) for t in topics for p in await client.partitions(t)]
         consumer.assign(tps)
         await consumer.seek_to_end(*tps)
-        for tp in tps:  # the ends as of now: every record after is read
-            await consumer.position(tp)
+        ends = {tp: await consumer.position(tp) for tp in tps}  # the ends as of now: every record after is read
         streams = [tp for tp in tps if tp.topic == self.topics.streams]
         since = int((time.time() - self.since_s) * 1000)
         for tp, found in (await consumer.offsets_for_times({tp: since for tp in streams})).items():
             if found is not None:  # replies begun in the last `since_s` seconds: resumable here too
-                self._behind[tp] = await consumer.position(tp)
+                self._behind[tp] = ends[tp]
                 consumer.seek(tp, found.offset)
         if not self._behind:
             self.caught_up.set()
