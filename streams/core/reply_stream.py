@@ -30,9 +30,6 @@ from typing import Any
 
 Msg = dict[str, Any]
 
-# finish reasons of the protocol's `finish` chunk (the `ai` package's uiMessageChunkSchema)
-FINISH_REASONS = frozenset({"stop", "length", "content-filter", "tool-calls", "error", "interrupted", "other"})
-
 
 class BadChunk(ValueError):
     """A chunk the AI SDK's client would refuse; the message says which and why."""

@@ -175,10 +175,6 @@ def openai_model(agent: Agent, health: Health) -> Model:
     return answer
 
 
-class Stopped(Exception):
-    """A client stopped the reply."""
-
-
 def transactional_id(group: str, partition: int) -> str:
     """The transactional id of an agent runner's task (`memfilter.runtime.loop`: fencing)."""
     return f"memfilter-agent-{group}-partition-{partition}"
