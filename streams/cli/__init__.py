@@ -1,5 +1,6 @@
 """The `memfilter` command line: one entry point, a subcommand per thing a user does, each in a
-module of its own here (`add` makes its parser, `run` runs it)."""
+module of its own here (`add` makes its parser, `run` runs it, and `EXTRA`, where it has one,
+names the install extra whose packages it needs: run without them, it says which to install)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from memfilter.cli import agent, converse, explain, forget, gateway, history, pu
 from memfilter.settings import SettingError
 
 COMMANDS = (explain, worker, sink, agent, gateway, converse, publish, tail, history, forget, replay, stack)
+COMMANDS_BY_NAME = {command.__name__.rpartition(".")[2]: command for command in COMMANDS}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +39,15 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except SettingError as e:
         print(f"memfilter {args.command}: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        extra = getattr(COMMANDS_BY_NAME[args.command], "EXTRA", None)
+        if extra is None or (e.name or "memfilter").partition(".")[0] == "memfilter":
+            raise  # the package itself is broken: a traceback, not advice
+        print(
+            f"memfilter {args.command}: needs the Python package {e.name}, which the `{extra}` extra installs: pip install 'memfilter[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     except BrokenPipeError:
         # The reader went away (`memfilter tail | head -1`): stop quietly, as Python's docs advise.

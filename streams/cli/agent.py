@@ -8,6 +8,8 @@ import sys
 from memfilter.cli.common import data_dir_missing, no_secret, web_port_free
 from memfilter.settings import Agent, Settings, variables
 
+EXTRA = "agent"
+
 
 def run(args: argparse.Namespace) -> int:
     import msgspec

@@ -15,27 +15,12 @@ def read_input(path: str | None) -> bytes:
     return Path(path).read_bytes()
 
 
-def reachable(settings, redis_too: bool = True) -> str | None:
-    """None if Kafka (and Redis, if `redis_too`) answer, else a one-line reason."""
+def reachable(settings) -> str | None:
+    """None if Kafka answers, else a one-line reason."""
     import asyncio
 
-    import redis
-
     from memfilter.stack import broker_answers
-    from memfilter.store.redis_driver import connect
 
-    async def ping() -> None:
-        client = connect(settings.redis.url, socket_connect_timeout=3)
-        try:
-            await client.ping()
-        finally:
-            await client.aclose()
-
-    try:
-        if redis_too:
-            asyncio.run(ping())
-    except (redis.RedisError, OSError) as e:
-        return f"Redis at {settings.redis.url} does not answer ({e}); start it (memfilter stack up) or set REDIS_URL"
     if not asyncio.run(broker_answers(settings.kafka.bootstrap, timeout=10)):
         return f"Kafka at {settings.kafka.bootstrap} does not answer; start it (memfilter stack up) or set KAFKA_BOOTSTRAP_SERVERS"
     return None

@@ -17,7 +17,7 @@ def run(args: argparse.Namespace) -> int:
     from memfilter.client.conversations import DEMO_SCRIPT, Conversation, Driver, describe
 
     settings = Settings.from_env()
-    reason = reachable(settings, redis_too=False)
+    reason = reachable(settings)
     if reason is not None:
         print(f"memfilter converse: {reason}", file=sys.stderr)
         return 1

@@ -9,6 +9,8 @@ import sys
 from memfilter.cli.common import history_store, no_secret, plural, run_or_explain
 from memfilter.settings import Settings
 
+EXTRA = "worker"
+
 
 def run(args: argparse.Namespace) -> int:
     from memfilter.admin.erasure import forget

@@ -11,6 +11,8 @@ from memfilter.settings import Gateway, Settings, variables
 
 log = logging.getLogger("memfilter")
 
+EXTRA = "gateway"
+
 
 def run(args: argparse.Namespace) -> int:
     import msgspec

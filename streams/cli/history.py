@@ -8,6 +8,8 @@ import sys
 from memfilter.cli.common import history_store, no_secret, plural, progress_bar, read_input, refuse_live, run_or_explain
 from memfilter.settings import Settings
 
+EXTRA = "worker"
+
 
 def run(args: argparse.Namespace) -> int:
     import msgspec

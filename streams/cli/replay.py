@@ -10,6 +10,8 @@ from pathlib import Path
 from memfilter.cli.common import history_store, no_secret, progress_bar, run_or_explain
 from memfilter.settings import Settings
 
+EXTRA = "worker"
+
 
 def run(args: argparse.Namespace) -> int:
     from memfilter.audit.recorded import empty_range, parse_position

@@ -9,6 +9,8 @@ import sys
 from memfilter.cli.common import data_dir_missing, no_secret, web_port_free
 from memfilter.settings import Decisions, Kafka, Postgres, Redis, Settings, Topics, Worker, variables
 
+EXTRA = "worker"
+
 
 def run(args: argparse.Namespace) -> int:
     import msgspec

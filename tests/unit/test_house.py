@@ -1,12 +1,16 @@
-"""The house rules the package keeps: one installed name's parts depend one way, settings come
-in typed parts, the Lua scripts and the code that calls them agree on names, and the one module
-that reads redis-py's internals refuses a redis-py it was not written for."""
+"""The house rules the package keeps: one installed name's parts depend one way, every package it
+imports is one it declares, settings come in typed parts, the Lua scripts and the code that
+calls them agree on names, and the one module that reads redis-py's internals refuses a
+redis-py it was not written for."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -46,6 +50,44 @@ class TestOneWayDependencies:
     def test_nothing_but_the_redis_driver_reads_redis_py_internals(self):
         readers = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py") if "redis._" in p.read_text() or "._parser" in p.read_text()]
         assert readers == [Path("store/redis_driver.py")]
+
+
+def normal(distribution: str) -> str:
+    """A distribution's name as PEP 503 compares them."""
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+class TestEveryImportIsDeclared:
+    @staticmethod
+    def declared() -> set[str]:
+        """The distributions pyproject.toml declares for the product: its dependencies and its
+        extras' (not the tests' and the developers' extras)."""
+        project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+        extras = [reqs for extra, reqs in project["optional-dependencies"].items() if extra not in ("test", "dev")]
+        return {normal(re.split(r"[\[<>=!~; ]", r, maxsplit=1)[0]) for r in [*project["dependencies"], *(r for reqs in extras for r in reqs)]}
+
+    def test_every_package_the_code_imports_is_a_dependency_pyproject_declares(self):
+        """An import of a package that arrives only as another's dependency would break the
+        install the day that package drops it; one missing from the extras breaks the wheel
+        (`tests/system/test_installed.py` runs every command from it)."""
+        declared = self.declared()
+        distributions = importlib.metadata.packages_distributions()
+        imported = set()
+        import memfilter.schemas
+
+        for path in [*PACKAGE.rglob("*.py"), *Path(memfilter.schemas.__file__).parent.rglob("*.py")]:
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module]
+                    if isinstance(node, ast.ImportFrom) and node.level == 0
+                    else []
+                )
+                imported.update(n.partition(".")[0] for n in names if n)
+        third_party = {m for m in imported - set(sys.stdlib_module_names) if m != "memfilter"}
+        undeclared = {m: distributions.get(m) for m in third_party if not {normal(d) for d in distributions.get(m, [])} & declared}
+        assert undeclared == {}, f"imported but not declared in pyproject.toml (module: its distributions): {undeclared}"
 
 
 class TestSettingsComeInParts:
