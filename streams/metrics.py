@@ -35,6 +35,14 @@ The gateway's (`memfilter gateway`, `GatewayMetrics`):
 | `memfilter_gateway_wait_seconds{for}` | histogram | publish to the worker's decision (`decision`), and to the agent's saved reply (`reply`) |
 | `memfilter_gateway_in_flight` | gauge | requests waiting now |
 
+The sink's (`memfilter sink`, `SinkMetrics`):
+
+| metric | type | what |
+|---|---|---|
+| `memfilter_sink_threads_written_total` | counter | thread writes to PostgreSQL |
+| `memfilter_sink_threads_evicted_total` | counter | idle threads taken out of Redis |
+| `memfilter_sink_retries_total` | counter | batches written again, or evictions paused, because PostgreSQL or Redis did not answer |
+
 All add the Prometheus client's standard collectors: `process_*` (CPU, resident memory,
 open files), `python_info` and `python_gc_*`.
 """
@@ -107,3 +115,12 @@ class GatewayMetrics(_Registry):
         self.requests = Counter("memfilter_gateway_requests", "Chat requests answered, by outcome", ["outcome"], registry=r)
         self.wait = Histogram("memfilter_gateway_wait_seconds", "Publish to decision, and to saved reply", ["for"], buckets=_LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("memfilter_gateway_in_flight", "Chat requests waiting now", registry=r)
+
+
+class SinkMetrics(_Registry):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.written = Counter("memfilter_sink_threads_written", "Thread writes to PostgreSQL", registry=r)
+        self.evicted = Counter("memfilter_sink_threads_evicted", "Idle threads taken out of Redis", registry=r)
+        self.retries = Counter("memfilter_sink_retries", "Writes tried again, or evictions paused, for an outage", registry=r)

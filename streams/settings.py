@@ -96,6 +96,7 @@ class Postgres(
         "timeout": "MEMFILTER_POSTGRES_TIMEOUT",
         "idle_s": "MEMFILTER_IDLE_S",
         "sink_group": "MEMFILTER_SINK_GROUP",
+        "sink_web_port": "MEMFILTER_SINK_WEB_PORT",
     },
 ):
     """The PostgreSQL tier of history (docs/postgres.md): every thread, as of the log; Redis
@@ -105,6 +106,7 @@ class Postgres(
     timeout: Seconds = 5.0  # seconds a call waits for PostgreSQL: a cold thread's load, a sink's write; then it is refused with the reason
     idle_s: Seconds = 86_400.0  # seconds unused after which `memfilter sink` takes a thread out of Redis (once PostgreSQL holds it)
     sink_group: str = "memfilter-sink"  # `memfilter sink`'s consumer group on persist-messages
+    sink_web_port: Port = 6069  # `memfilter sink`'s web server (/metrics, /healthz, /readyz), on MEMFILTER_WEB_BIND
 
 
 class Topics(

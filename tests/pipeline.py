@@ -58,6 +58,20 @@ def free_port() -> int:
             return port
 
 
+def node_test(file: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """A test file of `tests/node/` (the AI SDK's client, Chromium through puppeteer-core) run
+    with node's test runner, with `env` alone (and a PATH); `args` go to the runner
+    (`--test-name-pattern=...`)."""
+    return subprocess.run(
+        ["node", "--test", "--test-reporter=spec", *args, file],
+        cwd=REPO / "tests" / "node",
+        env={"PATH": "/usr/bin:/bin:/usr/local/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def redis_config(folder: Path, port: int | None = None) -> tuple[Path, str]:
     """A redis-server config of a test's own (a free port unless given, data in `folder`) and
     its URL, for tests that stop, hang or restart their Redis: `stacks.start_redis` starts it."""
@@ -163,11 +177,7 @@ class Pipeline:
     def start_sink(self, **extra_env: str) -> subprocess.Popen:
         """`memfilter sink` on the pipeline's topics, store and PostgreSQL; stopped with the workers."""
         log = WORKER_LOGS / f"memfilter-test-{self.name}-sink{len(self.workers)}.log"
-        env = self.env(MEMFILTER_SINK_GROUP=f"sink-{self.name}", **extra_env)
-        process = subprocess.Popen([sys.executable, "-m", "memfilter", "sink"], env=env, cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-        process.log_path = log
-        self.workers.append(process)
-        return process
+        return self._start("sink", log, {"MEMFILTER_SINK_GROUP": f"sink-{self.name}", **extra_env})
 
     def _start(self, command: str, log_path: Path, extra_env: dict[str, str]) -> subprocess.Popen:
         loglevel = os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")

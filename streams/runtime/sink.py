@@ -15,6 +15,10 @@ of Redis (`memfilter.store.cold.evict`), each only at the version PostgreSQL hol
 PostgreSQL down or slow: the batch is written again until it is (its offsets are not
 committed before), eviction pauses, and the workers go on deciding threads in Redis. Nothing
 the sink does is on a worker's path.
+
+Its web server (`serve`: MEMFILTER_WEB_BIND, MEMFILTER_SINK_WEB_PORT) answers `/healthz`,
+`/readyz` (not ready while the consumer has not started or an outage holds a write or an
+eviction back, naming it) and `/metrics` (`memfilter.metrics.SinkMetrics`).
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import asyncio
 import logging
 import time
 
+from aiohttp import web
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from memfilter.metrics import SinkMetrics
 from memfilter.settings import Settings
 from memfilter.store import cold
 from memfilter.store.history import HistoryStore
@@ -43,8 +49,8 @@ class Sink:
         self.store = HistoryStore(connect(settings.redis.url), settings.redis.prefix)
         self.pg = PostgresHistory(settings.postgres.url, settings.redis.prefix, settings.postgres.timeout)
         self.batch_max = batch_max
-        self.written = 0  # threads written to PostgreSQL
-        self.evicted = 0  # threads taken out of Redis
+        self.metrics = SinkMetrics()
+        self.problem: str | None = "starting"  # why it is not ready (`/readyz`); None when it is
         self._next_eviction = 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -61,6 +67,7 @@ class Sink:
         admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka.bootstrap)
         await consumer.start()
         await admin.start()
+        self.problem = None
         try:
             while not stop.is_set():
                 batch = await consumer.getmany(timeout_ms=500, max_records=self.batch_max)
@@ -97,10 +104,12 @@ class Sink:
         while not stop.is_set():
             try:
                 threads = await cold.whole(self.store, sorted(written_ms), written_ms)
-                self.written += await self.pg.write(threads)
+                self.metrics.written.inc(await self.pg.write(threads))
+                self.problem = None
                 return
             except (Unavailable, RedisConnectionError, OSError, TimeoutError) as e:
                 log.warning("memfilter sink: %s; writing %d threads again in %.0f s", e, len(written_ms), RETRY_S)
+                self._outage(f"writing threads: {e}")
                 await asyncio.sleep(RETRY_S)
 
     async def _evict(self) -> None:
@@ -112,6 +121,36 @@ class Sink:
         self._next_eviction = now + min(idle / 10, 60.0)
         try:
             while (left := await cold.evict(self.store, self.pg, int((now - idle) * 1000))) > 0:
-                self.evicted += left
+                self.metrics.evicted.inc(left)
+            self.problem = None
         except (Unavailable, RedisConnectionError, OSError, TimeoutError) as e:
             log.warning("memfilter sink: eviction paused: %s", e)
+            self._outage(f"evicting: {e}")
+
+    def _outage(self, what: str) -> None:
+        self.problem = what
+        self.metrics.retries.inc()
+
+
+async def serve(sink: Sink, bind: str, port: int) -> web.AppRunner:
+    """The sink's web server, listening: `/healthz`, `/readyz`, `/metrics`. Cleaned up by the caller."""
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(request: web.Request) -> web.Response:
+        if sink.problem is not None:
+            return web.Response(text=f"not ready: {sink.problem}\n", status=503)
+        return web.Response(text="ready\n")
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=sink.metrics.render(), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, bind, port).start()
+    return runner

@@ -35,7 +35,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 from fake_openai import FakeOpenAI
-from pipeline import REPO, WORKER_LOGS, free_port, publish, wait_for_line
+from pipeline import REPO, WORKER_LOGS, free_port, node_test, publish, wait_for_line
 
 from memfilter.client import Client
 from memfilter.core import origin
@@ -45,7 +45,6 @@ from memfilter.store.history import HistoryStore
 
 pytestmark = pytest.mark.xdist_group("gateway")  # the module's worker, agent and gateways are shared (`--dist loadgroup`)
 
-NODE_TESTS = REPO / "tests" / "node"
 SCREENSHOT = WORKER_LOGS / "memfilter-test-chat-page.png"
 JWT_KEY = secrets.token_hex(32)
 
@@ -118,17 +117,6 @@ def pipelines(services):
     for p in made.values():
         p.stop_all()
         asyncio.run(p.delete_topics())
-
-
-def node_test(file: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["node", "--test", "--test-reporter=spec", file],
-        cwd=NODE_TESTS,
-        env={"PATH": "/usr/bin:/bin:/usr/local/bin", **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_the_ai_sdks_client_gets_answers_tool_round_trips_regenerations_edits_and_rejections_through_the_gateway(gateways):
