@@ -6,7 +6,7 @@
 #                     configured from KAFKA_* variables as apache/kafka's image is;
 #   memfilter/redis   Debian's redis-server;
 #   memfilter/postgres Debian's postgresql (the history's PostgreSQL tier);
-#   memfilter/worker  the project's Dockerfile (`memfilter worker`, and `memfilter agent`).
+#   memfilter/memfilter the project's Dockerfile: the whole product (worker, sink, agent runner, gateway, admin commands).
 # Where a registry is reachable, the same files build on the official bases instead:
 #   MEMFILTER_IMAGE_BASE=debian:bookworm-slim MEMFILTER_IMAGE_PYTHON=python:3.11-slim deploy/images.sh
 # Images already built are kept (Docker's cache): a second run takes seconds. `--from-nothing`
@@ -26,7 +26,7 @@ build() {  # build TAG ARGS...: one image, quietly but for errors (not the class
 }
 
 if [ "${1:-}" = "--from-nothing" ]; then
-  docker image rm -f memfilter/worker memfilter/kafka memfilter/redis memfilter/postgres memfilter/python:3.11 memfilter/debian:bookworm > /dev/null 2>&1 || true
+  docker image rm -f memfilter/memfilter memfilter/kafka memfilter/redis memfilter/postgres memfilter/python:3.11 memfilter/debian:bookworm > /dev/null 2>&1 || true
   rm -rf "$cache"
 fi
 mkdir -p "$cache"
@@ -63,5 +63,5 @@ for name in kafka redis postgres; do
   [ $name = kafka ] && context="$cache/kafka"
   build memfilter/$name --build-arg BASE="$base" -f deploy/images/$name.Dockerfile "$context"
 done
-build memfilter/worker --build-arg PYTHON="$python" .
-echo "images: memfilter/kafka, memfilter/redis, memfilter/postgres, memfilter/worker built in $(( $(date +%s) - start )) s"
+build memfilter/memfilter --build-arg PYTHON="$python" .
+echo "images: memfilter/kafka, memfilter/redis, memfilter/postgres, memfilter/memfilter built in $(( $(date +%s) - start )) s"
