@@ -1,17 +1,22 @@
 // The AI SDK's own client (`AbstractChat`, the logic `useChat` runs, over `DefaultChatTransport`),
-// set up as the gateway tests use it: a user's JWT under the gateway's HS256 key (JWT_KEY),
-// messages kept in a plain in-memory state, and the stored conversation read back through
+// set up as the gateway tests use it: a user's JWT under the gateway's HS256 key (JWT_KEY), or,
+// for a gateway with header identity (RESOURCE_HEADER), the user in that header; messages kept
+// in a plain in-memory state, and the stored conversation read back through
 // `GET /api/threads/{id}/messages`.
 import { createHmac } from "node:crypto";
 import { AbstractChat, DefaultChatTransport } from "ai";
 
 const KEY = process.env.JWT_KEY;
+const HEADER = process.env.RESOURCE_HEADER;
 
 export function token(sub, { expiresIn = 600, key = KEY } = {}) {
   const b64 = (o) => Buffer.from(JSON.stringify(o)).toString("base64url");
   const body = `${b64({ alg: "HS256", typ: "JWT" })}.${b64({ sub, exp: Math.floor(Date.now() / 1000) + expiresIn })}`;
   return `${body}.${createHmac("sha256", key).update(body).digest("base64url")}`;
 }
+
+// Who the requests are from: the user's token, or the header a proxy would set.
+const identity = (user) => (HEADER ? { [HEADER]: user } : { Authorization: `Bearer ${token(user)}` });
 
 // What `useChat` keeps a chat's messages in: a plain in-memory state; `onChange` sees each change.
 class State {
@@ -31,7 +36,7 @@ export class Chat extends AbstractChat {
     state.messages = messages;
     super({
       state,
-      transport: new DefaultChatTransport({ api: `${gateway}/api/chat`, headers: () => ({ Authorization: `Bearer ${token(user)}`, ...headers }) }),
+      transport: new DefaultChatTransport({ api: `${gateway}/api/chat`, headers: () => ({ ...identity(user), ...headers }) }),
       ...init,
     });
   }
@@ -40,7 +45,7 @@ export class Chat extends AbstractChat {
 export const text = (m) => m.parts.filter((p) => p.type === "text").map((p) => p.text).join("");
 
 export async function stored(gateway, chatId, user) {
-  const r = await fetch(`${gateway}/api/threads/${encodeURIComponent(chatId)}/messages`, { headers: { Authorization: `Bearer ${token(user)}` } });
+  const r = await fetch(`${gateway}/api/threads/${encodeURIComponent(chatId)}/messages`, { headers: identity(user) });
   return { status: r.status, body: await r.json() };
 }
 

@@ -1,7 +1,9 @@
 """docker-compose.yml run for real, with `docker compose` (v2) and Debian's `docker-compose`
 1.29, on the images `deploy/images.sh` builds: the whole product comes up (Kafka, Redis,
-PostgreSQL, the topics, two workers, the sink, the agent runner), answers the sample session,
-holds it in PostgreSQL, and goes away with its network. And the networks containers run on, compose's and the container test backend's,
+PostgreSQL, the topics, two workers, the sink, the agent runner, the gateway), answers the
+sample session, holds it in PostgreSQL, serves the chat page and a `useChat` client from the
+host (the `ai` package's client, and the page in Chromium, with Compose v2), and goes away with
+its network. And the networks containers run on, compose's and the container test backend's,
 reach nothing beyond the machine and publish ports on loopback only.
 """
 
@@ -11,15 +13,17 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
 import docker
 import pytest
 from containers import NETWORK_OPTIONS
-from pipeline import REPO, free_port, read
+from pipeline import REPO, WORKER_LOGS, free_port, node_test, read
 from testcontainers.core.container import DockerContainer
 from testcontainers.core.network import Network
 
@@ -27,7 +31,8 @@ pytestmark = pytest.mark.xdist_group("compose")  # one Compose project at a time
 
 TOOLS = {"compose-v2": ["docker", "compose"], "docker-compose-1.29": ["docker-compose"]}
 SAMPLE = REPO / "deploy" / "samples" / "conversation.jsonl"
-SERVICES = {"kafka", "redis", "postgres", "topics", "worker-1", "worker-2", "sink", "agent"}
+SERVICES = {"kafka", "redis", "postgres", "topics", "worker-1", "worker-2", "sink", "agent", "gateway"}
+SCREENSHOT = WORKER_LOGS / "memfilter-test-compose-chat-page.png"
 
 # Run inside a container: which of the given (host, port) it can open a connection to.
 REACH = """
@@ -60,7 +65,7 @@ def test_a_container_on_dockers_default_network_reaches_past_the_machine():
     """The control for the tests below: without their networks' options, the same address is
     reached."""
     far = beyond_the_machine()
-    out = docker.from_env().containers.run("memfilter/worker", ["python3", "-c", REACH, json.dumps([far])], remove=True)
+    out = docker.from_env().containers.run("memfilter/memfilter", ["python3", "-c", REACH, json.dumps([far])], remove=True)
     assert json.loads(out) == {far[0]: True}
 
 
@@ -70,7 +75,7 @@ def test_the_container_backends_network_reaches_no_further_than_its_containers_a
         peer = DockerContainer("memfilter/redis").with_network(network).with_network_aliases("peer").with_exposed_ports(6379)
         with peer:
             client = docker.from_env()
-            container = client.containers.run("memfilter/worker", ["sleep", "60"], network=network.name, detach=True)
+            container = client.containers.run("memfilter/memfilter", ["sleep", "60"], network=network.name, detach=True)
             try:
                 assert reaches(container, [("peer", 6379), far]) == {"peer": True, far[0]: False}
             finally:
@@ -85,13 +90,14 @@ def test_the_container_backends_network_reaches_no_further_than_its_containers_a
 @pytest.mark.parametrize("tool", TOOLS)
 def test_compose_brings_up_the_product_it_answers_the_sample_session_and_goes_away(tool):
     project = f"memfilter-test-{uuid.uuid4().hex[:8]}"
-    kafka_port, redis_port, postgres_port = free_port(), free_port(), free_port()
+    kafka_port, redis_port, postgres_port, gateway_port = free_port(), free_port(), free_port(), free_port()
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not k.startswith("MEMFILTER_GATEWAY_")},  # the gateway as `up` makes it
         "MEMFILTER_SECRET": secrets.token_hex(32),
         "MEMFILTER_KAFKA_PORT": str(kafka_port),
         "MEMFILTER_REDIS_PORT": str(redis_port),
         "MEMFILTER_POSTGRES_PORT": str(postgres_port),
+        "MEMFILTER_GATEWAY_PORT": str(gateway_port),
     }
 
     def compose(*args: str) -> subprocess.CompletedProcess:
@@ -141,9 +147,23 @@ def test_compose_brings_up_the_product_it_answers_the_sample_session_and_goes_aw
             assert time.monotonic() < deadline + 60, f"PostgreSQL holds {held} messages of {thread}, Redis {stored}"
             time.sleep(1)
 
+        # the chat page and a useChat client, from the host, on the gateway's published port
+        gateway = f"http://127.0.0.1:{gateway_port}"
+        with urllib.request.urlopen(f"{gateway}/", timeout=10) as page, urllib.request.urlopen(f"{gateway}/chat.js", timeout=10) as script:
+            assert b'src="/chat.js"' in page.read() and len(script.read()) > 10_000
+        if tool == "compose-v2":  # what a user runs; the client and the browser once, not once per Compose tool
+            sent = node_test(
+                "gateway.test.mjs", "--test-name-pattern=^a message gets the agent's answer", GATEWAY_URL=gateway, RESOURCE_HEADER="X-Memfilter-Resource"
+            )
+            assert sent.returncode == 0 and "ℹ pass 1\n" in sent.stdout, sent.stdout[-4000:] + sent.stderr[-2000:]
+            chromium = shutil.which("chromium")
+            assert chromium, "Debian's chromium is not installed: deploy/test.sh installs it"
+            shown = node_test("page.test.mjs", GATEWAY_URL=gateway, CHROMIUM=chromium, SCREENSHOT=str(SCREENSHOT), HOME="/tmp")
+            assert shown.returncode == 0, shown.stdout[-4000:] + shown.stderr[-2000:]
+
         far = beyond_the_machine()
         assert reaches(running["worker-1"], [("kafka", 19092), ("redis", 6379), far]) == {"kafka": True, "redis": True, far[0]: False}
-        for service in ("kafka", "redis", "postgres", "worker-1", "agent"):
+        for service in ("kafka", "redis", "postgres", "worker-1", "agent", "sink", "gateway"):
             assert {b["HostIp"] for bindings in running[service].ports.values() if bindings for b in bindings} == {"127.0.0.1"}
     finally:
         down = compose("down", "-v")
@@ -179,5 +199,5 @@ def all_ready(found: dict) -> bool:
     """Every service healthy, and the topics made (their container exited 0)."""
     if found.keys() != SERVICES:
         return False
-    wanted = {"topics": "exited 0", "sink": "running 0"}  # the sink has no web server to ask
+    wanted = {"topics": "exited 0"}
     return all(state(c) == wanted.get(name, "healthy") for name, c in found.items())
