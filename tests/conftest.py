@@ -23,7 +23,7 @@ end stops it. Tests that share a module- or class-scoped stack, or that must not
 one another, are in one `xdist_group` (run with `--dist loadgroup`).
 
 `MEMFILTER_TEST_BACKEND=containers` runs the tests marked `containers` on containers instead
-(`tests/containers.py`: Kafka, Redis and the workers from the images `deploy/images.sh`
+(`tests/containers.py`: Kafka, Redis, PostgreSQL and the product's processes from the images `deploy/images.sh`
 builds, through testcontainers, on a network made for the session); the others are deselected.
 The default, `processes`, runs every test on the process stack above.
 
@@ -158,7 +158,7 @@ def services():
         from pipeline import free_port
 
         stack = ContainerStack(free_port()).start()
-        yield Services(stack.bootstrap, stack.redis_url, None, containers=stack)
+        yield Services(stack.bootstrap, stack.redis_url, None, postgres_url=stack.postgres_url, containers=stack)
         stack.stop()
         return
     given = os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), os.environ.get("REDIS_URL")

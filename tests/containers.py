@@ -1,10 +1,13 @@
-"""The tests' container backend (`MEMFILTER_TEST_BACKEND=containers`): Kafka, Redis and the
-workers as containers of the images `deploy/images.sh` builds, through testcontainers.
+"""The tests' container backend (`MEMFILTER_TEST_BACKEND=containers`): Kafka, Redis, PostgreSQL
+and the product's processes (workers, the sink, the agent runner, the gateway) as containers of
+the images `deploy/images.sh` builds, through testcontainers; a command (`memfilter history`,
+...) as a container of its own that exits (`run`).
 
 One network per test session, made here and removed at the end, with no masquerading: the
 containers reach each other and the host, nothing beyond; the ports they publish bind to
 127.0.0.1. Kafka advertises two listeners, `kafka:19092` to the containers and
-`127.0.0.1:<port>` to the tests. A worker container answers as a `subprocess.Popen` does
+`127.0.0.1:<port>` to the tests; Redis and PostgreSQL are `redis` and `postgres` to the
+containers (`inside` turns the tests' addresses into these). A worker container answers as a `subprocess.Popen` does
 (`poll`, `wait`, `terminate`, `kill`, `send_signal`), so `Pipeline` starts and kills workers the
 same way on either backend.
 """
@@ -35,6 +38,7 @@ NETWORK_OPTIONS = {
     "com.docker.network.bridge.host_binding_ipv4": "127.0.0.1",  # published ports on loopback only
 }
 WEB_PORT = 6066  # the workers' web server inside their containers (the Dockerfile's)
+IMAGE = "memfilter/memfilter"
 
 
 def published(container: DockerContainer, port: int) -> int:
@@ -46,11 +50,11 @@ class WorkerContainer:
     code; its output is written to `log_path` when it has exited (or a test fails: see
     `save_logs`), and then it is removed."""
 
-    def __init__(self, container: DockerContainer, log_path: Path):
+    def __init__(self, container: DockerContainer, log_path: Path, port: int = WEB_PORT):
         self.container = container
         self.log_path = log_path
         self.returncode: int | None = None
-        self.web_port = published(container, WEB_PORT)
+        self.web_port = published(container, port)
         RUNNING.add(self)
 
     def save_log(self) -> None:
@@ -106,7 +110,7 @@ def save_logs() -> None:
 
 
 class ContainerStack:
-    """Kafka and Redis containers on a network of their own; workers started on it."""
+    """Kafka, Redis and PostgreSQL containers on a network of their own; the product's processes started on it."""
 
     def __init__(self, kafka_port: int):
         self.network = Network(docker_network_kw={"options": NETWORK_OPTIONS})
@@ -119,17 +123,24 @@ class ContainerStack:
             .with_envs(**kafka_settings(kafka_port))
         )
         self.redis = DockerContainer("memfilter/redis").with_network(self.network).with_network_aliases("redis").with_exposed_ports(6379)
+        self.postgres = DockerContainer("memfilter/postgres").with_network(self.network).with_network_aliases("postgres").with_exposed_ports(5432)
         self.bootstrap = f"127.0.0.1:{kafka_port}"
         self.redis_url = ""
+        self.postgres_url = ""
 
     def start(self, timeout: float = 120) -> ContainerStack:
         self.network.create()
         try:
-            self.redis.start()
-            self.kafka.start()
+            for container in (self.redis, self.postgres, self.kafka):
+                container.start()
             self.redis_url = f"redis://127.0.0.1:{published(self.redis, 6379)}/0"
+            self.postgres_url = f"postgresql://memfilter@127.0.0.1:{published(self.postgres, 5432)}/postgres"
             deadline = time.monotonic() + timeout
             while not _redis_answers(self.redis_url) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            while self.postgres.get_wrapped_container().exec_run(["sh", "-c", "/usr/lib/postgresql/*/bin/pg_isready -q -h 127.0.0.1"]).exit_code:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the PostgreSQL container did not answer within {timeout} s")
                 time.sleep(0.2)
             while not asyncio.run(broker_answers(self.bootstrap, 5)):
                 if time.monotonic() > deadline:
@@ -140,20 +151,36 @@ class ContainerStack:
             raise
         return self
 
-    def worker(self, argv: list[str], env: dict[str, str], log_path: Path) -> WorkerContainer:
-        """A container of the worker image running `memfilter ARGV` (`worker ...`, `agent ...`)
-        with its web server on WEB_PORT, and `env` pointed at the containers' Kafka and Redis."""
+    def inside(self, env: dict[str, str]) -> dict[str, str]:
+        """`env` with the services' addresses as the containers reach them."""
+        out = {**env, "KAFKA_BOOTSTRAP_SERVERS": "kafka:19092", "REDIS_URL": "redis://redis:6379/0"}
+        if "POSTGRES_URL" in env:
+            out["POSTGRES_URL"] = "postgresql://memfilter@postgres:5432/postgres"
+        return out
+
+    def worker(self, argv: list[str], env: dict[str, str], log_path: Path, port: int = WEB_PORT, web_port_flag: bool = True) -> WorkerContainer:
+        """A container of the product's image running `memfilter ARGV` (`worker ...`, `agent
+        ...`, `sink ...`, `gateway ...`) with its web server on `port` (given as `--web-port`
+        unless `web_port_flag` is false: the settings in `env` name it), published on loopback,
+        and `env` pointed at the containers' Kafka, Redis and PostgreSQL."""
         container = (
-            DockerContainer("memfilter/worker")
+            DockerContainer(IMAGE)
             .with_network(self.network)
-            .with_command(["memfilter", *argv, "--web-port", str(WEB_PORT)])
-            .with_envs(**{**env, "KAFKA_BOOTSTRAP_SERVERS": "kafka:19092", "REDIS_URL": "redis://redis:6379/0"})
-            .with_exposed_ports(WEB_PORT)
+            .with_command(["memfilter", *argv, *(["--web-port", str(port)] if web_port_flag else [])])
+            .with_envs(**self.inside(env))
+            .with_exposed_ports(port)
         )
-        return WorkerContainer(container.start(), log_path)
+        return WorkerContainer(container.start(), log_path, port)
+
+    def run(self, argv: list[str], env: dict[str, str], input: bytes | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+        """`memfilter ARGV` in a container of the product's image that exits, `input` on its stdin: as `subprocess.run` answers (text)."""
+        flags = [f"--env={k}={v}" for k, v in self.inside(env).items()]
+        command = ["docker", "run", "--rm", "-i", f"--network={self.network.name}", *flags, IMAGE, "memfilter", *argv]
+        done = subprocess.run(command, input=input or b"", capture_output=True, timeout=timeout)
+        return subprocess.CompletedProcess(argv, done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace"))
 
     def stop(self) -> None:
-        for container in (self.kafka, self.redis):
+        for container in (self.kafka, self.redis, self.postgres):
             container.stop()
         self.network.remove()
 
