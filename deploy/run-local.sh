@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # The product on a local default stack, from a fresh clone, as the loop it sits in: installs
-# what it needs, starts Kafka, Redis and PostgreSQL (`memfilter stack up`), a worker, the sink
-# (persist-messages into PostgreSQL) and the reference agent runner (echo model), then a scripted useChat-like client (`memfilter converse`) that
-# sends each turn as a full echo of its conversation, waits for the saved reply and appends
-# it, answering one client tool call, then regenerating an answer and editing a message on the
-# way; it prints what the model saw at each turn,
-# then the thread as it is stored (`memfilter history show`), and as PostgreSQL holds it (SQL). Then it starts the gateway
-# (`memfilter gateway`, identity from a header as on loopback) and prints the chat page's
-# address; at a terminal, the worker, the agent and the gateway keep serving the page until
-# Ctrl-C. Exits 1 if the worker, the sink, the agent or the gateway stops on the way. The stack keeps
-# running afterwards: `.venv/bin/memfilter stack down`.
+# what it needs, starts Kafka, Redis and PostgreSQL (`memfilter stack up`, under .stack/), a
+# worker, the sink (persist-messages into PostgreSQL) and the reference agent runner (echo
+# model), then a scripted useChat-like client (`memfilter converse`) that sends each turn as a
+# full echo of its conversation, waits for the saved reply and appends it, answering one client
+# tool call, then regenerating an answer and editing a message on the way; it prints what the
+# model saw at each turn, then the thread as it is stored (`memfilter history show`), and as
+# PostgreSQL holds it (SQL). Then it starts the gateway (`memfilter gateway`, identity from a
+# header as on loopback) and, at a terminal, serves the chat page until Ctrl-C.
+# A stack that cannot start (a port taken: the line names the setting that moves it) stops the
+# script at once with its reason; it exits 1 if the worker, the sink, the agent or the gateway
+# stops on the way. The processes it started stop with it; the stack keeps running, and its
+# last lines say how to stop that too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./deploy/setup.sh
-eval "$(.venv/bin/memfilter stack up)"
+exports=$(.venv/bin/memfilter stack up) || exit  # a failed `up` has said why on stderr
+eval "$exports"
 .venv/bin/memfilter stack status
 dir="${MEMFILTER_STACK_DIR:-.stack}"
 
@@ -63,9 +66,12 @@ until curl -fs "http://127.0.0.1:$port/readyz" > /dev/null; do
   sleep 0.2
 done
 curl -fs "http://127.0.0.1:$port/chat.js" > /dev/null || { echo "run-local: the gateway serves no chat page (is it built? deploy/setup.sh builds it)" >&2; exit 1; }
-echo "--- the chat page: http://127.0.0.1:$port/?user=demo (memfilter gateway: the AI SDK's client, through Kafka and the workers)"
 echo "--- logs: $dir/worker.log, $dir/agent.log, $dir/sink.log, $dir/gateway.log; run them yourself with .venv/bin/memfilter worker / agent / sink / gateway"
 if [ -t 0 ]; then
-  echo "--- serving the page until Ctrl-C"
-  wait "$gateway"
+  echo "--- the chat page: http://127.0.0.1:$port/?user=demo (memfilter gateway: the AI SDK's client, through Kafka and the workers)"
+  echo "--- serving it until Ctrl-C, which stops the worker, the agent, the sink and the gateway; then the stack: .venv/bin/memfilter stack down"
+  wait "$gateway" || true
+else
+  echo "--- not at a terminal: the worker, the agent, the sink and the gateway stop now; run this at a terminal to keep the chat page served"
+  echo "--- the stack keeps running (memfilter stack status); stop it with: .venv/bin/memfilter stack down"
 fi

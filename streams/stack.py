@@ -5,9 +5,10 @@ Kafka in KRaft mode (broker and controller in one JVM), from the `org.apache.kaf
 jars that Maven collects from Maven Central (`streams/kafka-pom.xml`, shipped in the package), Debian's
 `redis-server`, and Debian's PostgreSQL (the history's PostgreSQL tier: docs/postgres.md; run
 as the `postgres` user when the stack is started as root, since PostgreSQL refuses to run as
-root, its data then under /var/lib/postgresql/memfilter/; trust authentication, loopback only). All listen on loopback ports; their jars, data, logs and pids live under one
+root; trust authentication, loopback only). All listen on loopback ports; their jars, data, logs and pids live under one
 stack folder (default `.stack/` in the checkout, git-ignored; for an installed package
-`~/.local/state/memfilter/stack`).
+`~/.local/state/memfilter/stack`), but for PostgreSQL's when the `postgres` user cannot reach
+that folder (a root's home): then under /var/lib/postgresql/memfilter/.
 
 By default one broker and one Redis. `--brokers 3` makes a KRaft cluster of three (each a
 broker and a voter of the controller quorum; topics, offsets and the transaction log with
@@ -411,12 +412,22 @@ def _start_redis(s: Settings, name: str, server: str) -> subprocess.Popen:
 
 
 def _postgres_home(s: Settings) -> Path:
-    """Where the stack's PostgreSQL keeps its data and log: in the stack folder; started as
-    root, under Debian's home of PostgreSQL's clusters, one folder per stack folder (PostgreSQL
-    runs as `postgres`, which may not reach a root's folder: /root is 0700)."""
-    if os.geteuid() == 0:
+    """Where the stack's PostgreSQL keeps its data and log: in the stack folder. Started as root,
+    PostgreSQL runs as `postgres`, which must reach that folder: where it cannot (a root's
+    folder under /root, which is 0700), under Debian's home of PostgreSQL's clusters instead,
+    one folder per stack folder (`status` and `up` say which)."""
+    if os.geteuid() == 0 and not _reachable_by_postgres(s.dir):
         return Path("/var/lib/postgresql/memfilter") / hashlib.sha256(str(s.dir).encode()).hexdigest()[:16]
     return _home(s, "postgres")
+
+
+def _reachable_by_postgres(folder: Path) -> bool:
+    """Can the `postgres` user pass through every folder down to `folder` (the nearest that exists)?"""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    try:
+        return subprocess.run(["test", "-x", str(existing)], user="postgres", capture_output=True).returncode == 0
+    except (KeyError, OSError):  # no `postgres` user yet
+        return False
 
 
 def _start_postgres(s: Settings, bin_dir: Path) -> subprocess.Popen:

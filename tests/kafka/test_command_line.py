@@ -324,6 +324,7 @@ def run_local_env(services) -> dict[str, str]:
         "MEMFILTER_WEB_PORT": str(free_port()),
         "MEMFILTER_AGENT_WEB_PORT": str(free_port()),
         "MEMFILTER_GATEWAY_PORT": str(free_port()),
+        "MEMFILTER_SINK_WEB_PORT": str(free_port()),
     }
 
 
@@ -346,8 +347,13 @@ def test_run_local_runs_the_loop_and_shows_what_the_model_saw_and_what_is_stored
     assert stored.count("(superseded by request ") == 2
     # three answers (the answer to the tool's result continues the call's message) and the two superseded
     assert stored.count("assistant") == 3 + 2 and "Print my itinerary and the seat map." in stored
-    held = held.split("--- the chat page")[0]  # the sink wrote the same thread to PostgreSQL
+    held, end = held.split("--- logs")  # the sink wrote the same thread to PostgreSQL
     assert held.count("| assistant |") == 3 + 2 and "(8 rows)" in held
+    # not at a terminal: it says its processes stop, and how to stop the stack it leaves running
+    assert end.splitlines()[-2:] == [
+        "--- not at a terminal: the worker, the agent, the sink and the gateway stop now; run this at a terminal to keep the chat page served",
+        "--- the stack keeps running (memfilter stack status); stop it with: .venv/bin/memfilter stack down",
+    ]
 
 
 @pytest.mark.xdist_group("default-topics")  # run-local uses the default topics, groups and prefix: one at a time
@@ -362,3 +368,21 @@ def test_run_local_exits_1_when_its_worker_stops(services, tmp_path):
         result = subprocess.run(["bash", "deploy/run-local.sh"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "run-local: the worker exited" in result.stderr and "each worker on a host needs its own port" in result.stderr
+
+
+@pytest.mark.xdist_group("default-topics")  # run-local runs deploy/setup.sh: one at a time
+def test_run_local_stops_at_once_with_the_stacks_reason_when_a_port_is_taken(tmp_path):
+    """A stack that cannot start stops the script at once, `stack up`'s line (which names the
+    setting that moves the port) its last word: no worker waited for, no conversation tried."""
+    ports = {k: str(free_port()) for k in ("MEMFILTER_KAFKA_PORT", "MEMFILTER_CONTROLLER_PORT", "MEMFILTER_REDIS_PORT")}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        env = {**os.environ, "MEMFILTER_STACK_DIR": str(tmp_path / "stack"), "MEMFILTER_POSTGRES_PORT": str(taken), **ports}
+        result = subprocess.run(["bash", "deploy/run-local.sh"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"memfilter stack up: port {taken} for PostgreSQL is taken by " in result.stderr and "set MEMFILTER_POSTGRES_PORT" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("memfilter stack up: port "), result.stderr  # its line is the last word
+    assert "--- the conversation" not in result.stdout and "stack status" not in result.stdout
+    assert not (tmp_path / "stack" / "running.json").exists()
