@@ -46,7 +46,36 @@ Outcome = Literal[
 Trigger = Literal["submit-message", "regenerate-message"]
 
 
-NonEmpty = Annotated[str, Meta(min_length=1)]
+# An id a client or a writer gives (a thread, a resource, a message; and a message's `type`,
+# stored beside them). Ids key Redis, Kafka records and PostgreSQL's rows, so one rule holds
+# them wherever they come in (docs/security.md, "Ids and texts"): 1 to MAX_ID_LENGTH
+# characters, none a control character. A key of two ids then fits a PostgreSQL index entry
+# (2,704 bytes) whatever the characters, U+0000 (which PostgreSQL's text cannot hold) never
+# reaches a column, and no id breaks a log line or a header.
+MAX_ID_LENGTH = 256
+PRINTABLE = "^[^\\x00-\\x1f\\x7f]+$(?!\\n)"  # `(?!\n)`: Python's `$` passes a last newline
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LENGTH, pattern=PRINTABLE)]
+# A request's id: printable as an id, of any length. It keys no PostgreSQL index (a save's
+# identity is kept in a thread's `saved`; the request that superseded a row, in a column no
+# index reads), and a reply's save is named after it (`<requestId>/reply`).
+RequestId = Annotated[str, Meta(min_length=1, pattern=PRINTABLE)]
+
+
+def id_problem(value: Any, kind: Any = Id) -> str | None:
+    """None when `value` is an id (`Id`, or the `kind` given: `RequestId`), else why not, in a
+    phrase for an error."""
+    try:
+        msgspec.convert(value, kind)
+        return None
+    except msgspec.ValidationError as e:
+        if not isinstance(value, str) or not value:
+            return f"is not an id ({e})"
+        if len(value) > MAX_ID_LENGTH and kind is Id:
+            return f"is {len(value):,} characters; an id has {MAX_ID_LENGTH} at most"
+        bad = next(c for c in value if c < "\x20" or c == "\x7f")
+        return f"holds the control character U+{ord(bad):04X} at {value.index(bad)}; an id is printable text"
+
+
 # Values the processor passes on without reading them stay JSON bytes (msgspec.Raw): decoding
 # them into Python objects only to encode them again costs allocations and garbage collection.
 AnyJSON = msgspec.Raw
@@ -91,11 +120,11 @@ class Message(Struct, omit_defaults=True, gc=False):
 
     role: Role
     content: Content
-    id: NonEmpty | UnsetType = UNSET
+    id: Id | UnsetType = UNSET
     createdAt: str | UnsetType = UNSET
     threadId: str | UnsetType = UNSET
     resourceId: str | UnsetType = UNSET
-    type: str | UnsetType = UNSET
+    type: Id | UnsetType = UNSET
 
 
 class UIMessage(Struct, omit_defaults=True, gc=False):
@@ -106,7 +135,7 @@ class UIMessage(Struct, omit_defaults=True, gc=False):
 
     role: Role
     parts: list[dict[str, Any]]
-    id: NonEmpty | UnsetType = UNSET
+    id: Id | UnsetType = UNSET
     content: str | UnsetType = UNSET  # AI SDK v4's text mirror
     metadata: dict[str, Any] | UnsetType = UNSET
     createdAt: str | UnsetType = UNSET
@@ -147,11 +176,11 @@ class EitherMessage(Struct, omit_defaults=True, gc=False):
     content: Content | str | UnsetType = UNSET
     parts: list[UIPart] | UnsetType = UNSET
     metadata: JSONObject | UnsetType = UNSET
-    id: NonEmpty | UnsetType = UNSET
+    id: Id | UnsetType = UNSET
     createdAt: str | UnsetType = UNSET
     threadId: str | UnsetType = UNSET
     resourceId: str | UnsetType = UNSET
-    type: str | UnsetType = UNSET
+    type: Id | UnsetType = UNSET
 
 
 # A message as it travels through the processor: the dict msgspec decoded, every key kept.
@@ -192,13 +221,13 @@ M = TypeVar("M")
 class ChatRequestOf(Struct, Generic[M], omit_defaults=True):
     """A value on `chat-requests`, keyed by `threadId`."""
 
-    threadId: NonEmpty
-    resourceId: NonEmpty
+    threadId: Id
+    resourceId: Id
     messages: list[M]
-    requestId: NonEmpty | UnsetType = UNSET
+    requestId: RequestId | UnsetType = UNSET
     retainFullInput: bool = False
     trigger: Trigger | UnsetType = UNSET
-    messageId: str | UnsetType = UNSET  # with `submit-message`: the message edited (`docs/regenerate-edit.md`)
+    messageId: Id | UnsetType = UNSET  # with `submit-message`: the message edited (`docs/regenerate-edit.md`)
 
 
 ChatRequest = ChatRequestOf[RequestMessageDict]
@@ -227,9 +256,9 @@ class FilteredInput(Struct):
     was made, so an audit can rebuild exactly the history the decision saw.
     """
 
-    requestId: str
-    threadId: str
-    resourceId: str
+    requestId: RequestId
+    threadId: Id
+    resourceId: Id
     outcome: Outcome
     messages: list[ContributedDict]
     context: list[MessageDict]
@@ -239,6 +268,19 @@ class FilteredInput(Struct):
     superseded: list[str] = []  # ids of the rows this request took out of the conversation (regenerate, edit)
     format: Literal[2] | UnsetType = UNSET  # 2: `messages` refer into `context`; absent: format 1, all whole
     contextTokens: float | UnsetType = UNSET  # with a token budget (MEMFILTER_CONTEXT_TOKENS): what the context weighs
+    # with a token budget: true when the stored history the rows allowed did not fit, not even
+    # its newest whole turn, so the context holds the request alone (absent otherwise)
+    historyLeftOut: (
+        Annotated[
+            bool,
+            Meta(
+                description="With a token budget (MEMFILTER_CONTEXT_TOKENS): true when none of the stored history the rows allowed fits "
+                "beside the request, not even its newest whole turn, so the context holds the request alone (MEMFILTER_CONTEXT_NO_HISTORY=send). "
+                "Absent otherwise."
+            ),
+        ]
+        | UnsetType
+    ) = UNSET
 
 
 class Erasure(Struct):
@@ -265,12 +307,12 @@ class PersistMessagesOf(Struct, Generic[M], omit_defaults=True):
     version `historyVersion` (`memfilter forget`, `docs/erasure.md`).
     """
 
-    requestId: str
-    threadId: str
-    resourceId: str
+    requestId: RequestId
+    threadId: Id
+    resourceId: Id
     messages: list[M]
     historyVersion: int | UnsetType = UNSET
-    superseded: list[str] = []  # ids of this thread's rows to take out of the conversation (kept stored)
+    superseded: list[Id] = []  # ids of this thread's rows to take out of the conversation (kept stored)
     erasure: Erasure | UnsetType = UNSET  # an operator's erasure of the thread (no messages)
 
 
@@ -287,9 +329,9 @@ class ReplyChunk(Struct):
     new attempt, from a `start` chunk.
     """
 
-    requestId: str  # the filtered input's
-    threadId: str
-    resourceId: str
+    requestId: RequestId  # the filtered input's
+    threadId: Id
+    resourceId: Id
     attempt: str
     chunk: dict[str, Any]  # a UI message stream chunk (the `ai` package's uiMessageChunkSchema)
 
@@ -299,8 +341,8 @@ class StopReply(Struct, omit_defaults=True):
     its thread (the gateway's `POST /api/chat/{id}/stop`). The runner making it ends the model
     call and saves what was made, with finish reason `interrupted`."""
 
-    threadId: str
-    resourceId: str
+    threadId: Id
+    resourceId: Id
     requestId: str = ""  # the reply's request, when known: another request's reply is not stopped
 
 

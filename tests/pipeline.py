@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable
@@ -178,6 +180,28 @@ class Pipeline:
         """`memfilter sink` on the pipeline's topics, store and PostgreSQL; stopped with the workers."""
         log = WORKER_LOGS / f"memfilter-test-{self.name}-sink{len(self.workers)}.log"
         return self._start("sink", log, {"MEMFILTER_SINK_GROUP": f"sink-{self.name}", **extra_env})
+
+    def start_gateway(self, name: str, **extra_env: str) -> int:
+        """A gateway process (`memfilter gateway`) on the pipeline, named `name` in its log's
+        name, once ready; its port. Stopped with the workers."""
+        port = free_port()
+        log = WORKER_LOGS / f"memfilter-test-{self.name}-gateway-{name}.log"
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "memfilter", "gateway", "--port", str(port)],
+            env=self.env(**extra_env),
+            cwd=REPO,
+            stdout=open(log, "ab"),
+            stderr=subprocess.STDOUT,
+        )
+        self.workers.append(gateway)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2):
+                    return port
+            except (urllib.error.URLError, ConnectionError):
+                assert gateway.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
 
     def _start(self, command: str, log_path: Path, extra_env: dict[str, str]) -> subprocess.Popen:
         loglevel = os.environ.get("MEMFILTER_TEST_LOGLEVEL", "warn")

@@ -14,10 +14,15 @@ EXTRA = "worker"
 
 def run(args: argparse.Namespace) -> int:
     from memfilter.admin.erasure import forget
+    from memfilter.schemas.wire import id_problem
 
     settings = Settings.from_env()
     if reason := no_secret(settings):
         print(f"memfilter forget: {reason}", file=sys.stderr)
+        return 2
+    named, value = ("--resource", args.resource) if args.resource else ("--thread", args.thread)
+    if problem := id_problem(value):  # no thread or resource is stored under it: the rule of every id (docs/security.md)
+        print(f"memfilter forget: {named} {value!r} {problem}; nothing is stored under it", file=sys.stderr)
         return 2
     store = history_store(settings.redis.url, settings.redis.prefix, settings)
 

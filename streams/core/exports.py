@@ -33,7 +33,7 @@ import msgspec
 
 from memfilter.core import ui
 from memfilter.core.filter import iso_ms, parse_ms
-from memfilter.schemas.wire import Message
+from memfilter.schemas.wire import Message, id_problem
 
 _MESSAGE = msgspec.json.Decoder(Message)
 
@@ -56,6 +56,9 @@ def read_export(lines: Iterable[bytes]) -> list[ImportedThread]:
     def thread_of(tid: Any, line: int) -> ImportedThread | None:
         if not isinstance(tid, str) or not tid:
             bad.append(f"line {line}: no thread id")
+            return None
+        if problem := id_problem(tid):
+            bad.append(f"line {line}: the thread id {problem}")
             return None
         t = threads.setdefault(tid, ImportedThread(tid, None))
         t.lines.append(line)
@@ -120,6 +123,8 @@ def with_created_at(rows: list[dict[str, Any]], stored: dict[str, dict[str, Any]
 def _own(t: ImportedThread, resource: Any, line: int) -> None:
     if not isinstance(resource, str) or not resource:
         t.problems.append(f"line {line}: no resourceId")
+    elif problem := id_problem(resource):
+        t.problems.append(f"line {line}: the resourceId {problem}")
     elif t.resource is None:
         t.resource = resource
     elif t.resource != resource:

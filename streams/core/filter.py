@@ -49,7 +49,7 @@ import msgspec
 from msgspec import UNSET
 
 from memfilter.core import tokens, ui, window
-from memfilter.schemas.wire import ChatRequestOf, Content, Dropped, EitherMessage, Message, Part
+from memfilter.schemas.wire import ChatRequestOf, Content, Dropped, EitherMessage, Id, Message, Part, RequestId, id_problem
 
 Msg = dict[str, Any]
 
@@ -189,7 +189,7 @@ def decode_json(decoder: msgspec.json.Decoder, raw: bytes | None, what: str, sha
         try:
             return decoder.decode(raw)
         except msgspec.DecodeError as e:
-            shape_error = str(e).replace("`$.", "`")
+            shape_error = str(e)
         if fallback is not None:
             try:
                 return fallback.decode(raw)
@@ -202,7 +202,28 @@ def decode_json(decoder: msgspec.json.Decoder, raw: bytes | None, what: str, sha
         raise Rejected("decode", f"{what} is not JSON: {e}") from None
     finally:
         sys.setrecursionlimit(limit)
-    raise Rejected("schema", f"{what} does not match {shape}: {shape_error}", decoded)
+    raise Rejected("schema", f"{what} does not match {shape}: {_named(shape_error, decoded)}", decoded)
+
+
+_AT = re.compile(r" - at `\$((?:\.[^.\[`]+|\[\d+\])*)`$")
+
+
+def _named(error: str, decoded: Any) -> str:
+    """msgspec's shape error, the path without its `$.`; for an id (`Id`), what is wrong with
+    it in words rather than the rule's regular expression."""
+    at = _AT.search(error)
+    if at is None:
+        return error
+    path = at.group(1).removeprefix(".")
+    value = decoded
+    try:
+        for key, index in re.findall(r"\.?([^.\[]+)|\[(\d+)\]", at.group(1)):
+            value = value[int(index)] if index else value[key]
+    except (KeyError, IndexError, TypeError):
+        value = None
+    kind = RequestId if path.endswith("requestId") else Id
+    problem = id_problem(value, kind) if isinstance(value, str) and error.startswith("Expected `str` ") else None
+    return f"`{path}` {problem}" if problem else error.replace("`$.", "`")
 
 
 def decode_request(raw: bytes | None, default_id: str, limits: Limits = Limits(), id_key: bytes = b"") -> Request:
@@ -311,12 +332,11 @@ def _converted_whole(error: Rejected) -> tuple[ChatRequestOf[Message], list[msgs
     try:
         return _TYPED.decode(converted), _RAW.decode(converted).messages
     except msgspec.ValidationError as e:
-        detail, _, path = str(e).partition(" - at `$.")
-        path = path.rstrip("`")
-        if match := re.match(r"messages\[(\d+)\]\.content\.parts\[", path):
+        named = _named(str(e), request)
+        if match := re.search(r"messages\[(\d+)\]\.content\.parts\[", named):
             if kinds[int(match.group(1))]:  # where the client sent it
-                path = path.replace(".content.parts[", ".parts[", 1)
-        raise Rejected("schema", f"request does not match ChatRequest: {detail} - at `{path}`") from None
+                named = named.replace(".content.parts[", ".parts[", 1)
+        raise Rejected("schema", f"request does not match ChatRequest: {named}") from None
 
 
 def check_key(thread: str, key: bytes | None) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 
 import jwt
 
+from memfilter.schemas.wire import id_problem
 from memfilter.settings import Gateway
 
 ASYMMETRIC = ["RS256", "RS384", "RS512", "ES256", "ES384", "EdDSA"]
@@ -34,6 +35,8 @@ def resource_of(settings: Gateway) -> Callable[[Mapping[str, str]], str]:
             value = headers.get(name, "").strip()
             if not value:
                 raise Unauthenticated(f"no {name} header: the proxy in front of the gateway sets it to the caller's resource id")
+            if problem := id_problem(value):
+                raise Unauthenticated(f"the {name} header {problem}: it names the caller's resource id")
             return value
 
         return from_header
@@ -52,8 +55,8 @@ def resource_of(settings: Gateway) -> Callable[[Mapping[str, str]], str]:
         except jwt.InvalidTokenError as e:
             raise Unauthenticated(f"the bearer token does not verify: {e}") from None
         sub = claims["sub"]
-        if not isinstance(sub, str) or not sub:
-            raise Unauthenticated("the bearer token's `sub` is not a resource id (a non-empty string)")
+        if problem := id_problem(sub):
+            raise Unauthenticated(f"the bearer token's `sub` {problem}: it names the caller's resource id")
         return sub
 
     return from_token

@@ -55,7 +55,7 @@ from aiohttp import web
 from aiokafka.errors import KafkaError
 
 from memfilter.client import Client, InvalidRequest
-from memfilter.core.filter import Rejection
+from memfilter.core.filter import Rejected, Rejection, decode_json
 from memfilter.core.replies import wants_reply
 from memfilter.core.ui import to_ui
 from memfilter.core.ui_stream import DONE, HEADERS, chunks, event
@@ -63,6 +63,7 @@ from memfilter.gateway.identity import Unauthenticated, resource_of
 from memfilter.gateway.outcomes import ENDS, Live, Outcomes, Waiting, stored
 from memfilter.metrics import GatewayMetrics
 from memfilter.runtime.records import MAX_RECORD_BYTES
+from memfilter.schemas.wire import id_problem
 from memfilter.settings import Settings
 from memfilter.store.cold import Warmer
 from memfilter.store.history import HistoryStore
@@ -70,6 +71,7 @@ from memfilter.store.redis_driver import connect
 
 log = logging.getLogger("memfilter")
 PAGE = importlib.resources.files("memfilter.gateway") / "page"  # index.html, and chat.js once built (`npm run build` there)
+_ANY = msgspec.json.Decoder()  # a body is read whole, then checked key by key (`Gateway._chat`)
 # How long a resume waits for a gateway just started to read the replies begun before it.
 RESUME_CATCH_UP_S = 10.0
 
@@ -211,10 +213,10 @@ class Gateway:
         return response
 
     async def _chat(self, request: web.Request, resource: str) -> tuple[web.StreamResponse, str]:
-        try:
-            body = msgspec.json.decode(await request.read())
-        except msgspec.DecodeError as e:
-            return error(400, "schema", f"the body is not JSON: {e}"), "schema"
+        try:  # as the worker decodes a record: UTF-8, nested no deeper than a record may be
+            body = decode_json(_ANY, await request.read(), "the body", "a chat request")
+        except Rejected as e:
+            return error(400, e.type, e.message), e.type
         if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not body["id"] or not isinstance(body.get("messages"), list):
             return error(400, "schema", "the body is not a chat request: expected {id: the chat id, messages: [...]}, as useChat sends"), "schema"
         named = body.get("resourceId")
@@ -329,6 +331,8 @@ class Gateway:
         except Unauthenticated as e:
             return error(401, "unauthenticated", str(e))
         thread = request.match_info["thread"]
+        if problem := id_problem(thread):
+            return error(400, "schema", f"the thread id in the path {problem}")
         _, owners, _ = await self.store.owners([], [thread])
         owner = owners.get(thread)
         if owner is not None and owner != resource:

@@ -23,8 +23,6 @@ import asyncio
 import json
 import secrets
 import shutil
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +33,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 from fake_openai import FakeOpenAI
-from pipeline import REPO, WORKER_LOGS, free_port, node_test, publish, wait_for_line
+from pipeline import WORKER_LOGS, node_test, publish, wait_for_line
 
 from memfilter.client import Client
 from memfilter.core import origin
@@ -47,23 +45,6 @@ pytestmark = pytest.mark.xdist_group("gateway")  # the module's worker, agent an
 
 SCREENSHOT = WORKER_LOGS / "memfilter-test-chat-page.png"
 JWT_KEY = secrets.token_hex(32)
-
-
-def start_gateway(pipeline, name: str, **env: str) -> int:
-    port = free_port()
-    log = WORKER_LOGS / f"memfilter-test-{pipeline.name}-gateway-{name}.log"
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "memfilter", "gateway", "--port", str(port)], env=pipeline.env(**env), cwd=REPO, stdout=open(log, "ab"), stderr=subprocess.STDOUT
-    )
-    pipeline.workers.append(gateway)  # stopped with the workers
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2):
-                return port
-        except (urllib.error.URLError, ConnectionError):
-            assert gateway.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +79,12 @@ def gateways(pipelines, model_agent):
         wait_for_line(worker.log_path, "memfilter worker ready", timeout=60)
     reply, jwt = {"MEMFILTER_GATEWAY_REPLY_S": "30"}, {"MEMFILTER_GATEWAY_AUTH": "jwt", "MEMFILTER_GATEWAY_JWT_KEY": JWT_KEY}
     yield {
-        "jwt": start_gateway(pipeline, "jwt", **jwt, **reply),
-        "jwt-2": start_gateway(pipeline, "jwt-2", **jwt, **reply),
-        "header": start_gateway(pipeline, "header", MEMFILTER_GATEWAY_AUTH="header", **reply),
-        "unserved": start_gateway(unserved, "unserved", **jwt, MEMFILTER_GATEWAY_OUTCOME_S="5", MEMFILTER_GATEWAY_MAX_IN_FLIGHT="1"),
-        "model": start_gateway(model, "model", **jwt, **reply),
-        "model-2": start_gateway(model, "model-2", **jwt, **reply),
+        "jwt": pipeline.start_gateway("jwt", **jwt, **reply),
+        "jwt-2": pipeline.start_gateway("jwt-2", **jwt, **reply),
+        "header": pipeline.start_gateway("header", MEMFILTER_GATEWAY_AUTH="header", **reply),
+        "unserved": unserved.start_gateway("unserved", **jwt, MEMFILTER_GATEWAY_OUTCOME_S="5", MEMFILTER_GATEWAY_MAX_IN_FLIGHT="1"),
+        "model": model.start_gateway("model", **jwt, **reply),
+        "model-2": model.start_gateway("model-2", **jwt, **reply),
     }
 
 
@@ -163,7 +144,7 @@ def test_a_gateway_started_while_a_reply_is_being_made_resumes_it_from_its_first
             while relayed[-1]["type"] != "text-delta":  # the reply has begun
                 relayed.append(await _chunk(posted))
             await publish(model.bootstrap, model.topics.streams, [(thread.encode(), value, None) for value in forged])
-            late = await asyncio.to_thread(start_gateway, pipelines["model"], "late", MEMFILTER_GATEWAY_AUTH="jwt", MEMFILTER_GATEWAY_JWT_KEY=JWT_KEY)
+            late = await asyncio.to_thread(pipelines["model"].start_gateway, "late", MEMFILTER_GATEWAY_AUTH="jwt", MEMFILTER_GATEWAY_JWT_KEY=JWT_KEY)
             resumed = await http.get(f"http://127.0.0.1:{late}/api/chat/{thread}/stream", headers=auth)
             assert resumed.status == 200
             replayed = [await _chunk(resumed)]
@@ -209,6 +190,48 @@ def test_a_gateway_just_started_knows_a_reply_begun_before_it_once_it_says_it_ha
             await client.aclose()
 
     assert asyncio.run(go()) == request_id
+
+
+def test_a_body_or_path_no_request_may_carry_is_refused_with_its_reason_and_the_gateway_goes_on(gateways):
+    """What a client sends the gateway is held to what the worker holds a record to: JSON nested
+    past what a record may be, a lone surrogate, an id that is no id (in the body, in a path, as
+    the caller) are each a 4xx naming what is wrong, never a 500; the gateway then answers as before."""
+    base = f"http://127.0.0.1:{gateways['header']}"
+    ok = {"X-Memfilter-Resource": "hostile-user", "Content-Type": "application/json"}
+    message = {"id": "h-u0", "role": "user", "parts": [{"type": "text", "text": "hi"}]}
+
+    async def go() -> list[tuple[int, dict]]:
+        async with aiohttp.ClientSession() as http:
+            answers = []
+            for method, path, data, headers in [
+                ("POST", "/api/chat", b'{"id": "h1", "messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", ok),
+                ("POST", "/api/chat", b'{"id": "h\\ud800", "messages": []}', ok),
+                ("POST", "/api/chat", json.dumps({"id": "h\u0000x", "messages": [message]}).encode(), ok),
+                ("POST", "/api/chat", json.dumps({"id": "h2", "messages": [{**message, "id": "m" * 300}]}).encode(), ok),
+                ("POST", "/api/chat", json.dumps({"id": "h3", "messages": [message]}).encode(), {**ok, "X-Memfilter-Resource": "r" * 300}),
+                ("GET", "/api/threads/h%00x/messages", None, ok),
+                ("GET", f"/api/chat/{'t' * 300}/stream", None, ok),
+            ]:
+                async with http.request(method, base + path, data=data, headers=headers) as r:
+                    answers.append((r.status, await r.json()))
+            return answers
+
+    answers = asyncio.run(go())
+    assert [(status, body["error"]["code"]) for status, body in answers] == [
+        (400, "decode"),
+        (400, "decode"),
+        (400, "schema"),
+        (400, "schema"),
+        (401, "unauthenticated"),
+        (400, "schema"),
+        (400, "schema"),
+    ], answers
+    messages = [body["error"]["message"] for _, body in answers]
+    assert "nests JSON too deeply" in messages[0] and "`threadId` holds the control character U+0000 at 1" in messages[2]
+    assert "`messages[0].id` is 300 characters; an id has 256 at most" in messages[3] and "is 300 characters" in messages[4]
+    assert "thread id in the path holds the control character U+0000" in messages[5]
+    with urllib.request.urlopen(f"{base}/readyz", timeout=5) as ready:
+        assert ready.status == 200
 
 
 async def _chunk(response) -> dict | None:

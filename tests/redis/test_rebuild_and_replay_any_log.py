@@ -129,6 +129,18 @@ def test_any_log_rebuilds_the_same_history_twice_and_no_resource_takes_anothers_
     assert history["ta"][0] in (None, "A") and history["tb"][0] in (None, "B")
 
 
+def test_a_log_written_before_the_id_rule_rebuilds_with_its_events_of_bad_ids_refused(redis_url):
+    """The processor's own saves of threads whose ids PostgreSQL cannot hold, logged before ids
+    were held to `wire.Id` (U+0000, a message id of 6,000 characters), are counted refused, and
+    the thread logged after them is rebuilt: a rebuild finishes on such a log."""
+    logged = []
+    for n, (thread, mid) in enumerate([("t\u0000x", "m0"), ("tc", "m" * 6000), ("ta", "ta-m0")]):
+        value = event(thread, "A", f"q{n}", [msg(mid, threadId=thread)], version=0)
+        logged.append((Record(TOPICS.persist, 0, n, T0 + n, thread.encode(), value, origin.headers(value, SECRET)), False))
+    (applied, refused, _), history = asyncio.run(rebuilt(redis_url, logged))
+    assert (applied, refused) == (1, 2) and [row["id"] for row in history["ta"][2]] == ["ta-m0"]
+
+
 def test_a_thread_whose_every_event_was_refused_live_is_no_crash(redis_url):
     """The tenant case: resource B's events naming A's thread, refused live (`ownership`), and
     nothing else on their key."""

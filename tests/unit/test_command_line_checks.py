@@ -34,6 +34,12 @@ class TestRefusedBeforeStarting:
         result = memfilter("worker", MEMFILTER_SECRET="")
         assert result.returncode == 2 and "MEMFILTER_SECRET is not set" in result.stderr
 
+    @pytest.mark.parametrize("flag, value, says", [("--thread", "t\x01x", "U+0001"), ("--resource", "r" * 300, "300 characters")])
+    def test_forget_refuses_a_thread_or_resource_that_is_no_id(self, flag, value, says):
+        """Nothing is stored under it (the rule of every id): said at once, not after waiting for the workers."""
+        result = memfilter("forget", flag, value)
+        assert result.returncode == 2 and f"memfilter forget: {flag} " in result.stderr and says in result.stderr, result.stderr
+
     def test_an_agent_base_url_that_is_not_a_url_is_refused(self):
         result = memfilter("agent", MEMFILTER_AGENT_BASE_URL="not a url")
         assert result.returncode == 2 and "MEMFILTER_AGENT_BASE_URL='not a url' is not valid: expected an http:// or https:// URL" in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import jwt
@@ -82,3 +83,12 @@ class TestWhoARequestIsFrom:
         assert identify({"X-Memfilter-Resource": "bob"}) == "bob"
         with pytest.raises(Unauthenticated, match="X-Memfilter-Resource"):
             identify({})
+
+    @pytest.mark.parametrize("sub, says", [("a\x00b", "U+0000"), ("x" * 257, "257 characters"), ("", "not an id")], ids=["U+0000", "257", "empty"])
+    def test_a_sub_or_header_that_is_not_an_id_is_refused_naming_why(self, sub, says):
+        """The resource keys the caller's threads: the rule of every id holds it (`wire.Id`)."""
+        with pytest.raises(Unauthenticated, match=f"`sub` .*{re.escape(says)}"):
+            self.identify({"Authorization": f"Bearer {self.token(sub=sub)}"})
+        if sub:
+            with pytest.raises(Unauthenticated, match=f"X-Memfilter-Resource header .*{re.escape(says)}"):
+                resource_of(Gateway(auth="header"))({"X-Memfilter-Resource": sub})

@@ -93,6 +93,54 @@ class TestEveryValueTheContractDoesNotAllowIsRejectedAtDecoding:
         assert rejection(json.dumps(value).encode()) == "schema"
 
 
+# Ids a client may get wrong, and where each goes in a request.
+BAD = {"U+0000": "t\u0000x", "a newline": "t\nx", "U+007F": "t\u007fx", "257 characters": "x" * 257, "empty": ""}
+FIELDS = {
+    "threadId": lambda v: request(threadId=v),
+    "resourceId": lambda v: request(resourceId=v),
+    "requestId": lambda v: request(requestId=v),
+    "messageId": lambda v: request(trigger="submit-message", messageId=v),
+    "messages[0].id": lambda v: request() | {"messages": [{"id": v, "role": "user", "content": {"format": 2, "parts": []}}]},
+    "messages[0].id of a UI message": lambda v: request() | {"messages": [{"id": v, "role": "user", "parts": [{"type": "text", "text": "x"}]}]},
+    "messages[0].type": lambda v: request() | {"messages": [{"id": "m", "type": v, "role": "user", "content": {"format": 2, "parts": []}}]},
+}
+
+
+class TestEveryIdIsPrintableAndBoundedWhereverItComesIn:
+    """Ids key Redis, Kafka records and PostgreSQL's rows: one rule (`wire.Id`) for every id a
+    client or a writer gives, so that none reaches a store that cannot hold it (U+0000 in
+    PostgreSQL's text, a key past an index entry's 2,704 bytes)."""
+
+    @pytest.mark.parametrize("field, bad", [(f, b) for f in FIELDS for b in BAD if (f, b) != ("requestId", "257 characters")], ids=str)
+    def test_a_request_with_a_bad_id_is_refused_naming_the_field_and_the_rule(self, field, bad):
+        with pytest.raises(Rejected) as e:
+            decode_request(json.dumps(FIELDS[field](BAD[bad])).encode(), "q")
+        assert e.value.type == "schema"
+        named = field.split(" ")[0]
+        if bad != "empty":
+            assert f"`{named}` " in e.value.message and ("an id is printable text" in e.value.message or "an id has 256 at most" in e.value.message), (
+                e.value.message
+            )
+
+    def test_a_request_id_may_be_long_but_printable(self):
+        """It keys no PostgreSQL index, and a reply's save is named after it (`<requestId>/reply`)."""
+        assert decode_request(json.dumps(request(requestId="q" * 5000)).encode(), "x").request_id == "q" * 5000
+        with pytest.raises(Rejected, match="`requestId` holds the control character U\\+0000 at 5000"):
+            decode_request(json.dumps(request(requestId="q" * 5000 + "\u0000")).encode(), "x")
+
+    def test_ids_of_256_characters_of_any_script_pass(self):
+        value = request(threadId="🙂" * 256, resourceId="é" * 256, requestId="\u202e" * 256)
+        shape = decode_request(json.dumps(value).encode(), "q").shape
+        assert (shape.threadId, shape.resourceId) == ("🙂" * 256, "é" * 256)
+
+    @pytest.mark.parametrize("field", ["threadId", "resourceId", "requestId"])
+    def test_another_writers_save_with_a_bad_id_is_refused_naming_it(self, field):
+        event = {"requestId": "s1", "threadId": "t", "resourceId": "r", "messages": [], field: "t\u0000x"}
+        with pytest.raises(Rejected) as e:
+            Persister(None, "dlq", b"secret")._decode(Record("persist-messages", 0, 0, 0, b"t", json.dumps(event).encode()))
+        assert e.value.type == "schema" and f"`{field}` holds the control character U+0000 at 1" in e.value.message
+
+
 class TestTheRecordKeyIsTheThreadIdByteForByte:
     @pytest.mark.parametrize("key", [None, b"\xff", b"t\xff", b"T", b""], ids=["null", "not UTF-8", "t then not UTF-8", "another", "empty"])
     def test_any_other_key_is_a_key_mismatch(self, key):
@@ -224,6 +272,10 @@ class TestNothingADecodeMeetsRaises:
             assert e.type in {"decode", "schema", "key-mismatch", "thread-mismatch", "origin"}
 
 
+# What an id may be (`memfilter.schemas.wire.Id`): printable text of 1 to 20 characters here.
+ids = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=[*map(chr, range(32)), "\x7f"]), min_size=1, max_size=20)
+
+
 class TestIdentitiesNoClientCanTakeOver:
     def test_server_assigned_ids_depend_on_the_deployments_secret(self):
         raw = json.dumps({"threadId": "t", "resourceId": "r", "messages": [{"role": "user", "content": {"format": 2, "parts": []}}]}).encode()
@@ -232,7 +284,7 @@ class TestIdentitiesNoClientCanTakeOver:
         assert ours == again and all(ours != g for g in guessed)
 
     @settings(max_examples=300)
-    @given(st.text(min_size=1, max_size=20), st.text(min_size=1, max_size=20), st.binary(max_size=40))
+    @given(ids, ids, st.binary(max_size=40))
     def test_server_assigned_ids_stay_the_uuids_of_their_keyed_hash(self, thread, request_id, secret):
         """A replay of an old request must find its rows under the ids it was given then."""
         raw = json.dumps(

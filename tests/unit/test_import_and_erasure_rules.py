@@ -89,6 +89,20 @@ class TestReadingUIMessages:
         )
         assert "state is 'odd'" in t.problems[0]
 
+    def test_an_id_no_request_may_carry_is_reported_by_line_and_its_thread_not_read(self):
+        """The rule of every id (`wire.Id`) holds an import as it holds a request."""
+        found = read_export(
+            [
+                *lines({"threadId": "t\x00", "resourceId": "r1", "messages": []}),
+                *lines({"threadId": "t2", "resourceId": "r" * 300, "messages": []}),
+                *lines({"threadId": "t3", "resourceId": "r1", "messages": [{"id": "u\n", "role": "user", "parts": []}]}),
+            ]
+        )
+        problems = {t.thread: t.problems for t in found}
+        assert problems[""] == ["line 1: the thread id holds the control character U+0000 at 1; an id is printable text"]
+        assert problems["t2"][0] == "line 2: the resourceId is 300 characters; an id has 256 at most"
+        assert len(problems["t3"]) == 1 and problems["t3"][0].startswith("line 3: messages[0]: not a stored message")
+
     def test_lines_that_are_no_export_are_reported_and_the_threads_that_are_still_read(self):
         found = read_export([b"{oops", b"[1]", *lines({"threadId": "t1", "resourceId": "r1", "messages": [{"id": "u", "role": "user", "parts": []}]})])
         assert [t.thread for t in found] == ["t1", ""]
