@@ -13,6 +13,7 @@ One registry per worker (so tests can run several in one process). What an opera
 | `memfilter_batch_phase_seconds{phase}` | histogram | where a batch's time goes, one observation per batch and phase, in order: `waiting` (the age of its oldest record of the first input topic, `chat-requests`, when fetched: the time in Kafka), `previous-commit` (waiting for the batch before's transactions), `catch-up` (for `persist-messages` records committed before its requests), `handling` (deciding and Redis), `committing` (its transactions) |
 | `memfilter_redis_round_trips_total` | counter | pipelined Redis round trips |
 | `memfilter_cold_loads_total` | counter | threads loaded back into Redis from PostgreSQL (docs/postgres.md) |
+| `memfilter_context_history_left_out_total` | counter | filtered inputs whose context holds no stored history because not even its newest whole turn fit the token budget (`historyLeftOut`; MEMFILTER_CONTEXT_NO_HISTORY=send) |
 | `memfilter_consumer_lag{topic,partition}` | gauge | offsets not yet consumed, per assigned partition (0 when idle: transaction markers count as consumed) |
 | `memfilter_assigned_partitions` | gauge | partitions this worker holds |
 
@@ -42,6 +43,7 @@ The sink's (`memfilter sink`, `SinkMetrics`):
 | `memfilter_sink_threads_written_total` | counter | thread writes to PostgreSQL |
 | `memfilter_sink_threads_evicted_total` | counter | idle threads taken out of Redis |
 | `memfilter_sink_retries_total` | counter | batches written again, or evictions paused, because PostgreSQL or Redis did not answer |
+| `memfilter_sink_refused_total` | counter | thread writes PostgreSQL refused for their data (a row it cannot hold): the thread stays in Redis, logged with the reason |
 
 All add the Prometheus client's standard collectors: `process_*` (CPU, resident memory,
 open files), `python_info` and `python_gc_*`.
@@ -95,6 +97,7 @@ class Metrics(LoopMetrics):
         self.batch_size = Histogram("memfilter_batch_size", "Records per batch", buckets=_BATCH_BUCKETS, registry=r)
         self.round_trips = Counter("memfilter_redis_round_trips", "Pipelined Redis round trips", registry=r)
         self.cold_loads = Counter("memfilter_cold_loads", "Threads loaded back into Redis from PostgreSQL", registry=r)
+        self.history_left_out = Counter("memfilter_context_history_left_out", "Contexts without stored history: not one turn fit the budget", registry=r)
 
 
 class AgentMetrics(LoopMetrics):
@@ -124,3 +127,4 @@ class SinkMetrics(_Registry):
         self.written = Counter("memfilter_sink_threads_written", "Thread writes to PostgreSQL", registry=r)
         self.evicted = Counter("memfilter_sink_threads_evicted", "Idle threads taken out of Redis", registry=r)
         self.retries = Counter("memfilter_sink_retries", "Writes tried again, or evictions paused, for an outage", registry=r)
+        self.refused = Counter("memfilter_sink_refused", "Thread writes PostgreSQL refused for their data", registry=r)

@@ -58,19 +58,31 @@ from memfilter.store import cold
 from memfilter.store.history import HistoryStore
 
 
-async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: bytes, progress: Progress | None = None) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class Rebuilt:
+    """What a rebuild did: `persist-messages` events applied, refused and left out as erased
+    (`apply_log`), and the threads PostgreSQL refused to hold, with why (in Redis alone)."""
+
+    applied: int
+    refused: int
+    erased: int
+    refused_by_postgres: dict[str, str]
+
+
+async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: bytes, progress: Progress | None = None) -> Rebuilt:
     """Replace what is under `store`'s prefix with every `persist-messages` event applied as it
-    was live; (events applied, events refused, events left out as erased: `apply_log`); with a
-    PostgreSQL tier, write every thread to it too (`memfilter.store.cold.fill`: over older
-    versions only, so PostgreSQL and Redis agree). Stop the workers using that prefix first.
-    `secret` is the deployment's MEMFILTER_SECRET, which tells the processor's events."""
+    was live; with a PostgreSQL tier, write every thread to it too (`memfilter.store.cold.fill`:
+    over older versions only, so PostgreSQL and Redis agree, but for a thread PostgreSQL refuses,
+    which is reported). Stop the workers using that prefix first. `secret` is the deployment's
+    MEMFILTER_SECRET, which tells the processor's events."""
     with Recorded.temporary(topics, secret) as recorded:
         await recorded.load(bootstrap, [topics.persist, topics.dlq], progress)
         await store.drop()
-        counts = await apply_log(recorded, store, progress)
+        applied, refused, erased = await apply_log(recorded, store, progress)
+    refused_by_postgres: dict[str, str] = {}
     if store.warmer is not None:  # with a PostgreSQL tier, it holds every thread as Redis now does
-        await cold.fill(store, store.warmer.pg)
-    return counts
+        _, refused_by_postgres = await cold.fill(store, store.warmer.pg)
+    return Rebuilt(applied, refused, erased, refused_by_postgres)
 
 
 async def apply_log(recorded: Recorded, store: HistoryStore, progress: Progress | None = None) -> tuple[int, int, int]:

@@ -42,11 +42,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"memfilter history rebuild: {reason}", file=sys.stderr)
             return 1
         print(f"memfilter history rebuild: replacing the history under prefix {prefix} with {settings.topics.persist}", file=sys.stderr)
-        applied, refused, erased = await rebuild(
-            settings.kafka.bootstrap, settings.topics, history_store(url, prefix, settings), settings.secret, progress_bar("applied")
-        )
-        left_out = f"; {erased:,} of erased threads left out" if erased else ""
-        print(f"rebuilt history under prefix {prefix} from {applied + refused + erased:,} events of {settings.topics.persist} ({refused:,} refused{left_out})")
+        done = await rebuild(settings.kafka.bootstrap, settings.topics, history_store(url, prefix, settings), settings.secret, progress_bar("applied"))
+        left_out = f"; {done.erased:,} of erased threads left out" if done.erased else ""
+        events = done.applied + done.refused + done.erased
+        print(f"rebuilt history under prefix {prefix} from {events:,} events of {settings.topics.persist} ({done.refused:,} refused{left_out})")
+        for thread, why in sorted(done.refused_by_postgres.items()):
+            print(f"memfilter history rebuild: thread {thread!r} is in Redis but not in PostgreSQL: {why}", file=sys.stderr)
         return 0
 
     async def list_prefixes() -> int:

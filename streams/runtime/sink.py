@@ -14,7 +14,10 @@ of Redis (`memfilter.store.cold.evict`), each only at the version PostgreSQL hol
 
 PostgreSQL down or slow: the batch is written again until it is (its offsets are not
 committed before), eviction pauses, and the workers go on deciding threads in Redis. Nothing
-the sink does is on a worker's path.
+the sink does is on a worker's path. PostgreSQL refusing a thread's data (a row it cannot hold,
+`memfilter.store.postgres.Refused`) is a data error of that thread, not an outage: it is logged
+with the thread and the reason and counted, the other threads are written, and the thread stays
+in Redis (eviction takes only what PostgreSQL holds).
 
 Its web server (`serve`: MEMFILTER_WEB_BIND, MEMFILTER_SINK_WEB_PORT) answers `/healthz`,
 `/readyz` (not ready while the consumer has not started or an outage holds a write or an
@@ -104,7 +107,11 @@ class Sink:
         while not stop.is_set():
             try:
                 threads = await cold.whole(self.store, sorted(written_ms), written_ms)
-                self.metrics.written.inc(await self.pg.write(threads))
+                written, refused = await self.pg.write(threads)
+                self.metrics.written.inc(written)
+                for thread, why in refused.items():  # a data error of one thread: reported, never retried for ever
+                    log.warning("memfilter sink: thread %r stays in Redis alone (not evicted): %s", thread, why)
+                    self.metrics.refused.inc()
                 self.problem = None
                 return
             except (Unavailable, RedisConnectionError, OSError, TimeoutError) as e:

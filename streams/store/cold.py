@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from memfilter.store import scripts
 from memfilter.store.history import Fenced, HistoryStore
 from memfilter.store.layout import pack
-from memfilter.store.postgres import PostgresHistory, Thread, Unavailable
+from memfilter.store.postgres import PostgresHistory, Refused, Thread, Unavailable
 
 if TYPE_CHECKING:
     from memfilter.settings import Settings
@@ -73,13 +73,15 @@ async def whole(store: HistoryStore, threads: list[str], written_ms: dict[str, i
     return out
 
 
-async def fill(store: HistoryStore, pg: PostgresHistory) -> int:
-    """Write every thread of the store's prefix to PostgreSQL (a rebuild's last step); how many
-    were written (a thread PostgreSQL holds at its version already is not)."""
-    written = 0
+async def fill(store: HistoryStore, pg: PostgresHistory) -> tuple[int, dict[str, str]]:
+    """Write every thread of the store's prefix to PostgreSQL (a rebuild's last step): how many
+    were written (a thread PostgreSQL holds at its version already is not), and the threads
+    PostgreSQL refused, with why (each left in Redis alone; the others written)."""
+    written, refused = 0, dict[str, str]()
     async for threads in store.thread_batches(200):
-        written += await pg.write(await whole(store, threads, {}))
-    return written
+        done, left_out = await pg.write(await whole(store, threads, {}))
+        written, refused = written + done, refused | left_out
+    return written, refused
 
 
 async def evict(store: HistoryStore, pg: PostgresHistory, idle_before_ms: int, limit: int = 500) -> int:
@@ -122,7 +124,7 @@ class Warmer:
         leaves). A thread another worker loaded meanwhile is warm all the same."""
         try:
             held = await self.pg.load(threads)
-        except Unavailable as e:
+        except (Unavailable, Refused) as e:  # refused: what it asked of PostgreSQL; either way these threads wait, the others go on
             return dict.fromkeys(threads, f"{e}; thread history that left Redis is loaded from there")
         missing = {
             t: f"thread {t} left Redis but PostgreSQL holds no copy of it (schema {self.pg.schema}); rebuild it (memfilter history rebuild)"

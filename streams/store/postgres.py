@@ -34,7 +34,18 @@ from memfilter.settings import without_password
 
 
 class Unavailable(Exception):
-    """PostgreSQL did not answer in time, or refused: what needed it waits or is refused with this reason."""
+    """PostgreSQL did not answer in time, or failed the call: what needed it waits, or is refused
+    with this reason, and is tried again."""
+
+
+class Refused(Exception):
+    """PostgreSQL answered, and refused the data (SQLSTATE class 22, a data exception, or 54, a
+    program limit such as an index entry's size): trying again gives the same answer. A data
+    error of one thread, not an outage: the thread is reported and left out, the rest go on."""
+
+
+# What PostgreSQL says of data it cannot take, whatever its state.
+_REFUSALS = (asyncpg.exceptions.DataError, asyncpg.exceptions.ProgramLimitExceededError)
 
 
 class Thread(msgspec.Struct, frozen=True):
@@ -154,11 +165,17 @@ class PostgresHistory:
             await self._pool.close()
 
     async def _call(self, coro):
-        """`coro` within the timeout; a failure of PostgreSQL or the network is Unavailable."""
+        """`coro` within the timeout. PostgreSQL refusing the data is Refused; not answering, or
+        failing the call otherwise (the network, a restart, a full disk), Unavailable."""
+        where = without_password(self.url)
         try:
             return await asyncio.wait_for(coro, self.timeout)
-        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-            raise Unavailable(f"PostgreSQL at {without_password(self.url)} did not answer within {self.timeout:g} s: {e!r}") from e
+        except _REFUSALS as e:
+            raise Refused(f"PostgreSQL at {where} refused the data: {type(e).__name__}: {e}") from e
+        except (OSError, TimeoutError) as e:
+            raise Unavailable(f"PostgreSQL at {where} did not answer within {self.timeout:g} s: {e!r}") from e
+        except (asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+            raise Unavailable(f"PostgreSQL at {where} failed the call: {type(e).__name__}: {e}") from e
 
     async def _fetch(self, query: str, *args) -> list:
         return await (await self._ready()).fetch(query, *args)
@@ -166,10 +183,23 @@ class PostgresHistory:
     async def _execute(self, query: str, *args) -> str:
         return await (await self._ready()).execute(query, *args)
 
-    async def write(self, threads: list[Thread]) -> int:
-        """Write each thread over an older version of it (or as new), in one transaction; how
-        many were written. A thread at or below the version held already changes nothing."""
-        return await self._call(self._write(threads))
+    async def write(self, threads: list[Thread]) -> tuple[int, dict[str, str]]:
+        """Write each thread over an older version of it (or as new), in one transaction: how
+        many were written, and the threads PostgreSQL refused, with why. A thread at or below the
+        version held already changes nothing. A refused thread holds none of the others back:
+        when the batch is refused, each is written on its own and the refused are left out."""
+        try:
+            return await self._call(self._write(threads)), {}
+        except Refused as e:
+            if len(threads) == 1:
+                return 0, {threads[0].id: str(e)}
+        written, refused = 0, dict[str, str]()
+        for t in threads:
+            try:
+                written += await self._call(self._write([t]))
+            except Refused as e:
+                refused[t.id] = str(e)
+        return written, refused
 
     async def _write(self, threads: list[Thread]) -> int:
         """Three statements whatever the number of threads: the threads' rows (over older

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import string
 import time
 
 import pytest
@@ -29,8 +31,8 @@ from memfilter.store.postgres import PostgresHistory, Unavailable
 FAR_FUTURE_MS = 253_000_000_000_000  # the year 9987: `evict` takes every thread PostgreSQL holds
 
 
-async def sink(store: HistoryStore, pg: PostgresHistory, threads: list[str]) -> int:
-    """What `memfilter sink` does for events naming these threads."""
+async def sink(store: HistoryStore, pg: PostgresHistory, threads: list[str]) -> tuple[int, dict[str, str]]:
+    """What `memfilter sink` does for events naming these threads: how many it wrote, and those PostgreSQL refused."""
     return await pg.write(await cold.whole(store, threads, dict.fromkeys(threads, T0)))
 
 
@@ -269,7 +271,7 @@ class TestPostgresqlHoldsEachThreadAsOfItsVersion:
             old = await cold.whole(store, ["t1"], {"t1": T0})
             await p.process([ask("t1", [msg("u0"), msg("u1")], 1, T0 + 1)])
             new = await cold.whole(store, ["t1"], {"t1": T0 + 1})
-            counts = [await pg.write(new), await pg.write(new), await pg.write(old)]
+            counts = [(await pg.write(new))[0], (await pg.write(new))[0], (await pg.write(old))[0]]
             return counts, await pg.load(["t1"]), new
 
         counts, held, new = tiers(go)
@@ -333,3 +335,50 @@ class TestPostgresqlDown:
         assert paused
         (decided,) = [o for o in later if o.topic == Topics().filtered]  # PostgreSQL back: the request published again is decided
         assert [m["id"] for m in json.loads(decided.value)["context"]] == ["cold-u0", "cold-u1"]
+
+
+class TestADataErrorIsNotAnOutage:
+    """What PostgreSQL cannot hold (U+0000 in a text column, a key past an index entry's
+    size) never reaches it from a client (`wire.Id`), but a thread stored before that rule, or
+    written by a bug, must not stop the durable tier: PostgreSQL's refusal is the thread's data
+    error, reported with the reason, and every other thread is written."""
+
+    @staticmethod
+    async def copied(store: HistoryStore, source: str, target: str) -> None:
+        """Thread `source`'s keys renamed to `target`'s (a thread id the edge would now refuse)."""
+        for old, new in zip(store.keys(source), store.keys(target)):
+            if await store.redis.exists(old):
+                await store.redis.rename(old, new)
+
+    @pytest.mark.parametrize(
+        "bad, refusal",
+        [("t\x00x", "CharacterNotInRepertoireError"), ("".join(random.Random(6).choices(string.ascii_letters, k=6000)), "ProgramLimitExceededError")],
+        ids=["U+0000 in the thread id", "a thread id of 6,000 random letters"],
+    )
+    def test_a_thread_postgresql_refuses_is_named_with_its_reason_and_the_others_are_written(self, tiers, bad, refusal):
+        async def go(make):
+            store, pg = make()
+            p = Processor(store, secret=SECRET)
+            await p.process([ask(name, [msg(f"{name}-u0"), msg(f"{name}-u1")], i, T0) for i, name in enumerate(["before", "source", "after"])])
+            await self.copied(store, "source", bad)
+            written, refused = await sink(store, pg, ["before", bad, "after"])
+            held = await pg.load(["before", "after"], into_redis=False)
+            return written, refused, sorted(held), await cold.evict(store, pg, FAR_FUTURE_MS)
+
+        written, refused, held, evicted = tiers(go)
+        assert (written, held) == (2, ["after", "before"])
+        [(thread, why)] = refused.items()
+        assert thread == bad and why.startswith("PostgreSQL at postgresql://") and f"refused the data: {refusal}" in why
+        assert evicted == 2  # the refused thread stays in Redis: eviction takes only what PostgreSQL holds
+
+    def test_postgresql_not_answering_is_an_outage_named_as_one(self, tiers):
+        async def go(make):
+            store, pg = make(timeout=0.5)
+            await Processor(store, secret=SECRET).process([ask("t1", [msg("u0")], 0, T0)])
+            threads = await cold.whole(store, ["t1"], {})
+            unreachable = PostgresHistory("postgresql://memfilter@127.0.0.1:9/postgres", pg.prefix, 0.5)
+            with pytest.raises(Unavailable, match="did not answer within 0.5 s"):
+                await unreachable.write(threads)
+            return True
+
+        assert tiers(go)
