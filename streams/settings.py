@@ -166,6 +166,7 @@ class Decisions(
         "edits": "MEMFILTER_EDITS",
         "context_tokens": "MEMFILTER_CONTEXT_TOKENS",
         "token_counter": "MEMFILTER_TOKEN_COUNTER",
+        "context_no_history": "MEMFILTER_CONTEXT_NO_HISTORY",
         "reopen_erased": "MEMFILTER_REOPEN_ERASED",
     },
 ):
@@ -177,6 +178,9 @@ class Decisions(
     edits: Literal["on", "off"] = "on"  # regenerate and edit supersede rows; off: the stored copy wins (Mastra)
     context_tokens: Annotated[int, Meta(ge=0)] = 0  # the context's token budget; 0: none (rows only)
     token_counter: Literal["estimate", "o200k"] = "estimate"  # how tokens are counted (memfilter.core.tokens)
+    # with a budget, when not even the newest whole turn of stored history fits: `send` the
+    # request alone (the filtered input says `historyLeftOut`), or `refuse` it (`context-budget`)
+    context_no_history: Literal["send", "refuse"] = "send"
     # an erased thread (memfilter forget) stays erased; on: a new conversation's first request may start it again
     reopen_erased: Literal["on", "off"] = "off"
 
@@ -361,7 +365,7 @@ class Settings(msgspec.Struct, frozen=True):
     @property
     def policy(self) -> Policy:
         d = self.decisions
-        budget = Budget(d.context_tokens, COUNTERS[d.token_counter]) if d.context_tokens else None
+        budget = Budget(d.context_tokens, COUNTERS[d.token_counter], d.context_no_history) if d.context_tokens else None
         return Policy(Limits(max_bytes=d.max_bytes, max_messages=d.max_messages), d.history_messages, d.edits == "on", budget, d.reopen_erased == "on")
 
     @property

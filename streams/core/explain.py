@@ -38,6 +38,7 @@ class Case(msgspec.Struct):
     edits: Literal["on", "off"] = "on"  # MEMFILTER_EDITS
     contextTokens: int | None = None  # the context's token budget (MEMFILTER_CONTEXT_TOKENS); none by default
     tokenCounter: Literal["estimate", "o200k"] = "estimate"  # MEMFILTER_TOKEN_COUNTER
+    contextNoHistory: Literal["send", "refuse"] = "send"  # MEMFILTER_CONTEXT_NO_HISTORY
 
 
 class Explanation(msgspec.Struct, omit_defaults=True):
@@ -50,6 +51,7 @@ class Explanation(msgspec.Struct, omit_defaults=True):
     error: Rejection | None = None
     contextTokens: float | None = None  # with a budget: the context's total
     window: list[WindowRow] | None = None  # with a budget: every stored row, oldest first, and why it is in or out
+    historyLeftOut: bool = False  # with a budget: no stored history fits, not even its newest whole turn (the filtered input's `historyLeftOut`)
 
 
 class UnusableInput(Exception):
@@ -80,7 +82,7 @@ def view_of(thread_id: str, case: Case) -> StoredView:
 
 def policy_of(case: Case) -> Policy:
     """The case's policy: its context's size and budget, its edits setting, the default limits."""
-    budget = Budget(case.contextTokens, COUNTERS[case.tokenCounter]) if case.contextTokens else None
+    budget = Budget(case.contextTokens, COUNTERS[case.tokenCounter], case.contextNoHistory) if case.contextTokens else None
     return Policy(Limits(), case.historyMessages, case.edits == "on", budget)
 
 
@@ -95,6 +97,7 @@ def explain_case(case: Case, position: int = 0, id_key: bytes = b"") -> Explanat
     explanation = Explanation(d.outcome, d.messages, d.dropped, d.persist, d.context if d.error is None else [], d.superseded, error=d.error)
     if policy.budget is not None and d.fit is not None:
         explanation.contextTokens = d.fit.tokens
+        explanation.historyLeftOut = d.fit.left_out
         explanation.window = report(d.fit, list(view.rows), [*view.superseded, *d.superseded], view.rows, policy.budget)  # rows in saved order
     return explanation
 

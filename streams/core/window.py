@@ -14,6 +14,10 @@ what the request contributes to them in place, then what else it contributes
   window moves forward to its first user row, so that it never starts inside a turn (an answer
   without its question, a tool result without its call: they share one stored row). A request
   whose must-haves alone exceed the budget is refused (`OverBudget`), naming both numbers.
+  When not even the newest whole turn of the stored history fits beside them, the window says
+  so (`Window.left_out`), and the model gets the must-haves alone; or, with the budget's
+  `no_history` at `refuse` (MEMFILTER_CONTEXT_NO_HISTORY, as Mastra's limiter throws), the
+  request is refused (`OverBudget`) naming the turn's tokens.
 
 It promises: with a budget, the context's total (`Window.tokens`) is at most the budget, and
 the window starts on a user row; `reasons` says of every stored row whether it is in, and if
@@ -32,21 +36,17 @@ from memfilter.core.tokens import ESTIMATE, Counter
 
 
 class Budget(msgspec.Struct, frozen=True):
-    """MEMFILTER_CONTEXT_TOKENS, counted by MEMFILTER_TOKEN_COUNTER."""
+    """MEMFILTER_CONTEXT_TOKENS, counted by MEMFILTER_TOKEN_COUNTER; and what to do when no
+    stored history fits (MEMFILTER_CONTEXT_NO_HISTORY): `send` the must-haves alone, or `refuse`."""
 
     tokens: int
     counter: Counter = ESTIMATE
+    no_history: Literal["send", "refuse"] = "send"
 
 
 class OverBudget(Exception):
-    """What a request must have in its context exceeds the budget."""
-
-    def __init__(self, needed: float, budget: int):
-        super().__init__(
-            f"the request's system messages and what it contributes come to {needed:.1f} tokens; the context budget is {budget} "
-            "(MEMFILTER_CONTEXT_TOKENS): send less, or raise the budget"
-        )
-        self.needed, self.budget = needed, budget
+    """What a request must have in its context exceeds the budget; or, with `no_history` at
+    `refuse`, nothing of its stored history fits beside it. The message names the numbers."""
 
 
 class Window(msgspec.Struct):
@@ -59,6 +59,7 @@ class Window(msgspec.Struct):
     start: int = 0  # the first in: a user row from `fits` on (without a budget, `cap`)
     tokens: float | None = None  # the context's total, with a budget (to one decimal)
     counts: dict[str, float] = {}  # what was counted, by message id (with a budget)
+    left_out: bool = False  # with a budget: the stored history offered (within the rows) did not fit, not even its newest whole turn
 
 
 class _Role(msgspec.Struct):
@@ -122,7 +123,11 @@ def choose(
         over = over or current + c > remaining
         current += c
     if over:
-        raise OverBudget(counter.conversation + system_tokens + current, budget.tokens)
+        raise OverBudget(
+            f"the request's system messages and what it contributes come to {counter.conversation + system_tokens + current:.1f} tokens; "
+            f"the context budget is {budget.tokens} (MEMFILTER_CONTEXT_TOKENS): send less, or raise the budget"
+        )
+    needed = current  # the must-haves'
     fits = must
     while fits > cap:
         c = weigh(tail[fits - 1])
@@ -133,10 +138,21 @@ def choose(
     start = fits
     while start < must and role(tail[start]) != "user":
         start += 1
+    left_out = start == must and cap < must  # history was offered, and not one whole turn of it fits
+    if left_out and budget.no_history == "refuse":
+        turn = must - 1  # the newest whole turn before the must-haves: from its user row
+        while turn > cap and role(tail[turn]) != "user":
+            turn -= 1
+        needs = sum(weigh(mid) for mid in tail[turn:must])
+        raise OverBudget(
+            f"not even the newest whole turn of the stored history fits: it is {needs:.1f} tokens, and {remaining - needed:.1f} are left of the "
+            f"context budget of {budget.tokens} (MEMFILTER_CONTEXT_TOKENS) beside the request; raise the budget, "
+            "or hand the model the request alone (MEMFILTER_CONTEXT_NO_HISTORY=send)"
+        )
     # The total to one decimal: the estimate's counts are tenths (3.8 a message), and a float sum
     # in another order than the one the fit was decided in can be a hair off.
     tokens = round(counter.conversation + system_tokens + sum([counts[mid] for mid in tail[start:]]) + sum([counts[mid] for mid in rest]), 1)
-    return Window(_messages(tail[start:], placed, rows) + [placed[mid] for mid in rest], tail, cap, fits, start, tokens, counts)
+    return Window(_messages(tail[start:], placed, rows) + [placed[mid] for mid in rest], tail, cap, fits, start, tokens, counts, left_out)
 
 
 def _messages(ids: list[str], placed: dict[str, Any], rows: Mapping[str, bytes]) -> list[Any]:

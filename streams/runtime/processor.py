@@ -108,6 +108,7 @@ class _Pending:
     record: Record
     request: Request  # deleted once decided (`Processor._round`), decoded again if it is decided again
     outcome: str = ""  # the filter's outcome, "rejected", "duplicate" or "redelivered" (a metric's label)
+    left_out: bool = False  # its context holds no stored history: not even the newest whole turn fit the budget
     seen: tuple[tuple[str, bytes], ...] = ()  # what a rejection saw (`dead_letter`)
 
     @functools.cached_property
@@ -312,6 +313,7 @@ class Processor:
         writes = [w for t in threads.values() for _, w, _ in t.planned if w is not None]
         results = iter(await self.store.commit(writes) if writes else [])
         outcomes: Counter[str] = Counter()
+        left_out = 0
         for thread, t in threads.items():
             failed = False
             for p, w, rec in t.planned:
@@ -321,6 +323,7 @@ class Processor:
                     continue
                 outs[p.index] = self._emit(p, rec)
                 outcomes[p.outcome] += 1
+                left_out += p.left_out
                 if w is not None or p.outcome == "redelivered":
                     self._recorded.append((thread, p.key))
                 t.next += 1
@@ -328,6 +331,8 @@ class Processor:
                 redo.add(thread)
         for outcome, n in outcomes.items():  # one increment per outcome: a labelled one costs ~1 µs
             self.metrics.requests.labels(outcome).inc(n)
+        if left_out:
+            self.metrics.history_left_out.inc(left_out)
         return {thread: threads[thread] for thread in redo if threads[thread].next < len(threads[thread].requests)}
 
     async def _read_tails(self, threads: dict[str, _Thread], states: dict[str, ThreadState]) -> None:
@@ -419,6 +424,7 @@ class Processor:
         decision = decide(request, view, p.record.timestamp_ms, self.history, self.edits, self.budget, self.policy.reopen_erased)
         self.metrics.decision.observe(perf_counter() - started)
         p.outcome = decision.outcome
+        p.left_out = decision.fit is not None and decision.fit.left_out
         if self.windows is not None and self.budget is not None and decision.fit is not None:
             self.windows[p.record.partition, p.record.offset] = report(decision.fit, state.tail, decision.superseded, state.rows, self.budget)
         if decision.error is not None:
@@ -478,6 +484,7 @@ class Processor:
             decision.superseded,
             FORMAT if compacted else UNSET,
             decision.fit.tokens if decision.fit is not None and decision.fit.tokens is not None else UNSET,
+            True if decision.fit is not None and decision.fit.left_out else UNSET,
         )
         rows = [(row["id"], msgspec.json.encode(row)) for row in decision.persist]
         persist = None

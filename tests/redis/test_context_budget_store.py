@@ -156,3 +156,24 @@ class TestTheWindowWeighsStoredCounts:
         assert letter.topic == TOPICS.dlq and headers["error.type"] == b"context-budget"
         assert b"the context budget is 200" in headers["error.message"] and b"come to 4" in headers["error.message"]
         assert before == after
+
+    def test_a_context_no_turn_of_history_fits_is_marked_and_counted_or_refused_as_set(self, store_run):
+        """The last answer is too heavy for the budget beside the new question: the filtered input
+        says the history was left out (and the metric counts it); MEMFILTER_CONTEXT_NO_HISTORY=refuse
+        dead-letters it instead, writing nothing."""
+
+        async def go(store, make):
+            await conversation(store, 1)
+            await store.redis.hset(store.keys("t")[6], "a0", "e190.0")  # as if a0 weighed 190 tokens when saved
+            said = [json.loads(r) for r in await store.thread_rows("t")]
+            sent = Processor(store, TOPICS, BUDGET, secret=SECRET)
+            outs = await sent.process([request("t", [*said, msg("u1", text="next")], 10)])
+            refusing = Processor(store, TOPICS, Policy(budget=Budget(200, ESTIMATE, "refuse")), secret=SECRET)
+            refused = await refusing.process([request("t", [*said, msg("u1", text="next"), msg("u2", text="again")], 11)])
+            return on(TOPICS.filtered, outs), sent.metrics.value("memfilter_context_history_left_out_total"), refused
+
+        (filtered,), counted, refused = store_run(go)
+        assert [m["id"] for m in filtered["context"]] == ["u1"] and filtered["historyLeftOut"] is True and counted == 1
+        (letter,) = refused
+        assert letter.topic == TOPICS.dlq and dict(letter.headers)["error.type"] == b"context-budget"
+        assert b"not even the newest whole turn" in dict(letter.headers)["error.message"]

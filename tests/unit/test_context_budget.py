@@ -251,6 +251,57 @@ class TestWholeTurnsWithinTheBudget:
         assert [r for r, reason in why.items() if reason == "rows"] == [r["id"] for r in rows[:8]]
 
 
+class TestWhenNoStoredHistoryFits:
+    """Not even the newest whole turn fits beside the request: the model would get the request
+    alone. The filtered input says so (`historyLeftOut`); MEMFILTER_CONTEXT_NO_HISTORY=refuse
+    refuses it instead, as Mastra's limiter throws."""
+
+    ROWS = [text("u0", "user", "question " * 40, "2026-03-01T10:00:00.000Z"), text("a1", "assistant", "answer " * 40, "2026-03-01T10:00:01.000Z")]
+
+    def budget_for(self, rows: list[dict]) -> int:
+        """Room for the new message and the last row, not for its question: no whole turn fits."""
+        new = request_for(rows, [], "next")[1]
+        return int(ESTIMATE.conversation + ESTIMATE.message(rows[-1]) + ESTIMATE.message(new)) + 1
+
+    def decided(self, rows, budget, no_history="send", history=None):
+        body, _ = request_for(rows, [], "next")
+        from memfilter.core.explain import Case, view_of
+
+        view = view_of("t1", Case(msgspec.Raw(b"{}"), [msgspec.Raw(msgspec.json.encode({**r, "threadId": "t1", "resourceId": "r1"})) for r in rows]))
+        history = len(rows) if history is None else history
+        return decide(decode_request(msgspec.json.encode(body), "d"), view, 0, history, True, Budget(budget, ESTIMATE, no_history))
+
+    def test_the_request_alone_is_sent_and_marked_left_out(self):
+        d = self.decided(self.ROWS, self.budget_for(self.ROWS))
+        assert d.outcome != "rejected" and [_decoded(m)["id"] for m in d.context] == ["new"] and d.fit.left_out
+
+    def test_refuse_refuses_it_naming_the_turns_tokens_and_the_setting(self):
+        d = self.decided(self.ROWS, self.budget_for(self.ROWS), "refuse")
+        assert d.outcome == "rejected" and d.error.type == "context-budget"
+        turn = ESTIMATE.message(self.ROWS[0]) + ESTIMATE.message(self.ROWS[1])
+        assert f"not even the newest whole turn of the stored history fits: it is {turn:.1f} tokens" in d.error.message
+        assert "MEMFILTER_CONTEXT_NO_HISTORY=send" in d.error.message
+
+    @pytest.mark.parametrize(
+        "rows, budget, history",
+        [([], 10_000, None), (ROWS, 10_000, None), (ROWS, 0, 0)],
+        ids=["no stored history", "a turn fits", "no rows asked for (MEMFILTER_HISTORY_MESSAGES=0)"],
+    )
+    def test_nothing_is_left_out_when_there_was_none_to_give_or_a_turn_fits(self, rows, budget, history):
+        d = self.decided(rows, budget or self.budget_for(self.ROWS), "refuse", history)
+        assert d.outcome != "rejected" and not d.fit.left_out
+
+    def test_explain_shows_it(self):
+        body, _ = request_for(self.ROWS, [], "next")
+        case = {"request": body, "stored": [{**r, "threadId": "t1", "resourceId": "r1"} for r in self.ROWS], "contextTokens": self.budget_for(self.ROWS)}
+        done = subprocess.run([sys.executable, "-m", "memfilter", "explain"], input=json.dumps(case).encode(), capture_output=True, check=True)
+        assert json.loads(done.stdout)["historyLeftOut"] is True
+        refused = subprocess.run(
+            [sys.executable, "-m", "memfilter", "explain"], input=json.dumps({**case, "contextNoHistory": "refuse"}).encode(), capture_output=True, check=True
+        )
+        assert json.loads(refused.stdout)["error"]["type"] == "context-budget"
+
+
 class TestCountsArePaidOnce:
     def test_a_stored_count_is_what_the_window_weighs(self):
         rows = [text("u0", "user", "q", "2026-03-01T10:00:00.000Z"), text("a1", "assistant", "a", "2026-03-01T10:00:01.000Z")]
