@@ -233,6 +233,13 @@ class ChatRequestOf(Struct, Generic[M], omit_defaults=True):
 ChatRequest = ChatRequestOf[RequestMessageDict]
 
 
+class MessagesOf(Struct, Generic[M]):
+    """A value's messages alone, its other keys skipped unread: what a second decode of a value
+    already checked needs (its messages' bytes as they came, `msgspec.Raw`), at no more cost."""
+
+    messages: list[M]
+
+
 class Dropped(Struct, gc=False):
     id: str
     reason: str

@@ -49,7 +49,7 @@ import msgspec
 from msgspec import UNSET
 
 from memfilter.core import tokens, ui, window
-from memfilter.schemas.wire import ChatRequestOf, Content, Dropped, EitherMessage, Id, Message, Part, RequestId, id_problem
+from memfilter.schemas.wire import ChatRequestOf, Content, Dropped, EitherMessage, Id, Message, MessagesOf, Part, RequestId, id_problem
 
 Msg = dict[str, Any]
 
@@ -63,7 +63,7 @@ HISTORY_MESSAGES = 10
 DEPTH_HEADROOM = 200
 
 _TYPED = msgspec.json.Decoder(ChatRequestOf[Message])
-_RAW = msgspec.json.Decoder(ChatRequestOf[msgspec.Raw])
+_RAW = msgspec.json.Decoder(MessagesOf[msgspec.Raw])  # after _TYPED: the messages as they came
 _EITHER = msgspec.json.Decoder(ChatRequestOf[EitherMessage])
 _MESSAGE = msgspec.json.Decoder(Message)
 _EITHER_MESSAGE = msgspec.json.Decoder(EitherMessage)

@@ -42,17 +42,17 @@ import msgspec
 from memfilter.core import origin
 from memfilter.core.filter import Rejected, Rejection, check_key, decode_json, parse_ms
 from memfilter.runtime.records import Out, Record, dead_letter, internal_error
-from memfilter.schemas.wire import Message, PersistMessagesOf
+from memfilter.schemas.wire import Message, MessagesOf, PersistMessagesOf
 from memfilter.store.history import HistoryStore, Save
 from memfilter.store.layout import save_identity, thread_tag
 
 # The value is decoded twice, as the filter does a request: typed to validate and read it,
 # raw to save each row byte for byte, as the processor saves its own.
 _TYPED = msgspec.json.Decoder(PersistMessagesOf[Message])
-_RAW = msgspec.json.Decoder(PersistMessagesOf[msgspec.Raw])
+_RAW = msgspec.json.Decoder(MessagesOf[msgspec.Raw])  # after _TYPED: the rows as they came
 
 
-def _rows(event: PersistMessagesOf[Message], raw: PersistMessagesOf[msgspec.Raw]) -> list[tuple[str, bytes]]:
+def _rows(event: PersistMessagesOf[Message], raw: MessagesOf[msgspec.Raw]) -> list[tuple[str, bytes]]:
     """The event's rows as (id, JSON); raise Rejected naming what is wrong."""
     rows = []
     seen = set()
