@@ -13,6 +13,7 @@ import signal
 import time
 import uuid
 
+import aiohttp
 import asyncpg
 from factories import T0, msg
 from pipeline import Pipeline, publish, read
@@ -105,7 +106,7 @@ def test_postgresql_stopped_or_killed_under_load_costs_the_cold_threads_alone_an
     try:
         asyncio.run(pipeline.create_topics())
         pipeline.start_worker(MEMFILTER_POSTGRES_TIMEOUT="1")
-        pipeline.start_sink(MEMFILTER_POSTGRES_TIMEOUT="1")
+        sink = pipeline.start_sink(MEMFILTER_POSTGRES_TIMEOUT="1")
 
         async def evict_idle_half():
             await publish(pipeline.bootstrap, t.requests, [request(th, [msg(f"{th}-u0")], 0) for th in threads])
@@ -141,6 +142,8 @@ def test_postgresql_stopped_or_killed_under_load_costs_the_cold_threads_alone_an
         asyncio.run(publish(pipeline.bootstrap, t.requests, [request(th, [msg(f"{th}-u{n}") for n in range(4)], 3) for th in warm]))
         killed = asyncio.run(read(pipeline.bootstrap, [t.filtered], until=lambda recs: len(recs) >= THREADS + 3 * len(warm)))
         assert {json.loads(r.value)["requestId"] for r in killed} >= {f"{th}-q3" for th in warm}  # decided with PostgreSQL gone
+        status, said = asyncio.run(until(lambda: readiness(sink.web_port, 503)))  # the sink is not ready, and says why
+        assert said.startswith("not ready: writing threads: PostgreSQL at ") and "did not answer" in said
 
         server = start_postgres(folder, port)[0]  # back on its data: the sink catches up, the cold threads load again
         # the cold threads' refused requests, published again as the dead letters say: decided now
@@ -149,8 +152,16 @@ def test_postgresql_stopped_or_killed_under_load_costs_the_cold_threads_alone_an
         final |= asyncio.run(until(lambda: _all_held(pipeline, cold, 2)))
         assert all(final[th] == [f"{th}-u{n}" for n in range(4)] for th in warm)
         assert all(final[th] == [f"{th}-u0", f"{th}-u1"] for th in cold)
+        assert asyncio.run(until(lambda: readiness(sink.web_port, 200)))[1] == "ready\n"
     finally:
         pipeline.stop_all()
         asyncio.run(pipeline.delete_topics())
         server.send_signal(signal.SIGINT)
         server.wait(30)
+
+
+async def readiness(port: int, wanted: int) -> tuple[int, str] | None:
+    """The sink's `/readyz` (status, text), once it answers `wanted`."""
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/readyz") as r:
+        answer = (r.status, await r.text())
+    return answer if answer[0] == wanted else None
