@@ -35,6 +35,7 @@ The gateway's (`memfilter gateway`, `GatewayMetrics`):
 | `memfilter_gateway_requests_total{outcome}` | counter | `POST /api/chat` answered: `answered` (a reply streamed), `no-reply` (the request asks for none), a rejection's reason code (`ownership`, `duplicate`, ...), `unauthenticated`, `busy`, `timeout` |
 | `memfilter_gateway_wait_seconds{for}` | histogram | publish to the worker's decision (`decision`), and to the agent's saved reply (`reply`) |
 | `memfilter_gateway_in_flight` | gauge | requests waiting now |
+| `memfilter_gateway_jwks_fetches_total` | counter | fetches of the identity provider's keys (MEMFILTER_GATEWAY_JWKS_URL): on a schedule, and on a token of an unknown key id at most every 5 s |
 
 The sink's (`memfilter sink`, `SinkMetrics`):
 
@@ -118,6 +119,7 @@ class GatewayMetrics(_Registry):
         self.requests = Counter("memfilter_gateway_requests", "Chat requests answered, by outcome", ["outcome"], registry=r)
         self.wait = Histogram("memfilter_gateway_wait_seconds", "Publish to decision, and to saved reply", ["for"], buckets=_LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("memfilter_gateway_in_flight", "Chat requests waiting now", registry=r)
+        self.jwks_fetches = Counter("memfilter_gateway_jwks_fetches", "Fetches of the identity provider's keys", registry=r)
 
 
 class SinkMetrics(_Registry):

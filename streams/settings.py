@@ -262,7 +262,14 @@ class Gateway(
         "bind": "MEMFILTER_GATEWAY_BIND",
         "auth": "MEMFILTER_GATEWAY_AUTH",
         "jwt_key": "MEMFILTER_GATEWAY_JWT_KEY",
+        "jwks_url": "MEMFILTER_GATEWAY_JWKS_URL",
+        "issuer": "MEMFILTER_GATEWAY_ISSUER",
+        "audience": "MEMFILTER_GATEWAY_AUDIENCE",
+        "resource_claim": "MEMFILTER_GATEWAY_RESOURCE_CLAIM",
+        "leeway_s": "MEMFILTER_GATEWAY_LEEWAY_S",
+        "jwks_refresh_s": "MEMFILTER_GATEWAY_JWKS_REFRESH_S",
         "resource_header": "MEMFILTER_GATEWAY_RESOURCE_HEADER",
+        "cors_origins": "MEMFILTER_GATEWAY_CORS_ORIGINS",
         "outcome_s": "MEMFILTER_GATEWAY_OUTCOME_S",
         "reply_s": "MEMFILTER_GATEWAY_REPLY_S",
         "max_in_flight": "MEMFILTER_GATEWAY_MAX_IN_FLIGHT",
@@ -276,10 +283,26 @@ class Gateway(
     # (a header a proxy in front sets, trusted as it is: behind a proxy or on loopback only)
     auth: Literal["jwt", "header"] = "jwt"
     jwt_key: str = ""  # for `jwt`: an HS256 secret, or a PEM public key (RS256, ES256, EdDSA)
+    # for `jwt`, instead of a fixed key: the identity provider's keys (its JWKS, as its OpenID
+    # configuration's `jwks_uri` names it), fetched, cached, fetched again on a token of an
+    # unknown key id (at most every JWKS_MIN_REFETCH_S) and every `jwks_refresh_s`
+    jwks_url: str = ""
+    issuer: str = ""  # for `jwt`: the `iss` a token must carry (none checked when empty)
+    audience: str = ""  # for `jwt`: an `aud` a token must carry (none checked when empty)
+    resource_claim: str = "sub"  # for `jwt`: the claim that names the caller's resource
+    leeway_s: Annotated[float, Meta(ge=0, le=300)] = 30.0  # for `jwt`: clock skew allowed on `exp`, `nbf`, `iat`
+    jwks_refresh_s: Seconds = 3600.0  # for `jwks_url`: the keys fetched again this often
     resource_header: str = "X-Memfilter-Resource"  # for `header`
+    # the origins of pages on other sites that may call the API routes from a browser (CORS),
+    # comma-separated: `https://app.example.com,https://staging.example.com`; none: same origin only
+    cors_origins: str = ""
     outcome_s: Seconds = 15.0  # seconds a request waits for the worker's decision
     reply_s: Seconds = 120.0  # seconds a request waits for the agent's saved reply
     max_in_flight: Positive = 256  # requests waiting at once, per gateway; more are answered 503
+
+    def origins(self) -> list[str]:
+        """MEMFILTER_GATEWAY_CORS_ORIGINS, one origin each."""
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
 
 
 class Stack(
@@ -356,6 +379,11 @@ class Settings(msgspec.Struct, frozen=True):
             raise SettingError(f"POSTGRES_URL={without_password(parts['postgres'].url)!r} is not valid: expected postgresql://USER[:PASSWORD]@HOST:PORT/DB")
         if parts["decisions"].token_counter == "o200k" and importlib.util.find_spec("bpe_openai") is None:
             raise SettingError("MEMFILTER_TOKEN_COUNTER=o200k needs the bpe-openai package (the o200k_base encoding, offline): pip install 'memfilter[tokens]'")
+        if parts["gateway"].jwks_url and not parts["gateway"].jwks_url.startswith(("http://", "https://")):
+            raise SettingError(f"MEMFILTER_GATEWAY_JWKS_URL={parts['gateway'].jwks_url!r} is not valid: expected an http:// or https:// URL")
+        for origin in parts["gateway"].origins():
+            if not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise SettingError(f"MEMFILTER_GATEWAY_CORS_ORIGINS names {origin!r}: expected origins, scheme://host[:port] each, no path, comma-separated")
         if not parts["agent"].base_url.startswith(("http://", "https://")):
             raise SettingError(f"MEMFILTER_AGENT_BASE_URL={parts['agent'].base_url!r} is not valid: expected an http:// or https:// URL")
         parts["worker"] = msgspec.structs.replace(worker, data_dir=worker.data_dir or os.path.join(tempfile.gettempdir(), f"memfilter-{worker.group}"))

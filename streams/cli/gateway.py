@@ -25,10 +25,11 @@ def run(args: argparse.Namespace) -> int:
     if args.port is not None:
         settings = msgspec.structs.replace(settings, gateway=msgspec.structs.replace(settings.gateway, port=args.port))
     g = settings.gateway
-    if g.auth == "jwt" and not g.jwt_key:
+    if g.auth == "jwt" and bool(g.jwt_key) == bool(g.jwks_url):
         print(
-            "memfilter gateway: MEMFILTER_GATEWAY_AUTH=jwt needs MEMFILTER_GATEWAY_JWT_KEY (an HS256 secret or a PEM public key); "
-            "or MEMFILTER_GATEWAY_AUTH=header behind a proxy that sets the caller's resource",
+            "memfilter gateway: MEMFILTER_GATEWAY_AUTH=jwt needs one of MEMFILTER_GATEWAY_JWKS_URL (your identity provider's keys) "
+            "or MEMFILTER_GATEWAY_JWT_KEY (an HS256 secret or a PEM public key)"
+            + (", not both" if g.jwt_key else "; or MEMFILTER_GATEWAY_AUTH=header behind a proxy that sets the caller's resource"),
             file=sys.stderr,
         )
         return 2

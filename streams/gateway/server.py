@@ -50,6 +50,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp_cors
 import msgspec
 from aiohttp import web
 from aiokafka.errors import KafkaError
@@ -71,6 +72,21 @@ from memfilter.store.redis_driver import connect
 
 log = logging.getLogger("memfilter")
 PAGE = importlib.resources.files("memfilter.gateway") / "page"  # index.html, and chat.js once built (`npm run build` there)
+
+
+def cors(resource_header: str) -> aiohttp_cors.ResourceOptions:
+    """What a page on an allowed origin (MEMFILTER_GATEWAY_CORS_ORIGINS) may send and read: the
+    caller's identity (a bearer token, or the resource header behind a proxy), JSON, an
+    Idempotency-Key; the UI message stream's header (the AI SDK's transport reads it) and
+    Retry-After. No cookies: the gateway takes none."""
+    return aiohttp_cors.ResourceOptions(
+        allow_headers=("Authorization", "Content-Type", "Idempotency-Key", resource_header),
+        allow_methods=("GET", "POST"),
+        expose_headers=("x-vercel-ai-ui-message-stream", "Retry-After"),
+        max_age=600,
+    )
+
+
 _ANY = msgspec.json.Decoder()  # a body is read whole, then checked key by key (`Gateway._chat`)
 # How long a resume waits for a gateway just started to read the replies begun before it.
 RESUME_CATCH_UP_S = 10.0
@@ -162,8 +178,8 @@ class Gateway:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.gateway = settings.gateway
-        self.identify = resource_of(settings.gateway)
         self.metrics = GatewayMetrics()
+        self.identify = resource_of(settings.gateway, self.metrics.jwks_fetches.inc)
         self.client = Client(settings.kafka.bootstrap, settings.topics, settings.policy.limits)
         self.redis = connect(settings.redis.url)
         self.store = HistoryStore(self.redis, settings.redis.prefix, warmer=Warmer.of(settings))
@@ -174,10 +190,16 @@ class Gateway:
         app = web.Application(client_max_size=MAX_RECORD_BYTES)
         app.router.add_get("/", self.page)
         app.router.add_get("/chat.js", self.page_script)
-        app.router.add_post("/api/chat", self.chat)
-        app.router.add_get("/api/chat/{thread}/stream", self.resume)
-        app.router.add_post("/api/chat/{thread}/stop", self.stop)
-        app.router.add_get("/api/threads/{thread}/messages", self.messages)
+        api = [
+            app.router.add_post("/api/chat", self.chat),
+            app.router.add_get("/api/chat/{thread}/stream", self.resume),
+            app.router.add_post("/api/chat/{thread}/stop", self.stop),
+            app.router.add_get("/api/threads/{thread}/messages", self.messages),
+        ]
+        if origins := self.gateway.origins():  # pages elsewhere may call the API from a browser
+            allowed = aiohttp_cors.setup(app, defaults=dict.fromkeys(origins, cors(self.gateway.resource_header)))
+            for route in api:
+                allowed.add(route)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics_page)
@@ -195,7 +217,7 @@ class Gateway:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
-            resource = self.identify(request.headers)
+            resource = await self.identify(request.headers)
         except Unauthenticated as e:
             self.metrics.requests.labels("unauthenticated").inc()
             return error(401, "unauthenticated", str(e))
@@ -327,7 +349,7 @@ class Gateway:
         """The caller and the thread of a thread's route, or the answer that refuses them:
         401 without identity, 403 for a thread of another resource."""
         try:
-            resource = self.identify(request.headers)
+            resource = await self.identify(request.headers)
         except Unauthenticated as e:
             return error(401, "unauthenticated", str(e))
         thread = request.match_info["thread"]
@@ -385,7 +407,7 @@ class Gateway:
 
     async def page(self, _: web.Request) -> web.Response:
         """The chat page, told how this gateway identifies its callers."""
-        config = json.dumps({"auth": self.gateway.auth, "resourceHeader": self.gateway.resource_header})
+        config = json.dumps({"auth": self.gateway.auth, "resourceHeader": self.gateway.resource_header, "gateway": ""})
         return web.Response(text=(PAGE / "index.html").read_text().replace("__CONFIG__", config), content_type="text/html")
 
     async def page_script(self, _: web.Request) -> web.Response:

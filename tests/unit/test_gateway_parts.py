@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import hmac
 import re
 import time
 
@@ -50,7 +53,7 @@ class TestWhoARequestIsFrom:
     KEY = "k" * 32
 
     def identify(self, headers: dict[str, str]) -> str:
-        return resource_of(Gateway(auth="jwt", jwt_key=self.KEY))(headers)
+        return asyncio.run(resource_of(Gateway(auth="jwt", jwt_key=self.KEY))(headers))
 
     def token(self, key: str = KEY, **claims) -> str:
         return jwt.encode({"sub": "alice", "exp": int(time.time()) + 60} | claims, key, algorithm="HS256")
@@ -80,9 +83,9 @@ class TestWhoARequestIsFrom:
 
     def test_behind_a_proxy_the_header_names_the_resource_and_its_absence_is_refused(self):
         identify = resource_of(Gateway(auth="header"))
-        assert identify({"X-Memfilter-Resource": "bob"}) == "bob"
+        assert asyncio.run(identify({"X-Memfilter-Resource": "bob"})) == "bob"
         with pytest.raises(Unauthenticated, match="X-Memfilter-Resource"):
-            identify({})
+            asyncio.run(identify({}))
 
     @pytest.mark.parametrize("sub, says", [("a\x00b", "U+0000"), ("x" * 257, "257 characters"), ("", "not an id")], ids=["U+0000", "257", "empty"])
     def test_a_sub_or_header_that_is_not_an_id_is_refused_naming_why(self, sub, says):
@@ -91,4 +94,52 @@ class TestWhoARequestIsFrom:
             self.identify({"Authorization": f"Bearer {self.token(sub=sub)}"})
         if sub:
             with pytest.raises(Unauthenticated, match=f"X-Memfilter-Resource header .*{re.escape(says)}"):
-                resource_of(Gateway(auth="header"))({"X-Memfilter-Resource": sub})
+                asyncio.run(resource_of(Gateway(auth="header"))({"X-Memfilter-Resource": sub}))
+
+
+class TestWhatATokenMustSay:
+    """The checks a team's identity provider needs, on a fixed key (the provider's own keys are
+    tested against a real OpenID Connect provider: tests/kafka/test_gateway_identity.py)."""
+
+    KEY = "k" * 32
+
+    def identify(self, token: str, **settings) -> str:
+        return asyncio.run(resource_of(Gateway(auth="jwt", jwt_key=self.KEY, **settings))({"Authorization": f"Bearer {token}"}))
+
+    def token(self, key=KEY, algorithm="HS256", **claims) -> str:
+        return jwt.encode({"sub": "alice", "exp": int(time.time()) + 60} | claims, key, algorithm=algorithm)
+
+    def test_the_issuer_and_an_audience_are_checked_when_set(self):
+        good = self.token(iss="https://id.example", aud=["chat", "other"])
+        assert self.identify(good, issuer="https://id.example", audience="chat") == "alice"
+        with pytest.raises(Unauthenticated, match="not issued by 'https://id.example'"):
+            self.identify(self.token(iss="https://evil.example", aud="chat"), issuer="https://id.example", audience="chat")
+        with pytest.raises(Unauthenticated, match="not for this gateway: its `aud` is not 'chat'"):
+            self.identify(self.token(iss="https://id.example", aud="other"), issuer="https://id.example", audience="chat")
+        with pytest.raises(Unauthenticated, match='missing the "aud" claim'):
+            self.identify(self.token(iss="https://id.example"), issuer="https://id.example", audience="chat")
+        assert self.identify(self.token(aud="anything")) == "alice"  # none set: none checked
+
+    def test_the_resource_comes_from_the_claim_the_setting_names(self):
+        token = self.token(tenant="acme")
+        assert self.identify(token, resource_claim="tenant") == "acme"
+        with pytest.raises(Unauthenticated, match="org"):
+            self.identify(token, resource_claim="org")
+
+    def test_a_clock_a_little_behind_is_allowed_the_leeway_and_no_more(self):
+        late = self.token(exp=int(time.time()) - 20)
+        assert self.identify(late, leeway_s=30) == "alice"
+        with pytest.raises(Unauthenticated, match="expired"):
+            self.identify(late, leeway_s=5)
+
+    def test_an_hs256_token_made_with_the_public_key_is_refused(self):
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        public = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        header = jwt.utils.base64url_encode(b'{"alg":"HS256","typ":"JWT"}')
+        body = jwt.utils.base64url_encode(b'{"sub":"alice","exp":' + str(int(time.time()) + 60).encode() + b"}")
+        signature = jwt.utils.base64url_encode(hmac.new(public, header + b"." + body, hashlib.sha256).digest())  # PyJWT would refuse to make it
+        forged = (header + b"." + body + b"." + signature).decode()
+        with pytest.raises(Unauthenticated, match="does not verify"):
+            asyncio.run(resource_of(Gateway(auth="jwt", jwt_key=public.decode()))({"Authorization": f"Bearer {forged}"}))

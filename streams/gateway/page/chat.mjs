@@ -1,7 +1,9 @@
 // The gateway's chat page: the AI SDK's own client (`AbstractChat`, the logic `useChat` runs,
 // over `DefaultChatTransport`) against this gateway, rendered without a framework. Bundled
 // into chat.js by `npm run build` (deploy/setup.sh runs it). The gateway serves index.html with
-// its identity mode in `window.MEMFILTER`; `?user=` names the caller in header mode (a local
+// its identity mode in `window.MEMFILTER`, and the gateway's address (empty: this page's own
+// origin; a page served elsewhere names it, and the gateway allows its origin:
+// MEMFILTER_GATEWAY_CORS_ORIGINS); `?user=` names the caller in header mode (a local
 // demo: anyone on the page may name anyone), `?token=` carries a JWT in jwt mode; `?chat=`
 // names the thread (a new one otherwise, kept in the address so a reload shows it). A reload
 // while a reply is being made resumes it (`resumeStream`); "stop" stops it on the server
@@ -15,6 +17,7 @@ if (!params.get("chat")) {
   history.replaceState(null, "", `?${params}`);
 }
 const chatId = params.get("chat");
+const gateway = config.gateway ?? "";
 const headers = config.auth === "jwt" ? { Authorization: `Bearer ${params.get("token") ?? ""}` } : { [config.resourceHeader]: params.get("user") ?? "demo" };
 
 // What the chat keeps its messages and status in; every change shows on the page.
@@ -86,17 +89,19 @@ function render() {
 
 // A stop the server hears: the fetch's abort alone cannot be told from a dropped connection.
 async function stop() {
-  await fetch(`/api/chat/${encodeURIComponent(chatId)}/stop`, { method: "POST", headers });
+  await fetch(`${gateway}/api/chat/${encodeURIComponent(chatId)}/stop`, { method: "POST", headers });
   await chat.stop();
 }
 
 async function start() {
-  const reply = await fetch(`/api/threads/${encodeURIComponent(chatId)}/messages`, { headers });
-  const stored = reply.ok ? await reply.json() : [];
+  // the stored conversation; none when the gateway cannot be reached (the first send says why)
+  const stored = await fetch(`${gateway}/api/threads/${encodeURIComponent(chatId)}/messages`, { headers })
+    .then((reply) => (reply.ok ? reply.json() : []))
+    .catch(() => []);
   chat = new AbstractChat({
     id: chatId,
     state: new State(stored),
-    transport: new DefaultChatTransport({ api: "/api/chat", headers }),
+    transport: new DefaultChatTransport({ api: `${gateway}/api/chat`, headers }),
     sendAutomaticallyWhen: lastAssistantMessageIsCompleteWithToolCalls,
     onError: render,
   });
