@@ -9,9 +9,14 @@ import { AbstractChat, DefaultChatTransport } from "ai";
 const KEY = process.env.JWT_KEY;
 const HEADER = process.env.RESOURCE_HEADER;
 
+// The issuer and audience a gateway checks (MEMFILTER_GATEWAY_ISSUER, MEMFILTER_GATEWAY_AUDIENCE), when it does.
+const ISSUER = process.env.JWT_ISSUER;
+const AUDIENCE = process.env.JWT_AUDIENCE;
+
 export function token(sub, { expiresIn = 600, key = KEY } = {}) {
   const b64 = (o) => Buffer.from(JSON.stringify(o)).toString("base64url");
-  const body = `${b64({ alg: "HS256", typ: "JWT" })}.${b64({ sub, exp: Math.floor(Date.now() / 1000) + expiresIn })}`;
+  const claims = { sub, exp: Math.floor(Date.now() / 1000) + expiresIn, ...(ISSUER && { iss: ISSUER }), ...(AUDIENCE && { aud: AUDIENCE }) };
+  const body = `${b64({ alg: "HS256", typ: "JWT" })}.${b64(claims)}`;
   return `${body}.${createHmac("sha256", key).update(body).digest("base64url")}`;
 }
 

@@ -199,11 +199,14 @@ def test_every_part_answers_its_probes_on_the_port_its_manifest_names(product, s
 @pytest.mark.containers
 def test_the_ai_sdks_client_gets_an_answer_through_the_installed_gateway(product):
     _, parts, _ = product
+    config = config_map()  # the issuer and audience the manifest's gateway checks
     sent = node_test(
         "gateway.test.mjs",
         "--test-name-pattern=^a message gets the agent's answer",
         GATEWAY_URL=f"http://127.0.0.1:{parts['gateway'].web_port}",
         JWT_KEY=JWT_KEY,
+        JWT_ISSUER=config["MEMFILTER_GATEWAY_ISSUER"],
+        JWT_AUDIENCE=config["MEMFILTER_GATEWAY_AUDIENCE"],
     )
     assert sent.returncode == 0 and "ℹ pass 1\n" in sent.stdout, sent.stdout[-4000:] + sent.stderr[-2000:]
 
