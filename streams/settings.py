@@ -273,6 +273,9 @@ class Gateway(
         "outcome_s": "MEMFILTER_GATEWAY_OUTCOME_S",
         "reply_s": "MEMFILTER_GATEWAY_REPLY_S",
         "max_in_flight": "MEMFILTER_GATEWAY_MAX_IN_FLIGHT",
+        "caller_rate": "MEMFILTER_GATEWAY_CALLER_RATE",
+        "caller_burst": "MEMFILTER_GATEWAY_CALLER_BURST",
+        "caller_in_flight": "MEMFILTER_GATEWAY_CALLER_IN_FLIGHT",
     },
 ):
     """`memfilter gateway`, the HTTP backend of `useChat`."""
@@ -299,6 +302,13 @@ class Gateway(
     outcome_s: Seconds = 15.0  # seconds a request waits for the worker's decision
     reply_s: Seconds = 120.0  # seconds a request waits for the agent's saved reply
     max_in_flight: Positive = 256  # requests waiting at once, per gateway; more are answered 503
+    # per caller (resource), per gateway (`memfilter.gateway.limits`): requests a second, a burst
+    # of them, and requests held open at once; more are answered 429 with Retry-After. A person
+    # chatting sends far fewer; a caller flooding at this share costs the others nothing
+    # measurable (benchmarks/gateway_fairness.py: 0.99 of the calm first-token p50 and p90)
+    caller_rate: Annotated[float, Meta(gt=0)] = 0.5
+    caller_burst: Positive = 10
+    caller_in_flight: Positive = 8
 
     def origins(self) -> list[str]:
         """MEMFILTER_GATEWAY_CORS_ORIGINS, one origin each."""

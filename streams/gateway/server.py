@@ -61,6 +61,7 @@ from memfilter.core.replies import wants_reply
 from memfilter.core.ui import to_ui
 from memfilter.core.ui_stream import DONE, HEADERS, chunks, event
 from memfilter.gateway.identity import Unauthenticated, resource_of
+from memfilter.gateway.limits import Fairness
 from memfilter.gateway.outcomes import ENDS, Live, Outcomes, Waiting, stored
 from memfilter.metrics import GatewayMetrics
 from memfilter.runtime.records import MAX_RECORD_BYTES
@@ -185,6 +186,8 @@ class Gateway:
         self.store = HistoryStore(self.redis, settings.redis.prefix, warmer=Warmer.of(settings))
         self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics, settings.gateway.reply_s, settings.secret, self.store)
         self.in_flight = 0
+        g = settings.gateway
+        self.fair = Fairness(g.caller_rate, g.caller_burst, g.caller_in_flight, time.monotonic)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_RECORD_BYTES)
@@ -221,7 +224,10 @@ class Gateway:
         except Unauthenticated as e:
             self.metrics.requests.labels("unauthenticated").inc()
             return error(401, "unauthenticated", str(e))
+        if limited := await self._limited(resource, holds=True):
+            return limited
         if self.in_flight >= self.gateway.max_in_flight:
+            self.fair.release(resource)
             self.metrics.requests.labels("busy").inc()
             return error(503, "busy", f"{self.in_flight} requests are waiting on this gateway (MEMFILTER_GATEWAY_MAX_IN_FLIGHT); try again")
         self.in_flight += 1
@@ -231,8 +237,29 @@ class Gateway:
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
+            self.fair.release(resource)
         self.metrics.requests.labels(outcome).inc()
         return response
+
+    async def _limited(self, resource: str, holds: bool) -> web.Response | None:
+        """The 429 that refuses a request of `resource` past its fair share (`memfilter.gateway.limits`),
+        or None. It is answered when its Retry-After is up (a second at most), not at once: a
+        caller sending as fast as it is answered is then answered a few times a second, not
+        thousands, and takes the gateway's CPU from no one."""
+        refused = self.fair.admit(resource, holds)
+        if refused is None:
+            return None
+        await asyncio.sleep(min(refused.seconds, 1.0))
+        self.metrics.requests.labels("rate-limited").inc()
+        g = self.gateway
+        why = (
+            f"{g.caller_in_flight} requests of yours are open on this gateway (MEMFILTER_GATEWAY_CALLER_IN_FLIGHT)"
+            if refused.held
+            else f"more than {g.caller_burst} requests at once, or {g.caller_rate:g} a second, from you (MEMFILTER_GATEWAY_CALLER_BURST, MEMFILTER_GATEWAY_CALLER_RATE)"
+        )
+        answer = error(429, "rate-limited", f"{why}; try again in {refused.retry_after()} s")
+        answer.headers["Retry-After"] = refused.retry_after()
+        return answer
 
     async def _chat(self, request: web.Request, resource: str) -> tuple[web.StreamResponse, str]:
         try:  # as the worker decodes a record: UTF-8, nested no deeper than a record may be
@@ -366,6 +393,14 @@ class Gateway:
         if isinstance(owned, web.Response):
             return owned
         resource, thread = owned
+        if limited := await self._limited(resource, holds=True):
+            return limited
+        try:
+            return await self._resume(request, resource, thread)
+        finally:
+            self.fair.release(resource)
+
+    async def _resume(self, request: web.Request, resource: str, thread: str) -> web.StreamResponse:
         try:  # until then, a reply being made may not be known here yet: no 204 that is not so
             await asyncio.wait_for(self.outcomes.caught_up.wait(), RESUME_CATCH_UP_S)
         except TimeoutError:
@@ -388,6 +423,8 @@ class Gateway:
         if isinstance(owned, web.Response):
             return owned
         resource, thread = owned
+        if limited := await self._limited(resource, holds=False):
+            return limited
         live = self.outcomes.live(thread, resource)
         request_id = live.request_id if live is not None else ""
         try:
@@ -401,7 +438,9 @@ class Gateway:
         owned = await self._owned(request)
         if isinstance(owned, web.Response):
             return owned
-        _, thread = owned
+        resource, thread = owned
+        if limited := await self._limited(resource, holds=False):
+            return limited
         rows = await self.store.thread_rows(thread)
         return web.json_response([to_ui(json.loads(row)) for row in rows if row is not None])
 

@@ -77,7 +77,9 @@ def gateways(pipelines, model_agent):
     model.start_agent(**model_agent)
     for worker in workers:
         wait_for_line(worker.log_path, "memfilter worker ready", timeout=60)
-    reply, jwt = {"MEMFILTER_GATEWAY_REPLY_S": "30"}, {"MEMFILTER_GATEWAY_AUTH": "jwt", "MEMFILTER_GATEWAY_JWT_KEY": JWT_KEY}
+    # each test user sends dozens of requests a second, past a person's share (tests/kafka/test_gateway_limits.py tests the limits)
+    reply = {"MEMFILTER_GATEWAY_REPLY_S": "30", "MEMFILTER_GATEWAY_CALLER_RATE": "1000", "MEMFILTER_GATEWAY_CALLER_BURST": "10000"}
+    jwt = {"MEMFILTER_GATEWAY_AUTH": "jwt", "MEMFILTER_GATEWAY_JWT_KEY": JWT_KEY}
     yield {
         "jwt": pipeline.start_gateway("jwt", **jwt, **reply),
         "jwt-2": pipeline.start_gateway("jwt-2", **jwt, **reply),

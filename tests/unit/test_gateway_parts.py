@@ -143,3 +143,47 @@ class TestWhatATokenMustSay:
         forged = (header + b"." + body + b"." + signature).decode()
         with pytest.raises(Unauthenticated, match="does not verify"):
             asyncio.run(resource_of(Gateway(auth="jwt", jwt_key=public.decode()))({"Authorization": f"Bearer {forged}"}))
+
+
+class TestEachCallerHasItsShare:
+    """`memfilter.gateway.limits`, on a clock the test moves."""
+
+    def fairness(self, rate=2.0, burst=3, in_flight=2):
+        from memfilter.gateway.limits import Fairness
+
+        self.now = 0.0
+        return Fairness(rate, burst, in_flight, lambda: self.now)
+
+    def test_a_burst_passes_then_the_rate_and_retry_after_says_when(self):
+        fair = self.fairness()
+        assert [fair.admit("a", holds=False) for _ in range(3)] == [None, None, None]
+        refused = fair.admit("a", holds=False)
+        assert refused is not None and not refused.held and refused.seconds == 0.5 and refused.retry_after() == "1"
+        self.now = 0.5  # one token back at 2 a second
+        assert fair.admit("a", holds=False) is None and fair.admit("a", holds=False) is not None
+
+    def test_one_callers_flood_leaves_anothers_share_whole(self):
+        fair = self.fairness()
+        for _ in range(100):
+            fair.admit("flood", holds=False)
+        assert [fair.admit("other", holds=False) for _ in range(3)] == [None, None, None]
+
+    def test_requests_held_open_are_bounded_and_a_release_frees_one(self):
+        fair = self.fairness(burst=10)
+        assert fair.admit("a", holds=True) is None and fair.admit("a", holds=True) is None
+        refused = fair.admit("a", holds=True)
+        assert refused is not None and refused.held and refused.retry_after() == "1"
+        assert fair.admit("a", holds=False) is None  # a stop or a read is not held
+        fair.release("a")
+        assert fair.admit("a", holds=True) is None
+
+    def test_idle_callers_are_forgotten_once_many_are_remembered(self, monkeypatch):
+        from memfilter.gateway import limits
+
+        monkeypatch.setattr(limits, "KEPT", 5)
+        fair = self.fairness()
+        for n in range(5):
+            fair.admit(f"c{n}", holds=n == 0)  # c0 holds a request open
+        self.now = 10.0  # every bucket full again
+        fair.admit("new", holds=False)
+        assert set(fair.callers) == {"c0", "new"}

@@ -1,0 +1,64 @@
+"""Fair limits per caller on a real gateway (`memfilter.gateway.limits`), at its defaults, with
+a worker and the echo agent runner behind it: one caller flooding the gateway with turns gets
+429 `rate-limited` with `Retry-After` past its share, in the error shape the AI SDK's client
+shows, while another caller's turns are answered. (How much the flood delays the other
+caller's first token is measured, not asserted: `python -m benchmarks.gateway_fairness`.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import aiohttp
+import pytest
+from pipeline import wait_for_line
+
+from memfilter.settings import Gateway
+
+pytestmark = pytest.mark.xdist_group("gateway-limits")
+
+
+@pytest.fixture(scope="module")
+def gateway(services):
+    pipeline = services.pipeline()
+    asyncio.run(pipeline.create_topics())
+    try:
+        worker = pipeline.start_worker()
+        pipeline.start_agent()
+        wait_for_line(worker.log_path, "memfilter worker ready", timeout=90)
+        yield f"http://127.0.0.1:{pipeline.start_gateway('limits', MEMFILTER_GATEWAY_AUTH='header')}"
+    finally:
+        pipeline.stop_all()
+        asyncio.run(pipeline.delete_topics())
+
+
+async def turn(http: aiohttp.ClientSession, gateway: str, user: str, text: str) -> tuple[int, dict | str, str | None]:
+    """A useChat turn of `user` on a chat of its own: (status, the error or the answer's text, Retry-After)."""
+    chat = f"limits-{uuid.uuid4().hex[:8]}"
+    body = {"id": chat, "trigger": "submit-message", "messages": [{"id": f"{chat}-u0", "role": "user", "parts": [{"type": "text", "text": text}]}]}
+    async with http.post(f"{gateway}/api/chat", json=body, headers={"X-Memfilter-Resource": user}) as r:
+        if r.status != 200:
+            return r.status, (await r.json())["error"], r.headers.get("Retry-After")
+        events = [line.removeprefix("data: ") for line in (await r.text()).splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+        return 200, "".join(json.loads(e).get("delta", "") for e in events), None
+
+
+def test_a_flooding_caller_is_refused_past_its_share_and_another_is_answered_meanwhile(gateway):
+    defaults = Gateway()
+    flood_size = defaults.caller_burst * 3
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            flood = asyncio.gather(*(turn(http, gateway, "flooder", f"flood {n}") for n in range(flood_size)))
+            calm = [await turn(http, gateway, "calm", f"calm {n}") for n in range(3)]
+            return await flood, calm
+
+    flooded, calm = asyncio.run(go())
+    assert calm == [(200, f"echo: calm {n}", None) for n in range(3)]
+    refused = [(error, after) for status, error, after in flooded if status == 429]
+    answered = [answer for status, answer, _ in flooded if status == 200]
+    assert len(refused) + len(answered) == flood_size and len(answered) <= defaults.caller_burst and refused
+    for error, after in refused:
+        assert error["code"] == "rate-limited" and int(after) >= 1 and f"try again in {after} s" in error["message"]
+    assert any("MEMFILTER_GATEWAY_CALLER_IN_FLIGHT" in error["message"] for error, _ in refused)  # the flood held more open than its share
