@@ -32,7 +32,7 @@ The gateway's (`memfilter gateway`, `GatewayMetrics`):
 
 | metric | type | what |
 |---|---|---|
-| `memfilter_gateway_requests_total{outcome}` | counter | `POST /api/chat` answered: `answered` (a reply streamed), `no-reply` (the request asks for none), a rejection's reason code (`ownership`, `duplicate`, ...), `unauthenticated`, `busy`, `timeout` |
+| `memfilter_gateway_requests_total{outcome}` | counter | `POST /api/chat` answered: `answered` (a reply streamed), `no-reply` (the request asks for none), a rejection's reason code (`ownership`, `duplicate`, ...), `unauthenticated`, `busy`, `rate-limited`, `timeout`; a stream cut: `stalled` (its client stopped reading), `stopping` (the gateway stopped); resumes: `resumed`, and those cut |
 | `memfilter_gateway_wait_seconds{for}` | histogram | publish to the worker's decision (`decision`), and to the agent's saved reply (`reply`) |
 | `memfilter_gateway_in_flight` | gauge | requests waiting now |
 | `memfilter_gateway_jwks_fetches_total` | counter | fetches of the identity provider's keys (MEMFILTER_GATEWAY_JWKS_URL): on a schedule, and on a token of an unknown key id at most every 5 s |

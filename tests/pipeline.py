@@ -193,6 +193,7 @@ class Pipeline:
             stdout=open(log, "ab"),
             stderr=subprocess.STDOUT,
         )
+        gateway.web_port = port
         self.workers.append(gateway)
         deadline = time.monotonic() + 60
         while True:

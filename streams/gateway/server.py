@@ -91,6 +91,11 @@ def cors(resource_header: str) -> aiohttp_cors.ResourceOptions:
 _ANY = msgspec.json.Decoder()  # a body is read whole, then checked key by key (`Gateway._chat`)
 # How long a resume waits for a gateway just started to read the replies begun before it.
 RESUME_CATCH_UP_S = 10.0
+# How long one write to a client may wait for it to read (its socket's buffers full) before the
+# stream is cut: a client that stops reading holds the chunks sent meanwhile, no more.
+WRITE_STALL_S = 10.0
+# Of MEMFILTER_SHUTDOWN_S, what a stopping gateway keeps for cutting its streams after the drain.
+CUT_MARGIN_S = 1.0
 
 # A rejection's reason code -> the HTTP status a web developer expects for it.
 STATUS = {
@@ -168,6 +173,18 @@ async def _saved(w: Waiting, deadline: float, already: dict[str, Any] | None = N
     return already if already is not None else await _before(asyncio.shield(w.reply), deadline)
 
 
+async def _unless(waited: Awaitable[Any], cutting: asyncio.Event) -> Any:
+    """What `waited` gives, or "cut" once `cutting` is set (a gateway stopping)."""
+    got, cut = asyncio.ensure_future(waited), asyncio.ensure_future(cutting.wait())
+    try:
+        await asyncio.wait({got, cut}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for f in (got, cut):
+            if not f.done():
+                f.cancel()
+    return got.result() if got.done() and not got.cancelled() else "cut"
+
+
 async def _before(waited: Any, deadline: float) -> Any:
     try:
         return await asyncio.wait_for(waited, max(0.0, deadline - time.monotonic()))
@@ -182,7 +199,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.identify = resource_of(settings.gateway, self.metrics.jwks_fetches.inc)
         self.client = Client(settings.kafka.bootstrap, settings.topics, settings.policy.limits)
-        self.redis = connect(settings.redis.url)
+        self.redis = connect(settings.redis.url, waits=True)  # every request in flight may read at once
         self.store = HistoryStore(self.redis, settings.redis.prefix, warmer=Warmer.of(settings))
         self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics, settings.gateway.reply_s, settings.secret, self.store)
         self.in_flight = 0
@@ -207,11 +224,20 @@ class Gateway:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics_page)
         app.on_startup.append(self._start)
+        app.on_shutdown.append(self._draining)
         app.on_cleanup.append(self._stop)
         return app
 
     async def _start(self, _: web.Application) -> None:
+        self.cutting = asyncio.Event()  # set when a stopping gateway's drain is over
         await self.outcomes.start(self.client)
+
+    async def _draining(self, _: web.Application) -> None:
+        """Stopping (SIGTERM): no new request is taken (the listener is closed); the replies
+        being relayed go on for MEMFILTER_SHUTDOWN_S less CUT_MARGIN_S, then are cut."""
+        grace = max(0.0, self.settings.worker.shutdown_s - CUT_MARGIN_S)
+        log.info("memfilter gateway: stopping; the replies being relayed have %g s to end", grace)
+        asyncio.get_running_loop().call_later(grace, self.cutting.set)
 
     async def _stop(self, _: web.Application) -> None:
         await self.outcomes.stop()
@@ -321,13 +347,14 @@ class Gateway:
             so_far, more = _following(live)  # joined mid-reply (a retry of a request being answered): from its start
         response = web.StreamResponse(headers=HEADERS)
         await response.prepare(request)
-        outcome = await self._follow(response, w.thread, so_far, more, lambda: _saved(w, deadline), deadline)
+        outcome = await self._follow(request, response, w.thread, so_far, more, lambda: _saved(w, deadline), deadline)
         if outcome == "answered":
             self.metrics.wait.labels("reply").observe(time.monotonic() - started)
         return response, outcome
 
     async def _follow(
         self,
+        request: web.Request,
         response: web.StreamResponse,
         thread: str,
         so_far: list[dict[str, Any]],
@@ -336,32 +363,42 @@ class Gateway:
         deadline: float,
     ) -> str:
         """Write a reply's chunks to `response` as they come (`so_far`, then from `more`), holding
-        its `finish` until the reply is stored; the outcome, for the metrics."""
+        its `finish` until the reply is stored; the outcome, for the metrics. A client that
+        stops reading is cut once a write has waited WRITE_STALL_S (what it was sent is all it
+        holds of the gateway's memory then; it may resume); a gateway stopping cuts what it
+        relays when its drain is over, saying so, and the client resumes on another."""
+
+        async def write(data: bytes) -> None:
+            await asyncio.wait_for(response.write(data), WRITE_STALL_S)
+
         pending = list(so_far)
         try:
             while True:
-                chunk = pending.pop(0) if pending else await _before(more(), deadline)
-                if chunk is None or chunk == "restarted":
-                    why = (
-                        "the agent runner began this reply again (its last owner stopped); resume or reload to see it"
-                        if chunk == "restarted"
-                        else f"the reply did not end within {self.gateway.reply_s:g} s (MEMFILTER_GATEWAY_REPLY_S)"
-                    )
-                    await response.write(event({"type": "error", "errorText": why}) + DONE)
-                    return "restarted" if chunk == "restarted" else "timeout"
+                chunk = pending.pop(0) if pending else await _before(_unless(more(), self.cutting), deadline)
+                if chunk is None or isinstance(chunk, str):  # no chunk in time, "restarted" or "cut"
+                    ended = chunk or "timeout"
+                    why = {
+                        "restarted": "the agent runner began this reply again (its last owner stopped); resume or reload to see it",
+                        "cut": f"this gateway is stopping; the reply goes on: resume it on another (GET /api/chat/{thread}/stream)",
+                        "timeout": f"the reply did not end within {self.gateway.reply_s:g} s (MEMFILTER_GATEWAY_REPLY_S)",
+                    }[ended]
+                    await write(event({"type": "error", "errorText": why}) + DONE)
+                    return {"cut": "stopping"}.get(ended, ended)
                 if chunk.get("type") == "finish":
                     message = await saved()
                     if message is None or not await self._stored(message, thread, deadline):
-                        await response.write(
-                            event({"type": "error", "errorText": f"the reply was made but not stored in time: see {self.settings.topics.dlq}"}) + DONE
-                        )
+                        await write(event({"type": "error", "errorText": f"the reply was made but not stored in time: see {self.settings.topics.dlq}"}) + DONE)
                         return "timeout"
-                await response.write(event(chunk))
+                await write(event(chunk))
                 if chunk.get("type") in ENDS:
-                    await response.write(DONE)
+                    await write(DONE)
                     return "answered" if chunk.get("type") == "finish" else "error"
         except ConnectionResetError:  # the client went away; the reply goes on, and a resume finds it
             return "disconnected"
+        except TimeoutError:  # a write waited WRITE_STALL_S: the client stopped reading
+            if request.transport is not None:
+                request.transport.abort()
+            return "stalled"
 
     def _not_stored(self, w: Waiting) -> str:
         g = self.gateway
@@ -415,7 +452,9 @@ class Gateway:
             response = web.StreamResponse(headers=HEADERS)
             await response.prepare(request)
             # its save may have been read before this resume began waiting for it
-            await self._follow(response, thread, so_far, more, lambda: _saved(w, deadline, live.saved), deadline)
+            outcome = await self._follow(request, response, thread, so_far, more, lambda: _saved(w, deadline, live.saved), deadline)
+        if outcome in ("stalled", "stopping"):  # a resume's end the operator watches (a turn's every end is counted in `chat`)
+            self.metrics.requests.labels(outcome).inc()
         return response
 
     async def stop(self, request: web.Request) -> web.Response:

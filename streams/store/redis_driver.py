@@ -43,10 +43,13 @@ if redis.__version__.rsplit(".", 1)[0] != WRITTEN_FOR:
 TIMEOUT_S = 10.0
 
 
-def connect(url: str, **options: Any) -> aioredis.Redis | RedisCluster:
+def connect(url: str, waits: bool = False, **options: Any) -> aioredis.Redis | RedisCluster:
     """A Redis client for the history store (`url` as in REDIS_URL): redis-py's cluster client
     for a `redis+cluster://HOST:PORT[,HOST:PORT...]` URL (nodes of the cluster: it finds the
-    others from whichever answers, so name several, or a node that is down stops a start)."""
+    others from whichever answers, so name several, or a node that is down stops a start).
+    `waits`: a call finding every connection of the pool (100) in use waits for one (up to
+    TIMEOUT_S) rather than fail, for a server whose requests use Redis all at once (the gateway;
+    a cluster's client keeps pools of its own, per node)."""
     # No socket timeout: it would put every command's send in a task of its own (`wait_for`),
     # which waits for the event loop's next turn: a fifth of the worker's throughput. The
     # store bounds its calls itself (`send`: TIMEOUT_S).
@@ -57,6 +60,8 @@ def connect(url: str, **options: Any) -> aioredis.Redis | RedisCluster:
         first, *others = hosts.split("/")[0].split(",")
         nodes = [ClusterNode(host, int(port)) for host, port in (node.rsplit(":", 1) for node in others)]
         return RedisCluster.from_url(f"{scheme}://{credentials}{at}{first}", startup_nodes=nodes, **options)
+    if waits:
+        return aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(url, max_connections=100, timeout=TIMEOUT_S, **options))
     return aioredis.from_url(url, **options)
 
 

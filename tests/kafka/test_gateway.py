@@ -23,6 +23,7 @@ import asyncio
 import json
 import secrets
 import shutil
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -234,6 +235,47 @@ def test_a_body_or_path_no_request_may_carry_is_refused_with_its_reason_and_the_
     assert "thread id in the path holds the control character U+0000" in messages[5]
     with urllib.request.urlopen(f"{base}/readyz", timeout=5) as ready:
         assert ready.status == 200
+
+
+def test_a_stopping_gateway_takes_no_new_request_and_cuts_its_streams_saying_so_and_another_resumes_them(gateways, pipelines):
+    """SIGTERM: the listener closes at once; the reply being relayed goes on for
+    MEMFILTER_SHUTDOWN_S (2 s here) less a second, then its stream ends with an `error` chunk
+    that says to resume it elsewhere, and the process exits; another gateway resumes the reply
+    from its first chunk to its `finish`."""
+    user, thread = f"drain-{secrets.token_hex(4)}", f"drain-{secrets.token_hex(4)}"
+    auth = {"Authorization": f"Bearer {jwt.encode({'sub': user, 'exp': int(time.time()) + 600}, JWT_KEY, algorithm='HS256')}"}
+    model = pipelines["model"]
+    port = model.start_gateway("draining", MEMFILTER_GATEWAY_AUTH="jwt", MEMFILTER_GATEWAY_JWT_KEY=JWT_KEY, MEMFILTER_SHUTDOWN_S="2")
+    [process] = [w for w in model.workers if getattr(w, "web_port", None) == port]
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            body = {"id": thread, "messages": [{"id": f"{thread}-u", "role": "user", "parts": [{"type": "text", "text": "slow 40"}]}]}
+            posted = await http.post(f"http://127.0.0.1:{port}/api/chat", json=body, headers=auth)
+            relayed = [await _chunk(posted)]
+            while relayed[-1]["type"] != "text-delta":  # the reply has begun
+                relayed.append(await _chunk(posted))
+            process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            try:
+                await http.get(f"http://127.0.0.1:{port}/readyz")
+                refused = False
+            except aiohttp.ClientConnectionError:
+                refused = True
+            while relayed[-1] is not None:
+                relayed.append(await _chunk(posted))
+            resumed = await http.get(f"http://127.0.0.1:{gateways['model-2']}/api/chat/{thread}/stream", headers=auth)
+            replayed = [await _chunk(resumed)]
+            while replayed[-1] is not None:
+                replayed.append(await _chunk(resumed))
+            return refused, relayed[:-1], replayed[:-1]
+
+    refused, relayed, replayed = asyncio.run(go())
+    assert refused  # no new request once stopping
+    assert relayed[-1]["type"] == "error" and "this gateway is stopping; the reply goes on: resume it on another" in relayed[-1]["errorText"]
+    assert process.wait(10) == 0
+    assert replayed[: len(relayed) - 1] == relayed[:-1] and replayed[-1]["type"] == "finish"
+    assert "".join(c["delta"] for c in replayed if c["type"] == "text-delta") == "".join(f"t{i} " for i in range(40))
 
 
 async def _chunk(response) -> dict | None:

@@ -62,3 +62,19 @@ def test_a_flooding_caller_is_refused_past_its_share_and_another_is_answered_mea
     for error, after in refused:
         assert error["code"] == "rate-limited" and int(after) >= 1 and f"try again in {after} s" in error["message"]
     assert any("MEMFILTER_GATEWAY_CALLER_IN_FLIGHT" in error["message"] for error, _ in refused)  # the flood held more open than its share
+
+
+def test_many_callers_at_once_are_each_answered_not_refused_for_want_of_a_redis_connection(gateway):
+    """Each request reads Redis; more at once than the client's pool holds (100) wait for a
+    connection rather than fail (a 500 `Too many connections`, found by benchmarks/gateway_streams.py)."""
+
+    async def go():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
+            async def read(n: int) -> int:
+                async with http.get(f"{gateway}/api/threads/many-{n}/messages", headers={"X-Memfilter-Resource": f"many-{n}"}) as r:
+                    return r.status
+
+            return await asyncio.gather(*(read(n) for n in range(400)))
+
+    assert set(asyncio.run(go())) == {200}
