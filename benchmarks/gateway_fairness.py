@@ -29,7 +29,7 @@ from collections import Counter
 
 import aiohttp
 
-from benchmarks.worker_throughput import REPO, clean_up, create_topics, free_port
+from benchmarks.worker_throughput import REPO, clean_up, free_port, own_env, own_topics
 
 STARTED_S = 90.0
 
@@ -82,24 +82,8 @@ async def main() -> None:
     parser.add_argument("--pairs", type=int, default=2)
     args = parser.parse_args()
     bootstrap, redis_url = os.environ["KAFKA_BOOTSTRAP_SERVERS"], os.environ["REDIS_URL"]
-    run = f"fair-{uuid.uuid4().hex[:8]}"
-    topics = {name: f"{name}-{run}" for name in ("chat-requests", "filtered-inputs", "persist-messages", "dlq", "reply-streams", "reply-stops")}
-    await create_topics(bootstrap, list(topics.values()), 8)
-    env = {
-        **os.environ,
-        "MEMFILTER_GROUP": run,
-        "MEMFILTER_AGENT_GROUP": f"{run}-agent",
-        "MEMFILTER_REDIS_PREFIX": run,
-        "MEMFILTER_DATA_DIR": f"/tmp/{run}",
-        "MEMFILTER_SECRET": os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32),
-        "MEMFILTER_TOPIC_REQUESTS": topics["chat-requests"],
-        "MEMFILTER_TOPIC_FILTERED": topics["filtered-inputs"],
-        "MEMFILTER_TOPIC_PERSIST": topics["persist-messages"],
-        "MEMFILTER_TOPIC_DLQ": topics["dlq"],
-        "MEMFILTER_TOPIC_STREAMS": topics["reply-streams"],
-        "MEMFILTER_TOPIC_STOPS": topics["reply-stops"],
-        "MEMFILTER_GATEWAY_AUTH": "header",
-    }
+    run, topics = await own_topics(bootstrap, "fair")
+    env = own_env(run, topics, os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32), MEMFILTER_GATEWAY_AUTH="header")
     port = free_port()
     commands = [["worker", "--web-port", str(free_port())], ["agent", "--web-port", str(free_port())], ["gateway", "--port", str(port)]]
     processes = [

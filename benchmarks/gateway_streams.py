@@ -40,7 +40,7 @@ import aiohttp
 import msgspec
 from aiokafka import AIOKafkaProducer
 
-from benchmarks.worker_throughput import REPO, clean_up, cpu_seconds, create_topics, free_port, rss_mb
+from benchmarks.worker_throughput import REPO, clean_up, cpu_seconds, free_port, own_env, own_topics, rss_mb
 from memfilter.core import origin
 from memfilter.gateway.server import WRITE_STALL_S
 from memfilter.schemas.wire import ReplyChunk
@@ -189,22 +189,9 @@ async def main() -> None:
     parser.add_argument("--stalled", type=int, default=20)
     args = parser.parse_args()
     bootstrap, redis_url = os.environ["KAFKA_BOOTSTRAP_SERVERS"], os.environ["REDIS_URL"]
-    run = f"streams-{uuid.uuid4().hex[:8]}"
-    topics = {name: f"{name}-{run}" for name in ("chat-requests", "filtered-inputs", "persist-messages", "dlq", "reply-streams", "reply-stops")}
-    await create_topics(bootstrap, list(topics.values()), 8)
+    run, topics = await own_topics(bootstrap, "streams")
     secret = secrets.token_hex(32)
-    env = {
-        **os.environ,
-        "MEMFILTER_REDIS_PREFIX": run,
-        "MEMFILTER_SECRET": secret,
-        "MEMFILTER_TOPIC_REQUESTS": topics["chat-requests"],
-        "MEMFILTER_TOPIC_FILTERED": topics["filtered-inputs"],
-        "MEMFILTER_TOPIC_PERSIST": topics["persist-messages"],
-        "MEMFILTER_TOPIC_DLQ": topics["dlq"],
-        "MEMFILTER_TOPIC_STREAMS": topics["reply-streams"],
-        "MEMFILTER_TOPIC_STOPS": topics["reply-stops"],
-        "MEMFILTER_GATEWAY_AUTH": "header",
-    }
+    env = own_env(run, topics, secret, MEMFILTER_GATEWAY_AUTH="header")
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, acks=1)
     await producer.start()
     agent = Agent(producer, topics["reply-streams"], secret.encode())

@@ -123,6 +123,33 @@ async def create_topics(bootstrap: str, names: list[str], partitions: int) -> No
         await admin.close()
 
 
+async def own_topics(bootstrap: str, tag: str) -> tuple[str, dict[str, str]]:
+    """A run's name and the product's six topics of its own (made, 8 partitions each), by their default names."""
+    run = f"{tag}-{uuid.uuid4().hex[:8]}"
+    topics = {name: f"{name}-{run}" for name in ("chat-requests", "filtered-inputs", "persist-messages", "dlq", "reply-streams", "reply-stops")}
+    await create_topics(bootstrap, list(topics.values()), 8)
+    return run, topics
+
+
+def own_env(run: str, topics: dict[str, str], secret: str, **extra: str) -> dict[str, str]:
+    """The settings of the run's processes: its topics (`own_topics`), its group, prefix and data folder, the secret."""
+    return {
+        **os.environ,
+        "MEMFILTER_GROUP": run,
+        "MEMFILTER_AGENT_GROUP": f"{run}-agent",
+        "MEMFILTER_REDIS_PREFIX": run,
+        "MEMFILTER_DATA_DIR": f"/tmp/{run}",
+        "MEMFILTER_SECRET": secret,
+        "MEMFILTER_TOPIC_REQUESTS": topics["chat-requests"],
+        "MEMFILTER_TOPIC_FILTERED": topics["filtered-inputs"],
+        "MEMFILTER_TOPIC_PERSIST": topics["persist-messages"],
+        "MEMFILTER_TOPIC_DLQ": topics["dlq"],
+        "MEMFILTER_TOPIC_STREAMS": topics["reply-streams"],
+        "MEMFILTER_TOPIC_STOPS": topics["reply-stops"],
+        **extra,
+    }
+
+
 async def publish(bootstrap: str, topic: str, records, rate: float | None = None) -> None:
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, max_batch_size=1 << 20, max_request_size=4 << 20)
     await producer.start()

@@ -181,6 +181,14 @@ class Pipeline:
         log = WORKER_LOGS / f"memfilter-test-{self.name}-sink{len(self.workers)}.log"
         return self._start("sink", log, {"MEMFILTER_SINK_GROUP": f"sink-{self.name}", **extra_env})
 
+    def start_answering(self, **worker_env: str) -> subprocess.Popen:
+        """A worker and the echo agent runner, once the worker holds its partitions: the loop a
+        gateway's turns need behind it. The worker."""
+        worker = self.start_worker(**worker_env)
+        self.start_agent()
+        wait_for_line(worker.log_path, "memfilter worker ready", timeout=90)
+        return worker
+
     def start_gateway(self, name: str, **extra_env: str) -> int:
         """A gateway process (`memfilter gateway`) on the pipeline, named `name` in its log's
         name, once ready; its port. Stopped with the workers."""

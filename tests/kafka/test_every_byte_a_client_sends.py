@@ -34,7 +34,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
-from pipeline import Collector, header, publish, wait_for_line
+from pipeline import Collector, header, publish
 
 pytestmark = pytest.mark.xdist_group("every-byte")  # the module's pipeline is shared (`--dist loadgroup`)
 
@@ -146,11 +146,9 @@ def product(services):
     pipeline = services.pipeline()
     asyncio.run(pipeline.create_topics())
     limits = {"MEMFILTER_MAX_BYTES": str(MAX_BYTES)}
-    worker = pipeline.start_worker(**limits)
-    pipeline.start_agent()
     pipeline.start_sink(MEMFILTER_IDLE_S="1")
     try:
-        wait_for_line(worker.log_path, "memfilter worker ready", timeout=90)
+        pipeline.start_answering(**limits)
         yield pipeline, f"http://127.0.0.1:{pipeline.start_gateway('header', MEMFILTER_GATEWAY_AUTH='header', **limits)}"
     finally:
         pipeline.stop_all()

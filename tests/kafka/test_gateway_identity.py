@@ -130,9 +130,7 @@ def identity(services, tmp_path_factory):
     pipeline = services.pipeline()
     asyncio.run(pipeline.create_topics())
     try:
-        worker = pipeline.start_worker()
-        pipeline.start_agent()
-        wait_for_line(worker.log_path, "memfilter worker ready", timeout=90)
+        pipeline.start_answering()
         port = pipeline.start_gateway(
             "oidc",
             MEMFILTER_GATEWAY_AUTH="jwt",

@@ -12,7 +12,6 @@ import uuid
 
 import aiohttp
 import pytest
-from pipeline import wait_for_line
 
 from memfilter.settings import Gateway
 
@@ -24,9 +23,7 @@ def gateway(services):
     pipeline = services.pipeline()
     asyncio.run(pipeline.create_topics())
     try:
-        worker = pipeline.start_worker()
-        pipeline.start_agent()
-        wait_for_line(worker.log_path, "memfilter worker ready", timeout=90)
+        pipeline.start_answering()
         yield f"http://127.0.0.1:{pipeline.start_gateway('limits', MEMFILTER_GATEWAY_AUTH='header')}"
     finally:
         pipeline.stop_all()
