@@ -173,16 +173,15 @@ async def _saved(w: Waiting, deadline: float, already: dict[str, Any] | None = N
     return already if already is not None else await _before(asyncio.shield(w.reply), deadline)
 
 
-async def _unless(waited: Awaitable[Any], cutting: asyncio.Event) -> Any:
-    """What `waited` gives, or "cut" once `cutting` is set (a gateway stopping)."""
-    got, cut = asyncio.ensure_future(waited), asyncio.ensure_future(cutting.wait())
+async def _next(more: Callable[[], Awaitable[Any]], cut: asyncio.Future[None], deadline: float) -> Any:
+    """What `more` gives next; "cut" once `cut` is done (a gateway stopping), None at `deadline`."""
+    got = asyncio.ensure_future(more())
     try:
-        await asyncio.wait({got, cut}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait((got, cut), timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for f in (got, cut):
-            if not f.done():
-                f.cancel()
-    return got.result() if got.done() and not got.cancelled() else "cut"
+        if not got.done():
+            got.cancel()
+    return got.result() if got in done else "cut" if cut.done() else None
 
 
 async def _before(waited: Any, deadline: float) -> Any:
@@ -229,7 +228,7 @@ class Gateway:
         return app
 
     async def _start(self, _: web.Application) -> None:
-        self.cutting = asyncio.Event()  # set when a stopping gateway's drain is over
+        self.cut: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # done when a stopping gateway's drain is over
         await self.outcomes.start(self.client)
 
     async def _draining(self, _: web.Application) -> None:
@@ -237,7 +236,7 @@ class Gateway:
         being relayed go on for MEMFILTER_SHUTDOWN_S less CUT_MARGIN_S, then are cut."""
         grace = max(0.0, self.settings.worker.shutdown_s - CUT_MARGIN_S)
         log.info("memfilter gateway: stopping; the replies being relayed have %g s to end", grace)
-        asyncio.get_running_loop().call_later(grace, self.cutting.set)
+        asyncio.get_running_loop().call_later(grace, self.cut.set_result, None)
 
     async def _stop(self, _: web.Application) -> None:
         await self.outcomes.stop()
@@ -374,7 +373,7 @@ class Gateway:
         pending = list(so_far)
         try:
             while True:
-                chunk = pending.pop(0) if pending else await _before(_unless(more(), self.cutting), deadline)
+                chunk = pending.pop(0) if pending else await _next(more, self.cut, deadline)
                 if chunk is None or isinstance(chunk, str):  # no chunk in time, "restarted" or "cut"
                     ended = chunk or "timeout"
                     why = {
