@@ -1,0 +1,181 @@
+"""Benchmark: a chat turn as users make it: time to first token and to `finish`, and the CPU
+per turn of every part.
+
+On the stack's Kafka and Redis (`memfilter stack up`), a worker, the echo agent runner and a
+gateway (header identity, callers' limits well above the load) on topics of the run's own.
+The parts first idle for `--idle-s` seconds: each part's CPU a second then is printed apart.
+Then `--turns` turns arrive open-loop, `--rate` a second, each a new user message on one of
+`--threads` threads (each thread a user of its own), posted as the AI SDK's
+`DefaultChatTransport` posts it (the thread's messages so far, its replies included, as
+`useChat` holds them) and read as the UI message stream it answers. Printed: time to the
+first text delta and to `finish` (p50, p90, p99, max), and each part's CPU per turn (the
+worker, the agent runner, the gateway, Kafka, Redis, all together), the idle CPU of the
+turns' span taken out.
+
+With `--old REV`, the same run is made alternately with REV's parts (a worktree set up as
+`benchmarks.alternate` sets it up) and this checkout's, `--pairs` times (old, new, new, old,
+...), on one stack, and each pair's new/old ratios of first token p50 and of CPU per turn
+are printed with their medians: a change on a turn's path, against the commit before it.
+
+    eval "$(memfilter stack up)"
+    .venv/bin/python -m benchmarks.turn_cost [--rate 5] [--turns 150] [--threads 20] [--old b70aedd --pairs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from benchmarks.alternate import checkout
+from benchmarks.worker_throughput import REPO, clean_up, cpu_seconds, free_port, own_env, own_topics, service_cpu_seconds
+
+STARTED_S = 90.0
+PARTS = ("worker", "agent", "gateway")
+
+
+class Thread:
+    """One `useChat` conversation: its messages as the client holds them."""
+
+    def __init__(self, chat: str, user: str):
+        self.chat, self.user, self.turns = chat, user, 0
+        self.messages: list[dict] = []
+        self.busy = asyncio.Lock()  # a user sends the next message once the reply has ended
+
+    async def turn(self, http: aiohttp.ClientSession, gateway: str) -> tuple[float, float]:
+        """One turn: the seconds to its first text delta and to its `finish`."""
+        async with self.busy:
+            self.turns += 1
+            self.messages.append({"id": f"{self.chat}-u{self.turns}", "role": "user", "parts": [{"type": "text", "text": f"turn {self.turns}: and then?"}]})
+            body = {"id": self.chat, "messages": self.messages, "trigger": "submit-message"}
+            started, first, finished, reply, text = time.perf_counter(), None, None, None, []
+            async with http.post(f"{gateway}/api/chat", json=body, headers={"X-Memfilter-Resource": self.user}) as r:
+                if r.status != 200:
+                    raise SystemExit(f"a turn on {self.chat} was answered {r.status}: {(await r.read())[:300]!r}")
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    kind = chunk.get("type")
+                    if kind == "start":
+                        reply = chunk.get("messageId")
+                    elif kind == "text-delta":
+                        first = first or time.perf_counter() - started
+                        text.append(chunk["delta"])
+                    elif kind == "finish":
+                        finished = time.perf_counter() - started
+                    elif kind == "error":
+                        raise SystemExit(f"a turn on {self.chat} ended in an error: {chunk.get('errorText')}")
+            if first is None or finished is None or reply is None:
+                raise SystemExit(f"a turn on {self.chat} ended without a text delta or a finish")
+            self.messages.append(
+                {"id": reply, "role": "assistant", "parts": [{"type": "step-start"}, {"type": "text", "text": "".join(text), "state": "done"}]}
+            )
+            return first, finished
+
+
+def percentiles(values: list[float]) -> str:
+    ordered = sorted(values)
+    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000  # noqa: E731
+    return f"p50 {at(0.5):.1f} / p90 {at(0.9):.1f} / p99 {at(0.99):.1f} / max {ordered[-1] * 1000:.1f} ms"
+
+
+def cpu(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds used so far by the run's parts and the stack's services."""
+    return {**{name: cpu_seconds(pid) for name, pid in pids.items()}, **service_cpu_seconds()}
+
+
+async def run(args: argparse.Namespace, path: Path, python: str) -> dict[str, float]:
+    """One run with the parts of the checkout at `path`: its figures, printed as they come."""
+    bootstrap, redis_url = os.environ["KAFKA_BOOTSTRAP_SERVERS"], os.environ["REDIS_URL"]
+    name, topics = await own_topics(bootstrap, "turn")
+    lenient = {"MEMFILTER_GATEWAY_CALLER_RATE": "1000", "MEMFILTER_GATEWAY_CALLER_BURST": "1000"}  # this measures turns, not the limits
+    env = {**own_env(name, topics, os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32), MEMFILTER_GATEWAY_AUTH="header", **lenient), "PYTHONPATH": ""}
+    port = free_port()
+    commands = {
+        "worker": ["worker", "--web-port", str(free_port())],
+        "agent": ["agent", "--web-port", str(free_port())],
+        "gateway": ["gateway", "--port", str(port)],
+    }
+    processes = {
+        part: subprocess.Popen([python, "-m", "memfilter", *c], env=env, cwd=path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for part, c in commands.items()
+    }
+    gateway = f"http://127.0.0.1:{port}"
+    threads = [Thread(f"turn-{name}-{n}", f"user-{n}") for n in range(args.threads)]
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            deadline = time.monotonic() + STARTED_S
+            while True:  # the whole loop answers: a turn through worker, agent and gateway
+                try:
+                    await Thread(f"turn-{name}-warm-up", "warm-up").turn(http, gateway)
+                    break
+                except aiohttp.ClientError:
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"the gateway did not answer a turn within {STARTED_S:.0f} s") from None
+                    await asyncio.sleep(1)
+            for t in threads:  # each thread's first turn, unmeasured: the parts warm up on every thread
+                await t.turn(http, gateway)
+            pids = {part: p.pid for part, p in processes.items()}
+            at, before = time.monotonic(), cpu(pids)
+            await asyncio.sleep(args.idle_s)
+            idle = {k: (v - before[k]) / (time.monotonic() - at) for k, v in cpu(pids).items()}
+            at, before = time.monotonic(), cpu(pids)
+
+            async def turn(n: int) -> tuple[float, float]:
+                await asyncio.sleep(max(0.0, at + n / args.rate - time.monotonic()))
+                return await threads[n % len(threads)].turn(http, gateway)
+
+            timed = await asyncio.gather(*(turn(n) for n in range(args.turns)))
+            span = time.monotonic() - at
+            used = {k: (v - before[k] - idle[k] * span) / args.turns for k, v in cpu(pids).items()}
+    finally:
+        for p in processes.values():
+            p.terminate()
+        for p in processes.values():
+            p.wait(30)
+        await clean_up(bootstrap, redis_url, list(topics.values()), name)
+    firsts, finishes = [f for f, _ in timed], [f for _, f in timed]
+    print(f"  {args.turns} turns at {args.rate:g}/s over {span:.1f} s on {args.threads} threads", flush=True)
+    print(f"  first text delta: {percentiles(firsts)}", flush=True)
+    print(f"  finish:           {percentiles(finishes)}", flush=True)
+    print(f"  idle CPU: {', '.join(f'{k} {v * 1000:.1f}' for k, v in idle.items())} ms/s; all {sum(idle.values()) * 1000:.1f} ms/s", flush=True)
+    print(f"  CPU per turn: {', '.join(f'{k} {v * 1000:.2f}' for k, v in used.items())} ms; all {sum(used.values()) * 1000:.2f} ms", flush=True)
+    return {"first token p50": statistics.median(firsts), "CPU per turn": sum(used.values()), **{f"{part} CPU per turn": used[part] for part in PARTS}}
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=5.0, help="turns a second, open-loop")
+    parser.add_argument("--turns", type=int, default=150)
+    parser.add_argument("--threads", type=int, default=20)
+    parser.add_argument("--idle-s", type=float, default=5.0, help="seconds the parts idle, measured, before the turns")
+    parser.add_argument("--old", help="a git revision: alternate its parts with this checkout's (the module's header)")
+    parser.add_argument("--pairs", type=int, default=3)
+    args = parser.parse_args()
+    if args.old is None:
+        print("this checkout:", flush=True)
+        await run(args, REPO, sys.executable)
+        return
+    sides = {"old": checkout(args.old), "new": REPO}
+    figures: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    for pair in range(args.pairs):
+        for side in ("old", "new") if pair % 2 == 0 else ("new", "old"):
+            print(f"pair {pair + 1}, {side} ({args.old if side == 'old' else 'this checkout'}):", flush=True)
+            figures[side].append(await run(args, sides[side], str(sides[side] / ".venv/bin/python")))
+    for figure in figures["old"][0]:
+        ratios = [new[figure] / old[figure] for old, new in zip(figures["old"], figures["new"])]
+        print(f"new/old {figure} by pair: {'  '.join(f'{r:.2f}' for r in ratios)}   median {statistics.median(ratios):.2f}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
