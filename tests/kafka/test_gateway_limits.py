@@ -2,7 +2,8 @@
 a worker and the echo agent runner behind it: one caller flooding the gateway with turns gets
 429 `rate-limited` with `Retry-After` past its share, in the error shape the AI SDK's client
 shows, while another caller's turns are answered. (How much the flood delays the other
-caller's first token is measured, not asserted: `python -m benchmarks.gateway_fairness`.)"""
+caller's first token is measured, not asserted: `python -m benchmarks.gateway_fairness`.) The AI
+SDK's own client sees a refusal as its chat's error (tests/node/limits.test.mjs)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import uuid
 
 import aiohttp
 import pytest
+from pipeline import node_test
 
 from memfilter.settings import Gateway
 
@@ -59,6 +61,11 @@ def test_a_flooding_caller_is_refused_past_its_share_and_another_is_answered_mea
     for error, after in refused:
         assert error["code"] == "rate-limited" and int(after) >= 1 and f"try again in {after} s" in error["message"]
     assert any("MEMFILTER_GATEWAY_CALLER_IN_FLIGHT" in error["message"] for error, _ in refused)  # the flood held more open than its share
+
+
+def test_the_ai_sdks_client_shows_turns_past_a_users_share_as_refused_and_gets_the_others_answered(gateway):
+    result = node_test("limits.test.mjs", GATEWAY_URL=gateway, RESOURCE_HEADER=Gateway().resource_header)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
 
 def test_many_callers_at_once_are_each_answered_not_refused_for_want_of_a_redis_connection(gateway):
