@@ -60,6 +60,15 @@ def free_port() -> int:
             return port
 
 
+def local_get(port: int, path: str) -> tuple[int, str]:
+    """GET `path` of a part's web server on loopback: the status and the body, errors too."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 def node_test(file: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     """A test file of `tests/node/` (the AI SDK's client, Chromium through puppeteer-core) run
     with node's test runner, with `env` alone (and a PATH); `args` go to the runner

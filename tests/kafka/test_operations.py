@@ -12,13 +12,11 @@ import importlib.metadata
 import json
 import subprocess
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from pipeline import REPO, Collector, Pipeline, dump, end_offsets, free_port, header, publish, read, redis_config
+from pipeline import REPO, Collector, Pipeline, dump, end_offsets, free_port, header, local_get, publish, read, redis_config
 from stacks import memfilter
 from test_worker_streams import stream
 
@@ -221,14 +219,6 @@ async def redis_conversations(pipeline, url: str) -> dict[str, list[str]]:
         await client.aclose()
 
 
-def scrape(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def sample_value(text: str, name: str, **labels: str) -> float:
     want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + want + " ") or line == name + want)
@@ -237,7 +227,7 @@ def sample_value(text: str, name: str, **labels: str) -> float:
 class TestMetricsAndHealth:
     def test_metrics_count_what_was_published(self, processed):
         pipeline, worker, published, _ = processed
-        status, text = scrape(worker.web_port, "/metrics")
+        status, text = local_get(worker.web_port, "/metrics")
         assert status == 200
         total = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("memfilter_requests_total{"))
         assert total == published
@@ -267,7 +257,7 @@ class TestMetricsAndHealth:
         t = pipeline.topics
 
         def lags() -> list[float]:
-            text = scrape(worker.web_port, "/metrics")[1]
+            text = local_get(worker.web_port, "/metrics")[1]
             return [float(line.split()[-1]) for line in text.splitlines() if line.startswith("memfilter_consumer_lag{")]
 
         deadline = time.monotonic() + 30
@@ -299,11 +289,11 @@ class TestMetricsAndHealth:
         try:
             worker = pipeline.start_worker()
             assert wait_for_status(worker.web_port, "/readyz", 200), "the worker never became ready"
-            assert scrape(worker.web_port, "/healthz") == (200, "ok\n")
+            assert local_get(worker.web_port, "/healthz") == (200, "ok\n")
             server.terminate()
             server.wait(10)
             assert wait_for_status(worker.web_port, "/readyz", 503)
-            assert "Redis not answering" in scrape(worker.web_port, "/readyz")[1]
+            assert "Redis not answering" in local_get(worker.web_port, "/readyz")[1]
             server = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL)
             assert wait_for_status(worker.web_port, "/readyz", 200)
         finally:
@@ -316,7 +306,7 @@ def wait_for_status(port: int, path: str, status: int, timeout: float = 60) -> b
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if scrape(port, path)[0] == status:
+            if local_get(port, path)[0] == status:
                 return True
         except OSError:
             pass

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 import urllib.error
-import urllib.request
 import uuid
 import zipfile
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 import yaml
-from pipeline import REPO, WORKER_LOGS, free_port, node_test
+from pipeline import REPO, WORKER_LOGS, free_port, local_get, node_test
 
 pytestmark = pytest.mark.xdist_group("installed")  # one install and one product for the module (`--dist loadgroup`)
 
@@ -159,19 +158,11 @@ def product(services, installed):
         asyncio.run(pipeline.delete_topics())
 
 
-def get(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def ready(part, path: str, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            status, body = get(part.web_port, path)
+            status, body = local_get(part.web_port, path)
             if status == 200:
                 return body
         except (urllib.error.URLError, ConnectionError, OSError):
@@ -192,7 +183,7 @@ def test_every_part_answers_its_probes_on_the_port_its_manifest_names(product, s
         for probe in ("readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"]["port"] == port["name"]
             assert ready(parts[name], container[probe]["httpGet"]["path"], 30).strip() in ("ok", "ready")
-        status, metrics = get(parts[name].web_port, deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"])
+        status, metrics = local_get(parts[name].web_port, deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"])
         assert status == 200 and "process_cpu_seconds_total" in metrics
 
 
