@@ -266,6 +266,8 @@ class Example:
         [record] = [r for r in seen.records if mine(r)]
         context = msgspec.json.decode(record.value, type=Context).context
         assert [bytes(r) for r in context[: len(rows)]] == [r["row"].encode() for r in rows]  # the rows as Redis holds them once loaded back
+        # The request and its answer in PostgreSQL too: the log holds nothing the stored history lacks (the rebuild's check).
+        await until(lambda: held(pg, p.prefix, s.thread, len(rows) + 2), WAIT_S, f"the next request of {s.thread!r} and its answer in PostgreSQL")
 
 
 class Context(msgspec.Struct):

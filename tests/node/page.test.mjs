@@ -22,8 +22,10 @@ test("a message typed into the page gets the answer, and a reload shows the stor
     await page.waitForFunction(() => document.querySelector("#messages").innerText.includes("echo: hello from the page"), { timeout: 30_000 });
     await page.screenshot({ path: process.env.SCREENSHOT });
 
+    // After a reload the reply shows whole: from the stored history once saved, or resumed
+    // (`resumeStream`) while its save is still on its way; wait for its text either way.
     await page.reload();
-    await page.waitForFunction(() => document.querySelectorAll("#messages li").length === 2, { timeout: 30_000 });
+    await page.waitForFunction(() => document.querySelector("#messages li.assistant .text")?.innerText === "echo: hello from the page", { timeout: 30_000 });
     const shown = await page.$$eval("#messages li", (rows) => rows.map((r) => [r.className, r.querySelector(".text")?.innerText]));
     assert.deepEqual(shown, [["user", "hello from the page"], ["assistant", "echo: hello from the page"]]);
     assert.deepEqual(errors, []);
