@@ -1,24 +1,30 @@
-"""Benchmark: a chat turn as users make it: time to first token and to `finish`, and the CPU
-per turn of every part.
+"""Benchmark: a chat turn as users make it, beside Mastra's in-process agent: time to first
+token and to `finish`, and the CPU per turn of every part.
 
-On the stack's Kafka and Redis (`memfilter stack up`), a worker, the echo agent runner and a
-gateway (header identity, callers' limits well above the load) on topics of the run's own.
-The parts first idle for `--idle-s` seconds: each part's CPU a second then is printed apart.
-Then `--turns` turns arrive open-loop, `--rate` a second, each a new user message on one of
-`--threads` threads (each thread a user of its own), posted as the AI SDK's
-`DefaultChatTransport` posts it (the thread's messages so far, its replies included, as
-`useChat` holds them) and read as the UI message stream it answers. Printed: time to the
-first text delta and to `finish` (p50, p90, p99, max), and each part's CPU per turn (the
-worker, the agent runner, the gateway, Kafka, Redis, all together), the idle CPU of the
-turns' span taken out.
+On the stack's Kafka, Redis and PostgreSQL (`memfilter stack up`), a worker, the echo agent
+runner and a gateway (header identity, callers' limits well above the load), and with `--sink`
+the sink, on topics of the run's own. The parts first idle for `--idle-s` seconds: each part's
+CPU a second then is printed apart. Then `--turns` turns arrive open-loop, `--rate` a second,
+each a new user message on one of `--threads` threads (each a user of its own, holding
+`--history` messages before its first turn), posted as the AI SDK's `DefaultChatTransport`
+posts it (the thread's messages so far, its replies included, as `useChat` holds them) and
+read as the UI message stream it answers. Printed: time to the first text delta and to
+`finish` (p50, p90, p99, max), and each part's CPU per turn (the worker, the agent runner, the
+gateway, the sink, Kafka, Redis, PostgreSQL, all together), the idle CPU of the turns' span
+taken out; with `--sink`, PostgreSQL's write-ahead log per turn (every byte it writes to
+tables and indexes).
+
+Then the same turns go through Mastra 1.71's `Agent` with `Memory` (`lastMessages: 10`,
+LibSQL storage, a mock model answering as the echo runner does, in one Node process:
+benchmarks/mastra/turns.mjs, its packages installed on first use) and the ratios are printed.
 
 With `--old REV`, the same run is made alternately with REV's parts (a worktree set up as
 `benchmarks.alternate` sets it up) and this checkout's, `--pairs` times (old, new, new, old,
-...), on one stack, and each pair's new/old ratios of first token p50 and of CPU per turn
-are printed with their medians: a change on a turn's path, against the commit before it.
+...), on one stack, and each pair's new/old ratios are printed with their medians: a change
+on a turn's path, against the commit before it (Mastra is not run).
 
     eval "$(memfilter stack up)"
-    .venv/bin/python -m benchmarks.turn_cost [--rate 5] [--turns 150] [--threads 20] [--old b70aedd --pairs 3]
+    .venv/bin/python -m benchmarks.turn_cost [--rate 20] [--turns 400] [--threads 20] [--history 1000] [--sink] [--old b70aedd --pairs 3]
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ import secrets
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
+import asyncpg
 
 from benchmarks.alternate import checkout
 from benchmarks.worker_throughput import REPO, clean_up, cpu_seconds, free_port, own_env, own_topics, service_cpu_seconds
@@ -46,9 +54,12 @@ PARTS = ("worker", "agent", "gateway")
 class Thread:
     """One `useChat` conversation: its messages as the client holds them."""
 
-    def __init__(self, chat: str, user: str):
+    def __init__(self, chat: str, user: str, history: int = 0):
         self.chat, self.user, self.turns = chat, user, 0
-        self.messages: list[dict] = []
+        self.messages: list[dict] = [  # what came before: sent whole with the first turn (the thread is seeded)
+            {"id": f"{chat}-h{i}", "role": "assistant" if i % 2 else "user", "parts": [{"type": "text", "text": f"echo: earlier {i - 1}" if i % 2 else f"earlier {i}"}]}
+            for i in range(history)
+        ]
         self.busy = asyncio.Lock()  # a user sends the next message once the reply has ended
 
     async def turn(self, http: aiohttp.ClientSession, gateway: str) -> tuple[float, float]:
@@ -84,9 +95,12 @@ class Thread:
 
 
 def percentiles(values: list[float]) -> str:
+    return f"p50 {at(values, 0.5) * 1000:.1f} / p90 {at(values, 0.9) * 1000:.1f} / p99 {at(values, 0.99) * 1000:.1f} / max {max(values) * 1000:.1f} ms"
+
+
+def at(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000  # noqa: E731
-    return f"p50 {at(0.5):.1f} / p90 {at(0.9):.1f} / p99 {at(0.99):.1f} / max {ordered[-1] * 1000:.1f} ms"
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def cpu(pids: dict[str, int]) -> dict[str, float]:
@@ -94,9 +108,26 @@ def cpu(pids: dict[str, int]) -> dict[str, float]:
     return {**{name: cpu_seconds(pid) for name, pid in pids.items()}, **service_cpu_seconds()}
 
 
+async def wal_bytes(url: str) -> int:
+    """How far PostgreSQL's write-ahead log has come: the bytes it has written, every table's and index's."""
+    pg = await asyncpg.connect(url)
+    try:
+        return int(await pg.fetchval("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')"))
+    finally:
+        await pg.close()
+
+
+def report(args: argparse.Namespace, firsts: list[float], finishes: list[float], span: float) -> dict[str, float]:
+    print(f"  {args.turns} turns at {args.rate:g}/s over {span:.1f} s on {args.threads} threads of {args.history}+ messages", flush=True)
+    print(f"  first text delta: {percentiles(firsts)}", flush=True)
+    print(f"  finish:           {percentiles(finishes)}", flush=True)
+    return {"first token p50": at(firsts, 0.5), "first token p99": at(firsts, 0.99)}
+
+
 async def run(args: argparse.Namespace, path: Path, python: str) -> dict[str, float]:
     """One run with the parts of the checkout at `path`: its figures, printed as they come."""
     bootstrap, redis_url = os.environ["KAFKA_BOOTSTRAP_SERVERS"], os.environ["REDIS_URL"]
+    postgres = os.environ.get("POSTGRES_URL", "")
     name, topics = await own_topics(bootstrap, "turn")
     lenient = {"MEMFILTER_GATEWAY_CALLER_RATE": "1000", "MEMFILTER_GATEWAY_CALLER_BURST": "1000"}  # this measures turns, not the limits
     env = {**own_env(name, topics, os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32), MEMFILTER_GATEWAY_AUTH="header", **lenient), "PYTHONPATH": ""}
@@ -106,12 +137,16 @@ async def run(args: argparse.Namespace, path: Path, python: str) -> dict[str, fl
         "agent": ["agent", "--web-port", str(free_port())],
         "gateway": ["gateway", "--port", str(port)],
     }
+    if args.sink:
+        if not postgres:
+            raise SystemExit("--sink needs PostgreSQL: POSTGRES_URL, as `memfilter stack up` prints it")
+        commands["sink"] = ["sink", "--web-port", str(free_port())]
     processes = {
         part: subprocess.Popen([python, "-m", "memfilter", *c], env=env, cwd=path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for part, c in commands.items()
     }
     gateway = f"http://127.0.0.1:{port}"
-    threads = [Thread(f"turn-{name}-{n}", f"user-{n}") for n in range(args.threads)]
+    threads = [Thread(f"turn-{name}-{n}", f"user-{n}", args.history) for n in range(args.threads)]
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
             deadline = time.monotonic() + STARTED_S
@@ -126,31 +161,51 @@ async def run(args: argparse.Namespace, path: Path, python: str) -> dict[str, fl
             for t in threads:  # each thread's first turn, unmeasured: the parts warm up on every thread
                 await t.turn(http, gateway)
             pids = {part: p.pid for part, p in processes.items()}
-            at, before = time.monotonic(), cpu(pids)
+            at_, before = time.monotonic(), cpu(pids)
             await asyncio.sleep(args.idle_s)
-            idle = {k: (v - before[k]) / (time.monotonic() - at) for k, v in cpu(pids).items()}
-            at, before = time.monotonic(), cpu(pids)
+            idle = {k: (v - before[k]) / (time.monotonic() - at_) for k, v in cpu(pids).items()}
+            at_, before, wal = time.monotonic(), cpu(pids), await wal_bytes(postgres) if args.sink else 0
 
             async def turn(n: int) -> tuple[float, float]:
-                await asyncio.sleep(max(0.0, at + n / args.rate - time.monotonic()))
+                await asyncio.sleep(max(0.0, at_ + n / args.rate - time.monotonic()))
                 return await threads[n % len(threads)].turn(http, gateway)
 
             timed = await asyncio.gather(*(turn(n) for n in range(args.turns)))
-            span = time.monotonic() - at
-            used = {k: (v - before[k] - idle[k] * span) / args.turns for k, v in cpu(pids).items()}
+            span = time.monotonic() - at_
+            if args.sink:  # what the turns gave the sink is written: PostgreSQL's bytes counted whole
+                await asyncio.sleep(args.sink_s)
+                wal = await wal_bytes(postgres) - wal
+            used = {k: (v - before[k] - idle[k] * (time.monotonic() - at_)) / args.turns for k, v in cpu(pids).items()}
     finally:
         for p in processes.values():
             p.terminate()
         for p in processes.values():
             p.wait(30)
         await clean_up(bootstrap, redis_url, list(topics.values()), name)
-    firsts, finishes = [f for f, _ in timed], [f for _, f in timed]
-    print(f"  {args.turns} turns at {args.rate:g}/s over {span:.1f} s on {args.threads} threads", flush=True)
-    print(f"  first text delta: {percentiles(firsts)}", flush=True)
-    print(f"  finish:           {percentiles(finishes)}", flush=True)
+        if args.sink:
+            subprocess.run([python, "-m", "memfilter", "history", "drop", "--prefix", name], env=env, cwd=path, capture_output=True)
+    figures = report(args, [f for f, _ in timed], [f for _, f in timed], span)
     print(f"  idle CPU: {', '.join(f'{k} {v * 1000:.1f}' for k, v in idle.items())} ms/s; all {sum(idle.values()) * 1000:.1f} ms/s", flush=True)
     print(f"  CPU per turn: {', '.join(f'{k} {v * 1000:.2f}' for k, v in used.items())} ms; all {sum(used.values()) * 1000:.2f} ms", flush=True)
-    return {"first token p50": statistics.median(firsts), "CPU per turn": sum(used.values()), **{f"{part} CPU per turn": used[part] for part in PARTS}}
+    if args.sink:
+        print(f"  PostgreSQL's write-ahead log per turn: {wal / args.turns / 1024:.1f} KiB", flush=True)
+    return {**figures, "CPU per turn": sum(used.values()), "idle CPU": sum(idle.values()), **{f"{part} CPU per turn": used[part] for part in PARTS}}
+
+
+def mastra(args: argparse.Namespace) -> dict[str, float]:
+    """The same turns through Mastra's in-process agent (benchmarks/mastra/turns.mjs)."""
+    folder = REPO / "benchmarks" / "mastra"
+    if not (folder / "node_modules").exists():
+        subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=folder, check=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ["--rate", str(args.rate), "--turns", str(args.turns), "--threads", str(args.threads), "--history", str(args.history)]
+        done = subprocess.run(["node", "turns.mjs", *options, "--idle-s", str(args.idle_s), "--db", f"{tmp}/memory.db"], cwd=folder, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"Mastra's turns failed: {done.stderr[-2000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    figures = report(args, out["firsts"], out["finishes"], out["span"])
+    print(f"  idle CPU: {out['idle'] * 1000:.1f} ms/s; CPU per turn: {out['perTurn'] * 1000:.2f} ms", flush=True)
+    return {**figures, "CPU per turn": out["perTurn"], "idle CPU": out["idle"]}
 
 
 async def main() -> None:
@@ -158,13 +213,20 @@ async def main() -> None:
     parser.add_argument("--rate", type=float, default=5.0, help="turns a second, open-loop")
     parser.add_argument("--turns", type=int, default=150)
     parser.add_argument("--threads", type=int, default=20)
+    parser.add_argument("--history", type=int, default=10, help="messages each thread holds before its first turn")
     parser.add_argument("--idle-s", type=float, default=5.0, help="seconds the parts idle, measured, before the turns")
+    parser.add_argument("--sink", action="store_true", help="run the sink too: PostgreSQL's CPU and write-ahead log per turn")
+    parser.add_argument("--sink-s", type=float, default=3.0, help="with --sink, seconds the sink is given after the turns")
     parser.add_argument("--old", help="a git revision: alternate its parts with this checkout's (the module's header)")
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
     if args.old is None:
         print("this checkout:", flush=True)
-        await run(args, REPO, sys.executable)
+        ours = await run(args, REPO, sys.executable)
+        print("Mastra 1.71's in-process agent with memory (benchmarks/mastra/turns.mjs):", flush=True)
+        theirs = mastra(args)
+        for figure in ("first token p50", "first token p99", "CPU per turn", "idle CPU"):
+            print(f"memfilter/Mastra {figure}: {ours[figure] / theirs[figure]:.2f}")
         return
     sides = {"old": checkout(args.old), "new": REPO}
     figures: dict[str, list[dict[str, float]]] = {"old": [], "new": []}

@@ -336,12 +336,14 @@ def cpu_seconds(pid: int) -> float:
 
 
 def service_cpu_seconds() -> dict[str, float]:
-    """CPU time used so far by the Kafka brokers and the Redis servers on this machine, each summed."""
-    out = {"Kafka": 0.0, "Redis": 0.0}
+    """CPU time used so far by the Kafka brokers, the Redis servers and PostgreSQL's processes on this machine, each summed."""
+    out = {"Kafka": 0.0, "Redis": 0.0, "PostgreSQL": 0.0}
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes()
             name = "Kafka" if b"kafka.Kafka" in cmdline else "Redis" if b"redis-server" in cmdline else None
+            if cmdline.startswith(b"postgres") or b"/bin/postgres\0" in cmdline:
+                name = "PostgreSQL"
             if name:
                 out[name] += cpu_seconds(int(proc.name))
         except (OSError, ValueError):
