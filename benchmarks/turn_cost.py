@@ -57,7 +57,11 @@ class Thread:
     def __init__(self, chat: str, user: str, history: int = 0):
         self.chat, self.user, self.turns = chat, user, 0
         self.messages: list[dict] = [  # what came before: sent whole with the first turn (the thread is seeded)
-            {"id": f"{chat}-h{i}", "role": "assistant" if i % 2 else "user", "parts": [{"type": "text", "text": f"echo: earlier {i - 1}" if i % 2 else f"earlier {i}"}]}
+            {
+                "id": f"{chat}-h{i}",
+                "role": "assistant" if i % 2 else "user",
+                "parts": [{"type": "text", "text": f"echo: earlier {i - 1}" if i % 2 else f"earlier {i}"}],
+            }
             for i in range(history)
         ]
         self.busy = asyncio.Lock()  # a user sends the next message once the reply has ended
@@ -199,7 +203,9 @@ def mastra(args: argparse.Namespace) -> dict[str, float]:
         subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=folder, check=True)
     with tempfile.TemporaryDirectory() as tmp:
         options = ["--rate", str(args.rate), "--turns", str(args.turns), "--threads", str(args.threads), "--history", str(args.history)]
-        done = subprocess.run(["node", "turns.mjs", *options, "--idle-s", str(args.idle_s), "--db", f"{tmp}/memory.db"], cwd=folder, capture_output=True, text=True)
+        done = subprocess.run(
+            ["node", "turns.mjs", *options, "--idle-s", str(args.idle_s), "--db", f"{tmp}/memory.db"], cwd=folder, capture_output=True, text=True
+        )
     if done.returncode != 0:
         raise SystemExit(f"Mastra's turns failed: {done.stderr[-2000:]}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
