@@ -133,7 +133,11 @@ async def run(args: argparse.Namespace, path: Path, python: str) -> dict[str, fl
     bootstrap, redis_url = os.environ["KAFKA_BOOTSTRAP_SERVERS"], os.environ["REDIS_URL"]
     postgres = os.environ.get("POSTGRES_URL", "")
     name, topics = await own_topics(bootstrap, "turn")
-    lenient = {"MEMFILTER_GATEWAY_CALLER_RATE": "1000", "MEMFILTER_GATEWAY_CALLER_BURST": "1000"}  # this measures turns, not the limits
+    lenient = {  # this measures turns, not the limits: callers' rates, and long threads echoed whole
+        "MEMFILTER_GATEWAY_CALLER_RATE": "1000",
+        "MEMFILTER_GATEWAY_CALLER_BURST": "1000",
+        "MEMFILTER_MAX_MESSAGES": str(max(1000, args.history + 4 * (args.turns // args.threads + 2))),
+    }
     env = {**own_env(name, topics, os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32), MEMFILTER_GATEWAY_AUTH="header", **lenient), "PYTHONPATH": ""}
     port = free_port()
     commands = {

@@ -139,7 +139,7 @@ class Outcomes:
         """Read from the topics' ends as of now (`client` says what partitions they have)."""
         topics = (self.topics.filtered, self.topics.dlq, self.topics.persist, self.topics.streams)
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=20, group_id=None
+            bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=500, group_id=None
         )
         await consumer.start()
         deadline = time.monotonic() + 10  # topics made a moment ago may not be in the brokers' metadata yet

@@ -72,8 +72,9 @@ from memfilter.settings import Kafka
 
 log = logging.getLogger("memfilter")
 
-# A consumer's fetches wait at most this long for data: a quiet partition is fetched again that often.
-FETCH_MAX_WAIT_MS = 100
+# A consumer's fetches wait at most this long for data (Kafka answers one at once when data comes):
+# a quiet partition is fetched again that often. Kafka's default; each empty fetch costs the broker ~1 ms.
+FETCH_MAX_WAIT_MS = 500
 # Waiting for Kafka at start: tried again every WAIT_RETRY_S, said every WAIT_LOG_S.
 WAIT_RETRY_S = 1.0
 WAIT_LOG_S = 10.0
@@ -333,7 +334,17 @@ class TaskLoop(mode.Service):
     async def _handle(self, batch: Batch) -> None:
         """Handle the batch, then commit its outputs with the consumer's positions: past the
         last record, and past the transaction markers after it (a partition whose last records
-        are markers is committed when it moves past them, so an idle consumer's lag is 0)."""
+        are markers is committed when it moves past them, so an idle consumer's lag is 0).
+
+        A task with nothing to send commits its offsets alone, with a plain offset commit
+        rather than a transaction: its records were handled with no output (the worker's
+        saves, applied once to Redis whatever happens, or its own read back; markers), so
+        handling them again after a crash changes nothing, and there is nothing to commit
+        atomically with them. A chat turn had four transactions, two of them offsets alone:
+        each is five requests and three writes of the transaction log and markers to Kafka,
+        an offset commit one request. The commit carries the group's generation, so a fenced
+        member's is refused (and it rejoins, as when a transaction fails); Kafka keeps the
+        newer of it and a transaction's offsets committed before it."""
         assert self.consumer is not None
         started = time.time()
         handled = await self.handler.handle(batch)
@@ -355,10 +366,15 @@ class TaskLoop(mode.Service):
         """The batch's outputs and offsets: one transaction per task, each on the task's producer."""
 
         async def transaction(task: int) -> None:
+            mine = {tp: o for tp, o in offsets.items() if tp.partition == task}
+            if not handled.outs[task]:  # nothing to send: the offsets are all there is (see `_handle`)
+                assert self.consumer is not None
+                await self.consumer.commit(mine)
+                return
             producer = self._producers[task]
             await producer.begin_transaction()
             sent = await _send(producer, handled.outs[task])
-            if mine := {tp: o for tp, o in offsets.items() if tp.partition == task}:
+            if mine:
                 await producer.send_offsets_to_transaction(mine, self.group)
             await producer.commit_transaction()
             if self.written is not None:
