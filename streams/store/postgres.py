@@ -2,9 +2,11 @@
 
 Redis holds the threads in use (the working set the worker decides against); PostgreSQL
 holds them all. The sink (`memfilter.runtime.sink`) writes each thread here as
-`persist-messages` leaves it, a whole thread at a time, ordered by the thread's version: a
-thread is written only over an older version of itself, so writing a thread again, or an
-older copy late, changes nothing. A thread idle in Redis leaves it once this tier holds its
+`persist-messages` leaves it, a thread at a time as Redis holds it whole, ordered by the
+thread's version: a thread is written only over an older version of itself, so writing a
+thread again, or an older copy late, changes nothing. Of a thread's messages only those that
+differ from what PostgreSQL holds are written, when the writer knows it (`_write`), so a turn
+writes what it added, whatever the thread's length. A thread idle in Redis leaves it once this tier holds its
 latest version (`memfilter.store.cold`), and is loaded back from here on its next use.
 
 Tables, in the schema named by the store's prefix (`mf` by default; Mastra's `PostgresStore`
@@ -24,6 +26,7 @@ how Redis gives and takes it, is `memfilter.store.cold`'s.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from datetime import UTC, datetime
 
 import asyncpg
@@ -101,6 +104,7 @@ CREATE TABLE IF NOT EXISTS {s}.mastra_messages (
 """
 
 
+WRITTEN_ROWS = 200_000  # messages whose fingerprints a writer keeps (~100 bytes each), to write a thread's changes alone
 MESSAGE_COLUMNS = ["thread_id", "id", "content", "role", "type", "createdAt", "resourceId", "row", "position", "superseded_by"]  # `_messages`' order
 
 
@@ -120,11 +124,13 @@ def _at(ms: int | None) -> datetime:
     return datetime.fromtimestamp((ms or 0) / 1000, UTC)
 
 
-def _messages(t: Thread) -> list[tuple]:
-    """The thread's `mastra_messages` rows."""
+def _messages(t: Thread, only: set[str] | None = None) -> list[tuple]:
+    """The thread's `mastra_messages` rows (`only` those of these ids)."""
     place = {mid: i for i, mid in enumerate(t.order)}
     out = []
     for mid, raw in t.rows.items():
+        if only is not None and mid not in only:
+            continue
         row = _ROW.decode(raw)
         created = parse_ms(row.createdAt) if row.createdAt else None
         text = raw.decode()
@@ -132,6 +138,36 @@ def _messages(t: Thread) -> list[tuple]:
             (t.id, mid, bytes(row.content).decode(), row.role, row.type, _at(created or t.written_ms), t.owner, text, place.get(mid), t.superseded.get(mid))
         )
     return out
+
+
+def _fingerprints(t: Thread) -> dict[str, int]:
+    """Each message's fingerprint: what its `mastra_messages` row is made of (`_messages`).
+    A row without its own createdAt takes the thread's write time, so it counts too."""
+    place = {mid: i for i, mid in enumerate(t.order)}
+    return {mid: hash((raw, place.get(mid), t.superseded.get(mid), t.owner, None if b'"createdAt"' in raw else t.written_ms)) for mid, raw in t.rows.items()}
+
+
+class _Written:
+    """What this process wrote of each thread lately: its version and its messages'
+    fingerprints, at most `rows` messages in all (the threads written longest ago forgotten)."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self._held: OrderedDict[str, tuple[int, dict[str, int]]] = OrderedDict()
+        self._count = 0
+
+    def get(self, thread: str, version: int | None) -> dict[str, int] | None:
+        """The fingerprints written of `thread`, if PostgreSQL holds the version they were written at."""
+        known = self._held.get(thread)
+        return known[1] if known is not None and known[0] == version else None
+
+    def put(self, thread: str, version: int, prints: dict[str, int]) -> None:
+        if (old := self._held.pop(thread, None)) is not None:
+            self._count -= len(old[1])
+        self._held[thread] = (version, prints)
+        self._count += len(prints)
+        while self._count > self.rows and self._held:
+            self._count -= len(self._held.popitem(last=False)[1][1])
 
 
 class PostgresHistory:
@@ -144,6 +180,7 @@ class PostgresHistory:
         self.timeout = timeout  # seconds any call waits for PostgreSQL; then Unavailable
         self._pool: asyncpg.Pool | None = None
         self._starting = asyncio.Lock()
+        self._written = _Written(WRITTEN_ROWS)
 
     async def _ready(self) -> asyncpg.Pool:
         """The connection pool, made on first use with the tables that are missing (a worker
@@ -202,8 +239,13 @@ class PostgresHistory:
         return written, refused
 
     async def _write(self, threads: list[Thread]) -> int:
-        """Three statements whatever the number of threads: the threads' rows (over older
-        versions only), the messages of those written deleted, and theirs copied in."""
+        """Four statements whatever the number of threads: the versions held locked, the
+        threads' rows written (over older versions only), then the messages that differ from
+        what PostgreSQL holds deleted and written. What it holds of a thread is known when this
+        process wrote the version PostgreSQL still holds (`_Written`); then only the rows added,
+        changed or gone are written, so a turn writes its few rows, not its thread whole (a
+        1,000-message thread rewrote 1,000 rows a turn). Otherwise (another sink wrote it, a
+        restart, a rebuild) the thread is written whole."""
         s = self.schema
         newest: dict[str, Thread] = {}
         for t in threads:  # a thread once, at its highest version (a scan may give it twice)
@@ -211,6 +253,7 @@ class PostgresHistory:
                 newest[t.id] = t
         given = list(newest.values())
         async with (await self._ready()).acquire() as conn, conn.transaction():
+            held = await conn.fetch(f"SELECT id, version FROM {s}.mastra_threads WHERE id = ANY($1) ORDER BY id FOR UPDATE", list(newest))
             written = await conn.fetch(
                 f"""INSERT INTO {s}.mastra_threads AS held (id, "resourceId", "createdAt", "updatedAt", version, newest, erased, saved, touched, in_redis)
                     SELECT id, owner, at, at, version, newest, erased, saved, now(), true
@@ -228,13 +271,33 @@ class PostgresHistory:
                 [t.erased_ms for t in given],
                 [t.saved for t in given],
             )
-            ids = [r["id"] for r in written]
-            if ids:
-                await conn.execute(f"DELETE FROM {s}.mastra_messages WHERE thread_id = ANY($1)", ids)
-                messages = [m for i in ids for m in _messages(newest[i])]
-                if messages:  # COPY: several times faster than INSERTs
-                    await conn.copy_records_to_table("mastra_messages", schema_name=self.prefix, columns=MESSAGE_COLUMNS, records=messages)
-        return len(ids)
+            versions = {r["id"]: r["version"] for r in held}
+            now = {r["id"]: _fingerprints(newest[r["id"]]) for r in written}
+            stale: list[tuple[str, str]] = []  # (thread, message) rows to delete
+            whole: list[str] = []  # threads whose messages are all deleted
+            fresh: list[tuple] = []  # rows to copy in
+            for i, prints in now.items():
+                before = self._written.get(i, versions.get(i))
+                if before is None:
+                    whole.append(i)
+                    fresh += _messages(newest[i])
+                    continue
+                changed = {mid for mid, f in prints.items() if before.get(mid) != f}
+                stale += [(i, mid) for mid in before if mid not in prints or mid in changed]
+                fresh += _messages(newest[i], changed)
+            if whole:
+                await conn.execute(f"DELETE FROM {s}.mastra_messages WHERE thread_id = ANY($1)", whole)
+            if stale:
+                await conn.execute(
+                    f"DELETE FROM {s}.mastra_messages m USING unnest($1::text[], $2::text[]) AS gone (thread_id, id) WHERE m.thread_id = gone.thread_id AND m.id = gone.id",
+                    [t for t, _ in stale],
+                    [m for _, m in stale],
+                )
+            if fresh:  # COPY: several times faster than INSERTs
+                await conn.copy_records_to_table("mastra_messages", schema_name=self.prefix, columns=MESSAGE_COLUMNS, records=fresh)
+        for i, prints in now.items():
+            self._written.put(i, newest[i].version, prints)
+        return len(now)
 
     async def versions(self, ids: list[str]) -> dict[str, int]:
         """The version held of each of these threads that is held."""

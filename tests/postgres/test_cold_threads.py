@@ -294,6 +294,61 @@ class TestPostgresqlHoldsEachThreadAsOfItsVersion:
         assert json.loads(row["content"])["parts"] == [{"type": "text", "text": "hello"}]
 
 
+class TestATurnWritesWhatItChanged:
+    """The sink writes a thread's messages that differ from what PostgreSQL holds, not the
+    thread whole (a long thread would be rewritten at every turn); what PostgreSQL holds is
+    the same as a whole write's."""
+
+    @staticmethod
+    async def rewritten(pg: PostgresHistory, thread: str) -> int:
+        """Rows of the thread's messages the last write wrote (its transaction's, as the thread's row)."""
+        async with (await pg._ready()).acquire() as conn:
+            return await conn.fetchval(
+                f"SELECT count(*) FROM {pg.schema}.mastra_messages WHERE thread_id = $1 AND xmin = (SELECT xmin FROM {pg.schema}.mastra_threads WHERE id = $1)",
+                thread,
+            )
+
+    @staticmethod
+    async def held(pg: PostgresHistory, thread: str) -> list[tuple]:
+        async with (await pg._ready()).acquire() as conn:
+            rows = await conn.fetch(f"SELECT * FROM {pg.schema}.mastra_messages WHERE thread_id = $1 ORDER BY id", thread)
+        return [tuple(r.values()) for r in rows]
+
+    def test_a_turn_on_a_long_thread_writes_its_new_rows_alone_and_an_edit_what_it_changed(self, tiers, postgres_url):
+        async def go(make):
+            store, pg = make()
+            whole = PostgresHistory(postgres_url, f"{pg.prefix}-whole")  # a writer that knows nothing: writes threads whole
+            p = Processor(store, secret=SECRET)
+            history = [msg(f"m{i}", "assistant" if i % 2 else "user", f"said {i}") for i in range(300)]
+            await p.process([ask("t1", history, 0, T0)])
+            await sink(store, pg, ["t1"])
+            first = await self.rewritten(pg, "t1")
+            await p.process([ask("t1", [*history, msg("u300", text="and then?")], 1, T0 + 1)])
+            await sink(store, pg, ["t1"])
+            turn = await self.rewritten(pg, "t1")
+            edited = {
+                "threadId": "t1",
+                "resourceId": "r1",
+                "messages": [*history[:100], msg("m100", text="said otherwise")],
+                "trigger": "submit-message",
+                "messageId": "m100",
+            }
+            await p.process([Record("chat-requests", 0, 2, T0 + 2, b"t1", json.dumps(edited).encode())])  # m100 edited: the rows after it superseded
+            await sink(store, pg, ["t1"])
+            edit, order = await self.rewritten(pg, "t1"), (await pg.load(["t1"], into_redis=False))["t1"].order
+            try:
+                await whole.write(await cold.whole(store, ["t1"], {"t1": T0}))
+                return first, turn, edit, order, await self.held(pg, "t1"), await self.held(whole, "t1")
+            finally:
+                await whole.drop()
+                await whole.close()
+
+        first, turn, edit, order, incremental, written_whole = tiers(go)
+        assert (first, turn) == (300, 1)
+        assert order[-1] != "u300" and 1 <= edit <= 202  # the edit's new row, the rows it superseded, none before m100
+        assert incremental == written_whole
+
+
 class TestPostgresqlDown:
     def test_stopped_it_costs_the_cold_threads_alone_with_the_reason(self, tiers, tmp_path):
         from stacks import REPO, signal_postgres, start_postgres
