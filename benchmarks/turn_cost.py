@@ -45,7 +45,7 @@ import aiohttp
 import asyncpg
 
 from benchmarks.alternate import checkout
-from benchmarks.worker_throughput import REPO, clean_up, cpu_seconds, free_port, own_env, own_topics, service_cpu_seconds
+from benchmarks.worker_throughput import REPO, batch_phases, clean_up, cpu_seconds, free_port, own_env, own_topics, service_cpu_seconds
 
 STARTED_S = 90.0
 PARTS = ("worker", "agent", "gateway")
@@ -121,6 +121,20 @@ async def wal_bytes(url: str) -> int:
         await pg.close()
 
 
+def hops(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> str:
+    """Where a part's batches spent their time over the turns (`memfilter_batch_phase_seconds`):
+    each phase's mean, and how many batches. The worker's `waiting` is a request's time in
+    Kafka, from the gateway's publish to the worker's fetch; the agent's, a filtered input's,
+    from the worker's commit to the agent's fetch; the agent's `handling` holds the model call."""
+    means = []
+    for phase, (seconds, count) in after.items():
+        was_s, was_n = before.get(phase, (0.0, 0.0))
+        if count > was_n:
+            means.append(f"{phase} {(seconds - was_s) / (count - was_n) * 1000:.2f}")
+    batches = max((n - before.get(phase, (0.0, 0.0))[1] for phase, (_, n) in after.items() if phase == "handling"), default=0)
+    return f"{', '.join(means)} ({batches:.0f} batches)"
+
+
 def report(args: argparse.Namespace, firsts: list[float], finishes: list[float], span: float) -> dict[str, float]:
     print(f"  {args.turns} turns at {args.rate:g}/s over {span:.1f} s on {args.threads} threads of {args.history}+ messages", flush=True)
     print(f"  first text delta: {percentiles(firsts)}", flush=True)
@@ -139,10 +153,10 @@ async def run(args: argparse.Namespace, path: Path, python: str) -> dict[str, fl
         "MEMFILTER_MAX_MESSAGES": str(max(1000, args.history + 4 * (args.turns // args.threads + 2))),
     }
     env = {**own_env(name, topics, os.environ.get("MEMFILTER_SECRET") or secrets.token_hex(32), MEMFILTER_GATEWAY_AUTH="header", **lenient), "PYTHONPATH": ""}
-    port = free_port()
+    port, web = free_port(), {"worker": free_port(), "agent": free_port()}
     commands = {
-        "worker": ["worker", "--web-port", str(free_port())],
-        "agent": ["agent", "--web-port", str(free_port())],
+        "worker": ["worker", "--web-port", str(web["worker"])],
+        "agent": ["agent", "--web-port", str(web["agent"])],
         "gateway": ["gateway", "--port", str(port)],
     }
     if args.sink:
@@ -173,6 +187,7 @@ async def run(args: argparse.Namespace, path: Path, python: str) -> dict[str, fl
             await asyncio.sleep(args.idle_s)
             idle = {k: (v - before[k]) / (time.monotonic() - at_) for k, v in cpu(pids).items()}
             at_, before, wal = time.monotonic(), cpu(pids), await wal_bytes(postgres) if args.sink else 0
+            phases = {part: batch_phases([web[part]]) for part in web}
 
             async def turn(n: int) -> tuple[float, float]:
                 await asyncio.sleep(max(0.0, at_ + n / args.rate - time.monotonic()))
@@ -180,6 +195,7 @@ async def run(args: argparse.Namespace, path: Path, python: str) -> dict[str, fl
 
             timed = await asyncio.gather(*(turn(n) for n in range(args.turns)))
             span = time.monotonic() - at_
+            phases = {part: hops(phases[part], batch_phases([web[part]])) for part in web}
             if args.sink:  # what the turns gave the sink is written: PostgreSQL's bytes counted whole
                 await asyncio.sleep(args.sink_s)
                 wal = await wal_bytes(postgres) - wal
@@ -195,6 +211,8 @@ async def run(args: argparse.Namespace, path: Path, python: str) -> dict[str, fl
     figures = report(args, [f for f, _ in timed], [f for _, f in timed], span)
     print(f"  idle CPU: {', '.join(f'{k} {v * 1000:.1f}' for k, v in idle.items())} ms/s; all {sum(idle.values()) * 1000:.1f} ms/s", flush=True)
     print(f"  CPU per turn: {', '.join(f'{k} {v * 1000:.2f}' for k, v in used.items())} ms; all {sum(used.values()) * 1000:.2f} ms", flush=True)
+    for part, hop in phases.items():
+        print(f"  the {part}'s batches, mean ms: {hop}", flush=True)
     if args.sink:
         print(f"  PostgreSQL's write-ahead log per turn: {wal / args.turns / 1024:.1f} KiB", flush=True)
     return {**figures, "CPU per turn": sum(used.values()), "idle CPU": sum(idle.values()), **{f"{part} CPU per turn": used[part] for part in PARTS}}

@@ -169,7 +169,9 @@ class Client:
 
     async def _started(self) -> AIOKafkaProducer:
         if self._producer is None:
-            self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5, max_request_size=4 << 20)
+            # No linger: a request is sent at once (a chat turn waits for it); records added while
+            # one is in flight are batched all the same.
+            self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=0, max_request_size=4 << 20)
             await self._producer.start()
         return self._producer
 
