@@ -471,7 +471,11 @@ class TaskLoop(mode.Service):
         try:
             await self._drain()
         except KafkaError as e:
-            log.warning("memfilter %s: the last batch's transactions failed as its tasks leave (%s); left to their next owner", self.name, _reason(e))
+            log.warning(
+                "memfilter %s: the last batch's commit failed as its tasks leave (%s): tasks lost, what it did not commit is left to their next owner; rejoining the group",
+                self.name,
+                _reason(e),
+            )
 
 
 def _reason(error: Exception) -> str:
