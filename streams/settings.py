@@ -65,7 +65,9 @@ class Kafka(
 
     bootstrap: str = "127.0.0.1:9092"
     batch_max: Positive = 1500  # records fetched and handled together
-    batch_within: Annotated[float, Meta(ge=0)] = 0.05  # seconds a fetch waits to fill a batch
+    batch_within: Annotated[float, Meta(ge=0)] = (
+        0.5  # seconds a fetch waits for records when none are there (a fetch returns as soon as some are): an idle loop's period
+    )
     session_timeout: Seconds = 10.0  # seconds before a silent member's partitions go to the others
 
 

@@ -75,6 +75,10 @@ log = logging.getLogger("memfilter")
 # A consumer's fetches wait at most this long for data (Kafka answers one at once when data comes):
 # a quiet partition is fetched again that often. Kafka's default; each empty fetch costs the broker ~1 ms.
 FETCH_MAX_WAIT_MS = 500
+# A task's offsets with no output to commit them with wait this long for its next transaction,
+# then are committed alone (`TaskLoop._handle`): what reads the workers' committed offsets (the
+# sink) sees them this much later at most, and a busy task commits them with its requests.
+QUIET_OFFSETS_S = 1.0
 # Waiting for Kafka at start: tried again every WAIT_RETRY_S, said every WAIT_LOG_S.
 WAIT_RETRY_S = 1.0
 WAIT_LOG_S = 10.0
@@ -158,6 +162,7 @@ class TaskLoop(mode.Service):
         self._delivering: asyncio.Task | None = None  # the previous batch's transactions
         self._producers: dict[int, AIOKafkaProducer] = {}  # task -> its transactional producer: made when tasks are assigned
         self._committed: dict[TopicPartition, int] = {}  # the offsets committed (or started from), by assigned partition
+        self._quiet_since: dict[int, float] = {}  # a task's offsets left to commit with no output: since when (`_handle`)
         self._lost: tuple[Exception, int] | None = None  # why the tasks of an epoch were lost, and that epoch: rejoin (`_rejoin`)
         self._failures = 0  # tasks lost since a batch was last committed: the back-off before rejoining
 
@@ -336,15 +341,16 @@ class TaskLoop(mode.Service):
         last record, and past the transaction markers after it (a partition whose last records
         are markers is committed when it moves past them, so an idle consumer's lag is 0).
 
-        A task with nothing to send commits its offsets alone, with a plain offset commit
-        rather than a transaction: its records were handled with no output (the worker's
-        saves, applied once to Redis whatever happens, or its own read back; markers), so
-        handling them again after a crash changes nothing, and there is nothing to commit
-        atomically with them. A chat turn had four transactions, two of them offsets alone:
-        each is five requests and three writes of the transaction log and markers to Kafka,
-        an offset commit one request. The commit carries the group's generation, so a fenced
-        member's is refused (and it rejoins, as when a transaction fails); Kafka keeps the
-        newer of it and a transaction's offsets committed before it."""
+        A task with nothing to send has only offsets to commit: its records were handled
+        with no output (the worker's saves, applied once to Redis whatever happens, or its own
+        read back; markers), so handling them again after a crash changes nothing, and there
+        is nothing to commit atomically with them. Its offsets go with its next transaction,
+        or, after QUIET_OFFSETS_S without one, alone with a plain offset commit. A chat turn
+        had four transactions, two of them offsets alone: each is five requests and three
+        writes of the transaction log and markers to Kafka. The plain commit carries the
+        group's generation, so a fenced member's is refused (and it rejoins, as when a
+        transaction fails); Kafka keeps the newer of it and a transaction's offsets committed
+        before it."""
         assert self.consumer is not None
         started = time.time()
         handled = await self.handler.handle(batch)
@@ -352,8 +358,13 @@ class TaskLoop(mode.Service):
             self.metrics.batch_phase.labels("handling").observe(time.time() - started)
         positions = {tp: await self.consumer.position(tp) for tp in self._committed}
         offsets = {tp: p for tp, p in positions.items() if p > self._committed[tp]}
+        now = time.monotonic()
+        for task in {tp.partition for tp in offsets} - {task for task, outs in handled.outs.items() if outs}:
+            if now - self._quiet_since.setdefault(task, now) < QUIET_OFFSETS_S:  # with the task's next transaction, or later alone
+                offsets = {tp: o for tp, o in offsets.items() if tp.partition != task}
         for tp in offsets:
             handled.outs.setdefault(tp.partition, [])
+            self._quiet_since.pop(tp.partition, None)
         if offsets or any(handled.outs.values()):
             await self._drain()  # one transaction at a time per producer
             self._delivering = asyncio.create_task(self._deliver(handled, offsets))  # the next fetch meanwhile
@@ -367,9 +378,10 @@ class TaskLoop(mode.Service):
 
         async def transaction(task: int) -> None:
             mine = {tp: o for tp, o in offsets.items() if tp.partition == task}
-            if not handled.outs[task]:  # nothing to send: the offsets are all there is (see `_handle`)
+            if not handled.outs[task]:  # nothing to send: the offsets are all there is, if any (see `_handle`)
                 assert self.consumer is not None
-                await self.consumer.commit(mine)
+                if mine:
+                    await self.consumer.commit(mine)
                 return
             producer = self._producers[task]
             await producer.begin_transaction()
@@ -399,6 +411,7 @@ class TaskLoop(mode.Service):
             await self._drain_or_give_up()
             await self._stop_producers()
             self._committed = {}
+            self._quiet_since = {}
             if self.written is not None:
                 self.written.clear()
             self.epoch += 1
