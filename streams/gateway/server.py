@@ -408,29 +408,34 @@ class Gateway:
         shows it; False at `deadline`."""
         return await stored(self.store, reply, thread, deadline)
 
-    async def _owned(self, request: web.Request) -> tuple[str, str] | web.Response:
+    async def _owned(self, request: web.Request, holds: bool) -> tuple[str, str] | web.Response:
         """The caller and the thread of a thread's route, or the answer that refuses them:
-        401 without identity, 403 for a thread of another resource."""
+        401 without identity, 429 past the caller's fair share (checked before anything is
+        read for it; a request that `holds` is released by the caller once it ends, or here if
+        refused after), 403 for a thread of another resource."""
         try:
             resource = await self.identify(request.headers)
         except Unauthenticated as e:
             return error(401, "unauthenticated", str(e))
+        if limited := await self._limited(resource, holds):
+            return limited
         thread = request.match_info["thread"]
+        refused = None
         if problem := id_problem(thread):
-            return error(400, "schema", f"the thread id in the path {problem}")
-        _, owners, _ = await self.store.owners([], [thread])
-        owner = owners.get(thread)
-        if owner is not None and owner != resource:
-            return error(403, "ownership", f"thread {thread} belongs to another resource; {resource!r} may not use it")
+            refused = error(400, "schema", f"the thread id in the path {problem}")
+        elif (owner := (await self.store.owners([], [thread]))[1].get(thread)) is not None and owner != resource:
+            refused = error(403, "ownership", f"thread {thread} belongs to another resource; {resource!r} may not use it")
+        if refused is not None:
+            if holds:
+                self.fair.release(resource)
+            return refused
         return resource, thread
 
     async def resume(self, request: web.Request) -> web.StreamResponse:
-        owned = await self._owned(request)
+        owned = await self._owned(request, holds=True)
         if isinstance(owned, web.Response):
             return owned
         resource, thread = owned
-        if limited := await self._limited(resource, holds=True):
-            return limited
         try:
             return await self._resume(request, resource, thread)
         finally:
@@ -457,12 +462,10 @@ class Gateway:
         return response
 
     async def stop(self, request: web.Request) -> web.Response:
-        owned = await self._owned(request)
+        owned = await self._owned(request, holds=False)
         if isinstance(owned, web.Response):
             return owned
         resource, thread = owned
-        if limited := await self._limited(resource, holds=False):
-            return limited
         live = self.outcomes.live(thread, resource)
         request_id = live.request_id if live is not None else ""
         try:
@@ -473,12 +476,10 @@ class Gateway:
         return web.json_response({"threadId": thread, "requestId": request_id or None}, status=202)
 
     async def messages(self, request: web.Request) -> web.Response:
-        owned = await self._owned(request)
+        owned = await self._owned(request, holds=False)
         if isinstance(owned, web.Response):
             return owned
-        resource, thread = owned
-        if limited := await self._limited(resource, holds=False):
-            return limited
+        _, thread = owned
         rows = await self.store.thread_rows(thread)
         return web.json_response([to_ui(json.loads(row)) for row in rows if row is not None])
 

@@ -82,3 +82,30 @@ def test_many_callers_at_once_are_each_answered_not_refused_for_want_of_a_redis_
             return await asyncio.gather(*(read(n) for n in range(400)))
 
     assert set(asyncio.run(go())) == {200}
+
+
+def test_a_caller_past_its_share_is_refused_on_the_thread_routes_before_any_thread_is_read(gateway):
+    """Past its burst, a caller's reads of a thread are answered 429 whether the thread is
+    theirs or another's: the share is taken before the ownership read, so a flood of them costs
+    no Redis read, and tells nothing of whose threads exist."""
+    burst, theirs = Gateway().caller_burst, f"limits-theirs-{uuid.uuid4().hex[:8]}"
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            body = {
+                "id": theirs,
+                "trigger": "submit-message",
+                "messages": [{"id": f"{theirs}-u0", "role": "user", "parts": [{"type": "text", "text": "mine"}]}],
+            }
+            async with http.post(f"{gateway}/api/chat", json=body, headers={"X-Memfilter-Resource": "owner"}) as r:
+                assert r.status == 200 and '"type":"finish"' in await r.text()  # the thread is the owner's now
+
+            async def read(thread: str) -> int:
+                async with http.get(f"{gateway}/api/threads/{thread}/messages", headers={"X-Memfilter-Resource": "reader"}) as r:
+                    return r.status
+
+            within = [await read(theirs), *[await read(f"reader-own-{n}") for n in range(burst - 1)]]
+            return within, await read(theirs), await read("reader-own-0")
+
+    within, others, own = asyncio.run(go())
+    assert within == [403] + [200] * (burst - 1) and (others, own) == (429, 429)
