@@ -65,9 +65,7 @@ class Kafka(
 
     bootstrap: str = "127.0.0.1:9092"
     batch_max: Positive = 1500  # records fetched and handled together
-    batch_within: Annotated[float, Meta(ge=0)] = (
-        0.5  # seconds a fetch waits for records when none are there (a fetch returns as soon as some are): an idle loop's period
-    )
+    batch_within: Annotated[float, Meta(ge=0)] = 0.5  # seconds a fetch waits when no record is there (it returns as one comes)
     session_timeout: Seconds = 10.0  # seconds before a silent member's partitions go to the others
 
 

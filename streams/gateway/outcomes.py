@@ -47,6 +47,7 @@ from aiokafka.structs import ConsumerRecord
 from memfilter.client import Client, outcome_of
 from memfilter.core import origin
 from memfilter.core.filter import Rejection
+from memfilter.runtime.loop import ASSIGNED_ONCE_FETCH_MAX_WAIT_MS
 from memfilter.schemas.wire import FilteredInput, ReplyChunk
 from memfilter.settings import Topics
 from memfilter.store.history import HistoryStore
@@ -138,10 +139,12 @@ class Outcomes:
     async def start(self, client: Client) -> None:
         """Read from the topics' ends as of now (`client` says what partitions they have)."""
         topics = (self.topics.filtered, self.topics.dlq, self.topics.persist, self.topics.streams)
-        # Assigned once and never sought after the start: a fetch waits up to 5 s for data, and
-        # Kafka answers it as soon as data comes, so a long wait costs an idle gateway little.
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap, enable_auto_commit=False, isolation_level="read_committed", fetch_max_wait_ms=5000, group_id=None
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+            fetch_max_wait_ms=ASSIGNED_ONCE_FETCH_MAX_WAIT_MS,  # assigned once, below, and never sought after the start
+            group_id=None,
         )
         await consumer.start()
         deadline = time.monotonic() + 10  # topics made a moment ago may not be in the brokers' metadata yet

@@ -75,6 +75,9 @@ log = logging.getLogger("memfilter")
 # A consumer's fetches wait at most this long for data (Kafka answers one at once when data comes):
 # a quiet partition is fetched again that often. Kafka's default; each empty fetch costs the broker ~1 ms.
 FETCH_MAX_WAIT_MS = 500
+# The same for a consumer assigned its partitions once and never sought after its start (the
+# gateway's, the relay's stops): nothing waits on its fetch but data, so only idle polling changes.
+ASSIGNED_ONCE_FETCH_MAX_WAIT_MS = 5000
 # A task's offsets with no output to commit them with wait this long for its next transaction,
 # then are committed alone (`TaskLoop._handle`): what reads the workers' committed offsets (the
 # sink) sees them this much later at most, and a busy task commits them with its requests.

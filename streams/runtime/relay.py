@@ -31,7 +31,7 @@ from aiokafka.errors import KafkaError
 from mode import Service
 
 from memfilter.core import origin
-from memfilter.runtime.loop import wait_for_topics
+from memfilter.runtime.loop import ASSIGNED_ONCE_FETCH_MAX_WAIT_MS, wait_for_topics
 from memfilter.schemas.wire import FilteredInput, ReplyChunk, StopReply
 from memfilter.settings import Kafka, Topics
 
@@ -85,8 +85,9 @@ class Relay(Service):
         does), then read stops for as long as the runner runs."""
         while self.producer is None:
             producer = AIOKafkaProducer(bootstrap_servers=self.kafka.bootstrap, enable_idempotence=True, linger_ms=2)
-            # Stops: assigned once, read from their ends; a fetch waits up to 5 s (answered as soon as a stop comes).
-            consumer = AIOKafkaConsumer(bootstrap_servers=self.kafka.bootstrap, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=5000)
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.kafka.bootstrap, group_id=None, enable_auto_commit=False, fetch_max_wait_ms=ASSIGNED_ONCE_FETCH_MAX_WAIT_MS
+            )
             try:
                 await producer.start()
                 await consumer.start()
