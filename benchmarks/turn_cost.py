@@ -126,13 +126,9 @@ def hops(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, f
     each phase's mean, and how many batches. The worker's `waiting` is a request's time in
     Kafka, from the gateway's publish to the worker's fetch; the agent's, a filtered input's,
     from the worker's commit to the agent's fetch; the agent's `handling` holds the model call."""
-    means = []
-    for phase, (seconds, count) in after.items():
-        was_s, was_n = before.get(phase, (0.0, 0.0))
-        if count > was_n:
-            means.append(f"{phase} {(seconds - was_s) / (count - was_n) * 1000:.2f}")
-    batches = max((n - before.get(phase, (0.0, 0.0))[1] for phase, (_, n) in after.items() if phase == "handling"), default=0)
-    return f"{', '.join(means)} ({batches:.0f} batches)"
+    spent = {phase: (seconds - before.get(phase, (0.0, 0.0))[0], n - before.get(phase, (0.0, 0.0))[1]) for phase, (seconds, n) in after.items()}
+    means = ", ".join(f"{phase} {seconds / n * 1000:.2f}" for phase, (seconds, n) in spent.items() if n > 0)
+    return f"{means} ({spent.get('handling', (0.0, 0.0))[1]:.0f} batches)"
 
 
 def report(args: argparse.Namespace, firsts: list[float], finishes: list[float], span: float) -> dict[str, float]:
