@@ -72,14 +72,14 @@ from memfilter.core.filter import (
     window_reach,
 )
 from memfilter.core.filtered import FORMAT, compact
-from memfilter.core.tokens import stored_count
+from memfilter.core.thread import Recorded, ThreadState, Write, after_commit
 from memfilter.core.window import WindowRow, report
 from memfilter.metrics import Metrics
 from memfilter.runtime.records import MAX_OUTPUT_BYTES, Out, Record, dead_letter, internal_error
 from memfilter.schemas.wire import FilteredInput, PersistMessagesOf, Source
 from memfilter.settings import Topics
-from memfilter.store.history import HistoryStore, ThreadState, Write
-from memfilter.store.layout import NO_COUNTS, WINDOW_ENTRY, Recorded, encode_recorded, in_window, pack, pack_rows, record_field, thread_tag, window_key
+from memfilter.store.history import HistoryStore
+from memfilter.store.layout import WINDOW_ENTRY, in_window, record_field, thread_tag, window_key
 
 log = logging.getLogger("memfilter")
 
@@ -358,7 +358,7 @@ class Processor:
     def _decide_thread(self, thread: str, t: _Thread, state: ThreadState) -> list[tuple[_Pending, Write | None, Recorded]]:
         """Decide a thread's remaining requests in order, each on what the earlier ones saved."""
         planned = []
-        window, after = state.window, b""
+        after = b""
         if state.unavailable:  # cold, and PostgreSQL did not give it back: refused, to publish again
             for p in t.requests[t.next :]:
                 p.outcome = "rejected"
@@ -372,7 +372,7 @@ class Processor:
                 p.outcome = "redelivered"
                 planned.append((p, None, rec))
                 continue
-            original = in_window(window, p.key)
+            original = in_window(state.window, p.key)
             if original is not None and original[:2] == (p.record.partition, p.record.offset):
                 # processed at this very position, and its record already dropped: that happens
                 # only once its outputs are committed, so the offsets this worker started from
@@ -394,8 +394,7 @@ class Processor:
                 planned.append((p, None, rec))
                 continue
             planned.append((p, write, rec))
-            state.pending[p.key] = rec
-            window = (window + write.entry)[-self.store.window_bytes :]
+            state = after_commit(state, write, self.store.window_bytes)  # what the thread's next request sees
             after = p.key
         return planned
 
@@ -414,8 +413,7 @@ class Processor:
         return Recorded(error=Rejection("duplicate", message))
 
     def _decide(self, p: _Pending, state: ThreadState, after: bytes) -> tuple[Write | None, Recorded]:
-        """One request's decision, its write (None for a rejection) and what it emits; what it
-        saves goes into `state`, the overlay the thread's next request of the batch sees."""
+        """One request's decision on `state`: its write (None for a rejection) and what it emits."""
         request = p.request
         view = StoredView(
             state.rows, state.elsewhere, state.owner, state.size, state.newest_ms, state.tail, state.superseded, counts=state.counts, erased=state.erased
@@ -433,38 +431,21 @@ class Processor:
         if (too_large := self._too_large(p, rec, len(decision.context))) is not None:
             return None, Recorded(error=too_large)
         newest = max((parse_ms(r.get("createdAt")) or -1 for r in decision.persist), default=-1)
-        new_ids = [mid for mid, _ in rows if mid not in state.rows]
         shape = request.shape
-        entry = WINDOW_ENTRY.pack(p.key, p.record.partition, p.record.offset, p.record.timestamp_ms)
-        gone = decision.superseded
-        counts = decision.counts(self.budget.counter) if self.budget is not None else []
         write = Write(
             shape.threadId,
             state.version,
             after,
             shape.resourceId,
             newest,
-            pack_rows(rows),
-            encode_recorded(rec),
-            new_ids,
-            entry,
-            gone,
+            rows,
+            rec,
+            [mid for mid, _ in rows if mid not in state.rows],
+            WINDOW_ENTRY.pack(p.key, p.record.partition, p.record.offset, p.record.timestamp_ms),
+            decision.superseded,
             request.request_id,
-            pack([stored_count(self.budget.counter, c) for c in counts]) if self.budget is not None else NO_COUNTS,
+            decision.counts(self.budget.counter) if self.budget is not None else [],
         )
-        if counts:
-            state.counts.update((mid, c) for (mid, _), c in zip(rows, counts))
-        if rows or gone:
-            state.tail = state.tail + new_ids
-            if gone:
-                state.tail = [mid for mid in state.tail if mid not in gone]
-                state.superseded = state.superseded | set(gone)
-            state.size += len(new_ids)
-            state.rows.update(rows)
-            state.version += 1
-            state.owner = state.owner or shape.resourceId
-            state.erased = False
-            state.newest_ms = max(state.newest_ms or -1, newest)
         return write, rec
 
     def _record(self, p: _Pending, decision, version: int) -> tuple[Recorded, list[tuple[str, bytes]]]:

@@ -63,7 +63,6 @@ import asyncio
 import itertools
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -73,11 +72,12 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, NoScriptError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from memfilter.core.thread import Recorded, ThreadState, Write
 from memfilter.core.tokens import Counter, read_counts, stored_count
 from memfilter.metrics import Metrics
 from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
 from memfilter.store import redis_driver, scripts
-from memfilter.store.layout import NO_COUNTS, RECORDED, STATE_RANKS_PACKED, WINDOW_ENTRY, Keys, Recorded, pack, pack_rows, thread_tag
+from memfilter.store.layout import NO_COUNTS, RECORDED, STATE_RANKS_PACKED, WINDOW_ENTRY, Keys, encode_recorded, pack, pack_rows, thread_tag
 from memfilter.store.postgres import Thread, Unavailable
 
 if TYPE_CHECKING:
@@ -92,42 +92,6 @@ class Fenced(Exception):
             f"thread {thread} was written by a worker with owner epoch {theirs}, newer than this worker's {epoch}: "
             "its partitions were given to another worker; this one gives them up and rejoins the group"
         )
-
-
-@dataclass
-class ThreadState:
-    """One thread as a batch saw it: meta, and the rows and records its requests name."""
-
-    owner: str | None
-    version: int
-    newest_ms: int | None
-    size: int
-    rows: dict[str, bytes]  # stored rows of the ids asked for
-    elsewhere: dict[str, str]  # asked-for id not stored here -> the `thread_tag` (hex) of the other thread that owns it
-    pending: dict[bytes, Recorded] = field(default_factory=dict)  # `window_key` -> record, of requests whose outputs may not be committed yet
-    window: bytes = b""  # the retry window (`recent`)
-    superseded: frozenset[str] = frozenset()  # ids of its rows out of the conversation (`superseded`)
-    tail: list[str] = field(default_factory=list)  # the ids of the thread's last rows, in order (`read`, `read_tails`)
-    counts: dict[str, float] = field(default_factory=dict)  # token counts stored beside the rows read (with a counter)
-    erased: bool = False  # the thread was erased (`memfilter forget`) and not started again since
-    unavailable: str = ""  # why the thread, cold (in PostgreSQL only), could not be loaded back: its requests are refused with it
-
-
-class Write(msgspec.Struct, frozen=True, gc=False):
-    """One request's effect on its thread (see COMMIT)."""
-
-    thread: str
-    version: int  # the version the decision saw
-    after: bytes  # the `window_key` of the request of this thread committed just before in the same batch, or empty
-    owner: str
-    newest_ms: int
-    rows: bytes  # `pack_rows` of the rows to save
-    recorded: bytes
-    new_ids: list[str]  # ids of the rows not stored in the thread before: to claim first
-    entry: bytes  # the request's `WINDOW_ENTRY` (its `window_key` first)
-    superseded: list[str]  # ids it takes out of the conversation
-    request_id: str
-    counts: bytes = NO_COUNTS  # packed: each row's `stored_count`, in order (with a budget)
 
 
 class Save(msgspec.Struct, frozen=True, gc=False):
@@ -508,17 +472,17 @@ class HistoryStore(Keys):
                     superseded_key=superseded,
                     tokens_key=tokens,
                     epoch=self.epoch,
-                    record=w.recorded,
+                    record=encode_recorded(w.recorded),
                     seen_version=w.version,
                     resource=w.owner,
                     newest_ms=w.newest_ms,
-                    packed_rows=w.rows,
+                    packed_rows=pack_rows(w.rows),
                     ttl=ttl,
                     entry=w.entry,
                     window_bytes=size,
                     packed_superseded=pack(w.superseded),
                     request_id=w.request_id,
-                    packed_counts=w.counts,
+                    packed_counts=pack([stored_count(self.counter, c) for c in w.counts]) if w.counts and self.counter is not None else NO_COUNTS,
                 )
             )
         out = []

@@ -32,9 +32,9 @@ import hashlib
 import struct
 
 import msgspec
-from msgspec import UNSET, UnsetType
 
-from memfilter.core.filter import STATE_RANKS, Rejection
+from memfilter.core.filter import STATE_RANKS
+from memfilter.core.thread import Recorded
 
 # The message-id index's buckets: at Redis's default of 128 fields a compact hash, compact up
 # to ~500,000 ids (docs/operations.md, "Capacity").
@@ -89,15 +89,6 @@ def save_identity(resource: str, request_id: str) -> bytes:
     resource and the event's `requestId`. A save of the same identity again (a re-delivery,
     or the same event published twice) changes nothing."""
     return _digest(msgspec.json.encode(["service", resource, request_id]).decode(), 8)
-
-
-class Recorded(msgspec.Struct, omit_defaults=True):
-    """What was emitted for a processed request, to emit again byte for byte on re-delivery
-    (kept in `pending` until its batch's Kafka transaction commits)."""
-
-    filtered: msgspec.Raw | UnsetType = UNSET  # the FilteredInput value, as sent
-    persist: msgspec.Raw | UnsetType = UNSET  # the PersistMessages value, as sent
-    error: Rejection | UnsetType = UNSET
 
 
 RECORDED = msgspec.json.Decoder(Recorded)

@@ -42,7 +42,7 @@ class TestOneWayDependencies:
         assert not any(name.startswith("memfilter.runtime.agent") for name in worker)
         assert not any(name.startswith("memfilter.runtime.worker") for name in agent)
 
-    @pytest.mark.parametrize("module", ["core.filter", "core.ui", "core.replies", "core.explain", "core.origin", "store.layout"])
+    @pytest.mark.parametrize("module", ["core.filter", "core.thread", "core.ui", "core.replies", "core.explain", "core.origin", "store.layout"])
     def test_the_pure_core_and_the_layout_import_no_io(self, module):
         io = ("aiokafka", "redis", "faust", "mode", "openai", "asyncio", "memfilter.runtime", "memfilter.store.history", "memfilter.store.redis_driver")
         assert not [name for name in imports_of(module) if name.startswith(io)]
