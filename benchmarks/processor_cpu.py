@@ -84,13 +84,14 @@ async def main() -> None:
                 return
             began = time.process_time()
             gc.disable()
-            outs = await processor.process(consumed[start : start + batch])
+            decided = await processor.decide_batch(consumed[start : start + batch])
             gc.enable()
-            await store.drop_records(processor.take_recorded())
+            await store.drop_records(decided.recorded)
             spent = time.process_time() - began
             cpu += spent
             if args.lockstep:
                 print(f"batch {spent:.6f}", flush=True)
+            outs = [o for per_record in decided.outs for o in per_record]
             emitted.update(o.topic for o in outs)
             errors.update(dict(o.headers)["error.type"].decode() for o in outs if o.topic == processor.topics.dlq)
         if errors:

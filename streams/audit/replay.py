@@ -212,22 +212,22 @@ async def replay_log(recorded: Recorded, store: HistoryStore, batches: AsyncIter
         topics,
         store,
         recorded,
-        Processor(store, topics, policy, secret=recorded.secret, seen=_Seen(recorded, store.retry_window)),
+        Processor(store, topics, policy, secret=recorded.secret, seen=_Seen(recorded, store.retry_window), windows=why),
         Persister(store, topics.dlq, recorded.secret),
     )
     report = Report()
-    windows = replayer.processor.windows = {} if why and policy.budget is not None else None
     async for batch in batches:
         report.requests += len(batch)
+        windows: dict[tuple[int, int], list[WindowRow]] = {}
         for wave in _waves(batch):
-            differences, erased = await replayer.wave(wave)
+            differences, erased, decided = await replayer.wave(wave)
+            windows |= decided
             report.differences += differences
             report.erased += erased
-        if windows is not None:
-            for record in batch:
-                if (rows := windows.pop((record.partition, record.offset), None)) is not None:
-                    thread = record.key.decode(errors="replace") if record.key is not None else ""
-                    report.windows.append(Window(_request_id(record) or _source(record), thread, _source(record), rows))
+        for record in batch:
+            if (rows := windows.get((record.partition, record.offset))) is not None:
+                thread = record.key.decode(errors="replace") if record.key is not None else ""
+                report.windows.append(Window(_request_id(record) or _source(record), thread, _source(record), rows))
     return report
 
 
@@ -267,26 +267,27 @@ class _Replayer:
     persister: Persister
     logs: dict[bytes | None, ThreadLog] = field(default_factory=dict)  # of the threads met so far: where each is in its log
 
-    async def wave(self, records: list[Record]) -> tuple[list[Difference], int]:
+    async def wave(self, records: list[Record]) -> tuple[list[Difference], int, dict[tuple[int, int], list[WindowRow]]]:
         """Bring each request's thread to the version its decision saw, decide them again, and
-        compare with what was recorded; the differences, and how many requests were decided on
-        history since erased (left out)."""
+        compare with what was recorded; the differences, how many requests were decided on
+        history since erased (left out), and each decision's window (with `--why`)."""
         requests = [r for r in map(self._recorded, records) if not self._erased(r)]
         erased = len(records) - len(requests)
         targets = [(r, (self._log(r.record.key), r.thread, r.version)) for r in requests if r.version is not None]
         for (r, _), diff in zip(targets, await self._advance([target for _, target in targets])):
             r.diff = diff
         again = [r for r in requests if not r.diff]
-        for r, outs in zip(again, await self.processor.outputs([r.record for r in again])):
+        decided = await self.processor.decide_batch([r.record for r in again])
+        for r, outs in zip(again, decided.outs):
             if r.filtered is not None and r.event is not None:
                 saved = self.recorded.processors_save(r.event.threadId, r.event.requestId, r.event.historyVersion)
                 r.diff = _compare(outs, self.topics, r.filtered, saved)
             else:
                 got = [dict(o.headers).get("error.type", b"").decode() for o in outs if o.topic == self.topics.dlq]
                 r.diff = [] if got == [r.rejected] else [f"recorded: rejected ({r.rejected}); replayed: {got[0] if got else 'accepted'}"]
-        await self.store.drop_records(self.processor.take_recorded())  # no re-delivery here: not kept
+        await self.store.drop_records(decided.recorded)  # no re-delivery here: not kept
         # named by its request id; by where it was published when it has none (or no JSON)
-        return [Difference(r.request_id or _source(r.record), r.thread, _source(r.record), r.diff) for r in requests if r.diff], erased
+        return [Difference(r.request_id or _source(r.record), r.thread, _source(r.record), r.diff) for r in requests if r.diff], erased, decided.windows
 
     def _erased(self, r: _Request) -> bool:
         """Was the request decided on history an erasure has removed since?"""

@@ -25,7 +25,7 @@ commands while the worker decodes or decides another's.
 A request processed before (by the same resource: see `record_field`) is not decided again:
 - re-delivered from the same position before its batch's outputs were committed (a crash),
   it emits again, byte for byte, what was recorded (`pending`), so re-delivery changes
-  nothing. The worker drops those records once the outputs are committed (`take_recorded`);
+  nothing. The worker drops those records once the outputs are committed (`Decided.recorded`);
   re-delivered from the same position after that (a worker given the partition read its
   committed offset before the last owner's transaction was visible: a broker killed during a
   rebalance), its window entry names this position and it has no record: it emits nothing;
@@ -45,7 +45,6 @@ is not about one record (Redis or Kafka failing) goes up to the record loop.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import zlib
 from collections import Counter
@@ -103,18 +102,29 @@ ORIGINAL_HEADER = "memfilter.duplicate-of"
 
 
 @dataclass
+class Decided:
+    """A batch's decisions (`Processor.decide_batch`)."""
+
+    outs: list[list[Out]]  # the records to emit for each record of the batch, in its order
+    # The (thread, `window_key`) of every request committed or emitted again from its record:
+    # drop them (`HistoryStore.drop_records`) once the outputs are committed to Kafka.
+    recorded: list[tuple[str, bytes]] = field(default_factory=list)
+    # With `windows` and a budget: each decision's window, row by row, by the request's
+    # position (partition, offset), for an audit's report (`memfilter replay --why`).
+    windows: dict[tuple[int, int], list[WindowRow]] = field(default_factory=dict)
+
+
+@dataclass
 class _Pending:
     index: int  # position in the batch
     record: Record
-    request: Request  # deleted once decided (`Processor._round`), decoded again if it is decided again
+    key: bytes  # what names the request in its thread's records (`window_key`)
+    # The decoded request: freed once decided (`Processor._round`), decoded again if it is decided again.
+    request: Request | None
     outcome: str = ""  # the filter's outcome, "rejected", "duplicate" or "redelivered" (a metric's label)
     left_out: bool = False  # its context holds no stored history: not even the newest whole turn fit the budget
     seen: tuple[tuple[str, bytes], ...] = ()  # what a rejection saw (`dead_letter`)
-
-    @functools.cached_property
-    def key(self) -> bytes:
-        """What names the request in its thread's records (`window_key`)."""
-        return window_key(record_field(self.request.shape.resourceId, self.request.request_id))
+    window: list[WindowRow] | None = None  # its context's window, row by row, for an audit (`Decided.windows`)
 
 
 @dataclass
@@ -151,11 +161,11 @@ def _position(rec: Recorded) -> tuple[str, int, int]:
     return s.topic, s.partition, s.offset
 
 
-def _reach(p: _Pending, view: StoredView) -> list[str]:
+def _reach(request: Request, view: StoredView) -> list[str]:
     """`window_reach` of the request, or nothing if it fails (its decision will too, and
     dead-letter it)."""
     try:
-        return window_reach(p.request, view)
+        return window_reach(request, view)
     except Exception:
         return []
 
@@ -178,6 +188,7 @@ class Processor:
         secret: bytes = b"",
         seen: Seen | None = None,
         filtered_format: int = FORMAT,
+        windows: bool = False,
     ):
         self.store = store
         self.topics = topics
@@ -194,32 +205,23 @@ class Processor:
             raise ValueError(f"a budget counted by {self.budget.counter.name} needs a HistoryStore made with that counter, not {store.counter}")
         self.edits = policy.edits  # regenerate and edit supersede rows
         self.filtered_format = filtered_format  # of the filtered inputs (MEMFILTER_FILTERED_FORMAT, `memfilter.core.filtered`)
-        # With a budget, if set to a dict: each decision's window, row by row, by the request's
-        # position (partition, offset), for an audit's report (`memfilter replay --why`).
-        self.windows: dict[tuple[int, int], list[WindowRow]] | None = None
-        self._recorded: list[tuple[str, bytes]] = []  # `take_recorded`
-
-    def take_recorded(self) -> list[tuple[str, bytes]]:
-        """The (thread, `window_key`) of every request committed or emitted again from its
-        record since the last call: drop them (`HistoryStore.drop_records`) once their
-        outputs are committed to Kafka."""
-        taken, self._recorded = self._recorded, []
-        return taken
+        self.windows = windows and self.budget is not None  # each decision's window kept, for an audit (`Decided.windows`)
 
     async def process(self, records: list[Record]) -> list[Out]:
-        """The records to emit for a batch, in the batch's order."""
-        return [out for per_record in await self.outputs(records) for out in per_record]
+        """The records to emit for a batch, in the batch's order (for a caller that keeps no
+        records to drop: a test, a tool)."""
+        return [out for per_record in (await self.decide_batch(records)).outs for out in per_record]
 
-    async def outputs(self, records: list[Record]) -> list[list[Out]]:
-        """The records to emit for each record of the batch."""
-        outs: list[list[Out]] = [[] for _ in records]
+    async def decide_batch(self, records: list[Record]) -> Decided:
+        """Decide a batch: what to emit for each record, and what to drop once it is committed."""
+        decided = Decided([[] for _ in records])
         # A record goes to the lane of its key, the thread id (a record without one is
         # rejected), so a thread's records share one lane, in order.
         n = min(MAX_LANES, max(1, len(records) // LANE_RECORDS))
         lanes: list[list[tuple[int, Record]]] = [[] for _ in range(n)]
         for i, record in enumerate(records):
             lanes[zlib.crc32(record.key or b"") % n].append((i, record))
-        tasks = [asyncio.ensure_future(self._lane(lane, outs)) for lane in lanes if lane]
+        tasks = [asyncio.ensure_future(self._lane(lane, decided)) for lane in lanes if lane]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -229,7 +231,7 @@ class Processor:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        return outs
+        return decided
 
     def _decode(self, i: int, record: Record, outs: list[list[Out]]) -> Request | None:
         """The record's request, or None after putting its dead letter in `outs`."""
@@ -249,24 +251,25 @@ class Processor:
     def _request(self, record: Record) -> Request:
         return decode_request(record.value, f"{record.topic}-{record.partition}-{record.offset}", self.limits, self.secret)
 
-    async def _lane(self, items: list[tuple[int, Record]], outs: list[list[Out]]) -> None:
+    async def _lane(self, items: list[tuple[int, Record]], decided: Decided) -> None:
         """Decode a lane's records, then rounds until every request is decided and committed."""
         threads: dict[str, _Thread] = {}
         for i, record in items:
-            if (request := self._decode(i, record, outs)) is None:
+            if (request := self._decode(i, record, decided.outs)) is None:
                 continue
-            threads.setdefault(request.shape.threadId, _Thread([])).requests.append(_Pending(i, record, request))
+            key = window_key(record_field(request.shape.resourceId, request.request_id))
+            threads.setdefault(request.shape.threadId, _Thread([])).requests.append(_Pending(i, record, key, request))
         while threads:
-            threads = await self._round(threads, outs)
+            threads = await self._round(threads, decided)
 
-    async def _round(self, threads: dict[str, _Thread], outs: list[list[Out]]) -> dict[str, _Thread]:
+    async def _round(self, threads: dict[str, _Thread], decided: Decided) -> dict[str, _Thread]:
         """Read, decide, claim and commit what is left of each thread; the threads to redo."""
         wanted = {}
         for thread, t in threads.items():
             for p in t.requests[t.next :]:
-                if not hasattr(p, "request"):  # decided in an earlier round, and cut there or found stale
+                if p.request is None:  # decided in an earlier round, and cut there or found stale
                     p.request = self._request(p.record)
-            wanted[thread] = list(dict.fromkeys(chain.from_iterable(lookup_ids(p.request) for p in t.requests[t.next :])))
+            wanted[thread] = list(dict.fromkeys(chain.from_iterable(lookup_ids(p.request) for p in t.requests[t.next :] if p.request)))
         states = await self.store.read(wanted, self.history)
         unknown = {mid for thread, ids in wanted.items() for mid in ids if mid not in states[thread].rows}
         owners: dict[str, bytes] = {}
@@ -295,7 +298,7 @@ class Processor:
         for thread, t in threads.items():
             t.planned = self._decide_thread(thread, t, states.pop(thread))
             for p, _, _ in t.planned:
-                del p.request
+                p.request = None
 
         # New ids are claimed first; a thread whose id another thread holds by now is cut
         # there (its earlier requests go on) and decided again on a fresh read.
@@ -321,11 +324,13 @@ class Processor:
                 if failed or status == "stale":
                     failed = True  # this and what the thread decided after it: again
                     continue
-                outs[p.index] = self._emit(p, rec)
+                decided.outs[p.index] = self._emit(p, rec)
                 outcomes[p.outcome] += 1
                 left_out += p.left_out
+                if p.window is not None:
+                    decided.windows[p.record.partition, p.record.offset] = p.window
                 if w is not None or p.outcome == "redelivered":
-                    self._recorded.append((thread, p.key))
+                    decided.recorded.append((thread, p.key))
                 t.next += 1
             if failed:
                 redo.add(thread)
@@ -347,8 +352,8 @@ class Processor:
             far = [
                 mid
                 for p in t.requests[t.next :]
-                if self.history or p.request.shape.trigger is not UNSET  # the window, or what a regenerate or edit supersedes
-                for mid in _reach(p, view)
+                if p.request is not None and (self.history or p.request.shape.trigger is not UNSET)  # the window, or what a regenerate or edit supersedes
+                for mid in _reach(p.request, view)
                 if mid not in tail
             ]
             if far:
@@ -359,14 +364,15 @@ class Processor:
         """Decide a thread's remaining requests in order, each on what the earlier ones saved."""
         planned = []
         after = b""
-        if state.unavailable:  # cold, and PostgreSQL did not give it back: refused, to publish again
-            for p in t.requests[t.next :]:
+        for p in t.requests[t.next :]:
+            request = p.request
+            assert request is not None  # decoded for this round (`_round`)
+            if state.unavailable:  # cold, and PostgreSQL did not give it back: refused, to publish again
                 p.outcome = "rejected"
                 planned.append(
-                    (p, None, Recorded(error=Rejection("unavailable", f"request {p.request.request_id} not decided: {state.unavailable}; publish it again")))
+                    (p, None, Recorded(error=Rejection("unavailable", f"request {request.request_id} not decided: {state.unavailable}; publish it again")))
                 )
-            return planned
-        for p in t.requests[t.next :]:
+                continue
             rec = state.pending.get(p.key)
             if rec is not None and _position(rec) == (p.record.topic, p.record.partition, p.record.offset):
                 p.outcome = "redelivered"
@@ -380,16 +386,16 @@ class Processor:
                 p.outcome = "redelivered"
                 planned.append((p, None, Recorded()))
                 continue
-            if (duplicate := self._duplicate(p, original)) is not None:
+            if (duplicate := self._duplicate(p, request, original)) is not None:
                 planned.append((p, None, duplicate))
                 continue
             try:
-                write, rec = self._decide(p, state, after)
+                write, rec = self._decide(p, request, state, after)
             except Exception as e:
                 write, rec = None, Recorded(error=internal_error(p.record, e))
             if write is None:  # a rejection: nothing written, nothing recorded
                 p.outcome = "rejected"
-                elsewhere = {mid: state.elsewhere[mid] for mid in lookup_ids(p.request) if mid in state.elsewhere}
+                elsewhere = {mid: state.elsewhere[mid] for mid in lookup_ids(request) if mid in state.elsewhere}
                 p.seen = ((VERSION_HEADER, str(state.version).encode()), (ELSEWHERE_HEADER, msgspec.json.encode(elsewhere)))
                 planned.append((p, None, rec))
                 continue
@@ -398,7 +404,7 @@ class Processor:
             after = p.key
         return planned
 
-    def _duplicate(self, p: _Pending, original: tuple[int, int, int] | None) -> Recorded | None:
+    def _duplicate(self, p: _Pending, request: Request, original: tuple[int, int, int] | None) -> Recorded | None:
         """The dead letter of a request found in its thread's retry window, if it is inside
         the window's time too."""
         if original is None or p.record.timestamp_ms - original[2] > self.store.processed_ttl * 1000:
@@ -407,14 +413,13 @@ class Processor:
         p.outcome = "duplicate"
         p.seen = ((ORIGINAL_HEADER, where.encode()),)
         message = (
-            f"request {p.request.request_id} was processed already, at {where}; a retry is not decided again: "
+            f"request {request.request_id} was processed already, at {where}; a retry is not decided again: "
             f"its filtered input is the one of {where} (a new request needs a new requestId)"
         )
         return Recorded(error=Rejection("duplicate", message))
 
-    def _decide(self, p: _Pending, state: ThreadState, after: bytes) -> tuple[Write | None, Recorded]:
+    def _decide(self, p: _Pending, request: Request, state: ThreadState, after: bytes) -> tuple[Write | None, Recorded]:
         """One request's decision on `state`: its write (None for a rejection) and what it emits."""
-        request = p.request
         view = StoredView(
             state.rows, state.elsewhere, state.owner, state.size, state.newest_ms, state.tail, state.superseded, counts=state.counts, erased=state.erased
         )
@@ -423,12 +428,12 @@ class Processor:
         self.metrics.decision.observe(perf_counter() - started)
         p.outcome = decision.outcome
         p.left_out = decision.fit is not None and decision.fit.left_out
-        if self.windows is not None and self.budget is not None and decision.fit is not None:
-            self.windows[p.record.partition, p.record.offset] = report(decision.fit, state.tail, decision.superseded, state.rows, self.budget)
+        if self.windows and self.budget is not None and decision.fit is not None:
+            p.window = report(decision.fit, state.tail, decision.superseded, state.rows, self.budget)
         if decision.error is not None:
             return None, Recorded(error=decision.error)
-        rec, rows = self._record(p, decision, state.version)
-        if (too_large := self._too_large(p, rec, len(decision.context))) is not None:
+        rec, rows = self._record(p, request, decision, state.version)
+        if (too_large := self._too_large(p, request, rec, len(decision.context))) is not None:
             return None, Recorded(error=too_large)
         newest = max((parse_ms(r.get("createdAt")) or -1 for r in decision.persist), default=-1)
         shape = request.shape
@@ -448,12 +453,12 @@ class Processor:
         )
         return write, rec
 
-    def _record(self, p: _Pending, decision, version: int) -> tuple[Recorded, list[tuple[str, bytes]]]:
-        shape = p.request.shape
+    def _record(self, p: _Pending, request: Request, decision, version: int) -> tuple[Recorded, list[tuple[str, bytes]]]:
+        shape = request.shape
         source = Source(p.record.topic, p.record.partition, p.record.offset)
         compacted = self.filtered_format == FORMAT
         filtered = FilteredInput(
-            p.request.request_id,
+            request.request_id,
             shape.threadId,
             shape.resourceId,
             decision.outcome,
@@ -472,14 +477,14 @@ class Processor:
         if rows or decision.superseded:
             persist = msgspec.json.encode(
                 # the generic class itself: calling the alias PersistMessages costs ten times as much
-                PersistMessagesOf(p.request.request_id, shape.threadId, shape.resourceId, [msgspec.Raw(r) for _, r in rows], version, decision.superseded)
+                PersistMessagesOf(request.request_id, shape.threadId, shape.resourceId, [msgspec.Raw(r) for _, r in rows], version, decision.superseded)
             )
         recorded = Recorded(filtered=msgspec.Raw(msgspec.json.encode(filtered)))
         if persist is not None:
             recorded.persist = msgspec.Raw(persist)
         return recorded, rows
 
-    def _too_large(self, p: _Pending, rec: Recorded, context_rows: int) -> Rejection | None:
+    def _too_large(self, p: _Pending, request: Request, rec: Recorded, context_rows: int) -> Rejection | None:
         """Why the request's outputs cannot be sent, if one would be larger than a record may be."""
         key = len(p.record.key or b"")
         size = max(len(rec.filtered), len(rec.persist) if rec.persist is not msgspec.UNSET else 0) + key
@@ -487,7 +492,7 @@ class Processor:
             return None
         return Rejection(
             "too-large",
-            f"request {p.request.request_id}'s outputs would be {size} bytes with a context of {context_rows} messages; "
+            f"request {request.request_id}'s outputs would be {size} bytes with a context of {context_rows} messages; "
             f"a record may have {MAX_OUTPUT_BYTES}: lower MEMFILTER_HISTORY_MESSAGES, or send smaller messages",
         )
 

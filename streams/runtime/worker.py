@@ -146,13 +146,12 @@ class WorkerHandler:
         """Decide and apply the batch; once its outputs are committed, drop the records of its
         processed requests from Redis, as no re-delivery needs them any more."""
         self.metrics.batch_size.observe(sum(len(rs) for rs in batch.values()))
-        outs, requests = await _with_redis_retry("handling a batch", lambda: self._decide_and_apply(batch))
+        outs, requests, recorded = await _with_redis_retry("handling a batch", lambda: self._decide_and_apply(batch))
         for task_outs in outs.values():
             for out in task_outs:
                 if out.topic == self.topics.dlq:
                     error_type = next((v for k, v in out.headers if k == "error.type"), b"")
                     self.metrics.dead_letters.labels(error_type.decode()).inc()
-        recorded = self.processor.take_recorded()
 
         async def done() -> None:
             try:
@@ -165,17 +164,21 @@ class WorkerHandler:
 
         return Handled(outs, done)
 
-    async def _decide_and_apply(self, batch: Batch) -> tuple[dict[int, list[Out]], list[Record]]:
-        """The batch's outputs by task, and its requests: requests decided and saves applied in
+    async def _decide_and_apply(self, batch: Batch) -> tuple[dict[int, list[Out]], list[Record], list[tuple[str, bytes]]]:
+        """The batch's outputs by task, its requests, and the records to drop once it is
+        committed (`Decided.recorded`): requests decided and saves applied in
         the order they were appended, then every Redis write of the batch on its replicas
         (`HistoryStore.replicate`). A Redis failure anywhere has the whole batch handled again:
         what was written is found then (requests by their records, saves by their identity)."""
         outs: dict[int, list[Out]] = {tp.partition: [] for tp in batch}  # by task
         requests: list[Record] = []
+        recorded: list[tuple[str, bytes]] = []
         for phase_requests, phase_persisted in in_order(batch, self.topics, self.settings.secret, self.written):
             if phase_requests:
-                for record, record_outs in zip(phase_requests, await self.processor.outputs(phase_requests)):
+                decided = await self.processor.decide_batch(phase_requests)
+                for record, record_outs in zip(phase_requests, decided.outs):
                     outs[record.partition] += record_outs
+                recorded += decided.recorded
             if phase_persisted:
                 results = await self.persister.apply(phase_persisted)
                 for record, result in zip(phase_persisted, results):
@@ -184,7 +187,7 @@ class WorkerHandler:
                 self.metrics.persisted.inc(sum(1 for r in results if not isinstance(r, Rejection)))
             requests += phase_requests
         await self.store.replicate()
-        return outs, requests
+        return outs, requests, recorded
 
     async def prepare(self, loop: TaskLoop, batch: Batch, epoch: int) -> None:
         """Bring into the batch every `persist-messages` record of its requests' tasks that was

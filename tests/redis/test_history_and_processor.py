@@ -39,6 +39,13 @@ def outputs(outs, topic):
     return [json.loads(o.value) for o in outs if o.topic == topic]
 
 
+async def committed(p: Processor, records: list[Record]) -> list:
+    """A batch decided and its outputs committed to Kafka: its records dropped, as the worker drops them."""
+    decided = await p.decide_batch(records)
+    await p.store.drop_records(decided.recorded)
+    return [out for outs in decided.outs for out in outs]
+
+
 @pytest.fixture
 def with_store(redis_url):
     """Run `fn(store)` in an event loop of its own, on a key prefix of its own."""
@@ -151,8 +158,7 @@ class TestRedelivery:
         async def go(store):
             p = Processor(store)
             first = [record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0"), msg("a0", role="assistant"), msg("u1")], 1, "q1")]
-            emitted = await p.process(first)
-            await store.drop_records(p.take_recorded())  # the batch's transaction committed
+            emitted = await committed(p, first)
             again = await p.process(first)
             retry = await p.process([record("t", [msg("u0")], 2, "q0")])  # a client's retry, elsewhere: still a duplicate
             return emitted, again, retry, p.metrics.value("memfilter_requests_total", outcome="redelivered"), len(await store.thread_rows("t"))
@@ -164,15 +170,15 @@ class TestRedelivery:
     def test_once_dropped_a_record_leaves_only_its_entry_in_the_retry_window(self, with_store):
         async def go(store):
             p = Processor(store)
-            await p.process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0"), msg("u1")], 1, "q1")])
+            decided = await p.decide_batch([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0"), msg("u1")], 1, "q1")])
             records = [k async for k in store.redis.scan_iter(match=f"{store.prefix}:t:{{t}}:pending:*")]
-            await store.drop_records(p.take_recorded())
+            await store.drop_records(decided.recorded)
             left = [k async for k in store.redis.scan_iter(match=f"{store.prefix}:t:{{t}}:pending:*")]
-            return len(records), left, len(await store.redis.get(store.keys("t")[4])), p.take_recorded()
+            return len(records), len(decided.recorded), left, len(await store.redis.get(store.keys("t")[4]))
 
-        records, left, window_bytes, recorded_again = with_store(go)
-        assert records == 2 and left == []
-        assert window_bytes == 2 * WINDOW_ENTRY.size and recorded_again == []
+        records, to_drop, left, window_bytes = with_store(go)
+        assert records == to_drop == 2 and left == []
+        assert window_bytes == 2 * WINDOW_ENTRY.size
 
     def test_a_record_never_dropped_expires_the_ttl_after_its_request_and_the_window_after_the_threads_last(self, with_store):
         async def go(store):
@@ -196,8 +202,7 @@ class TestRetries:
     def test_a_retry_inside_the_window_is_a_duplicate_naming_the_original_and_no_second_filtered_input(self, with_store):
         async def go(store):
             p = Processor(store)
-            first = await p.process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0")], 1, "q0")])  # a retry in the same batch
-            await store.drop_records(p.take_recorded())
+            first = await committed(p, [record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0")], 1, "q0")])  # a retry in the same batch
             later = await p.process([record("t", [msg("u0")], 2, "q0")])
             return first, later, p.metrics.value("memfilter_requests_total", outcome="duplicate")
 
