@@ -277,7 +277,7 @@ async def save_case_history(store: HistoryStore, case: dict) -> list[str]:
         if t == thread and case.get("superseded"):  # as an earlier regenerate left them
             await store.apply([Save(t, owner, newest, [], [], b"", superseded=case["superseded"], request_id="earlier")])
     if case.get("owner") and not case["stored"]:
-        await store.redis.hset(store.keys(thread)[2], "owner", case["owner"])
+        await store.redis.hset(store.keys(thread).meta, "owner", case["owner"])
     return list(groups)
 
 

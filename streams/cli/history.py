@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     async def list_prefixes() -> int:
-        found = await prefixes(history_store(url, prefix, settings).redis)
+        found = await prefixes(history_store(url, prefix, settings).transport)
         for name, keys in sorted(found.items()):
             print(f"{name}  {plural(keys, 'key')}{'  (the workers’ prefix: MEMFILTER_REDIS_PREFIX)' if name == settings.redis.prefix else ''}")
         return 0

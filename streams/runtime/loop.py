@@ -269,7 +269,7 @@ class TaskLoop(mode.Service):
                 try:
                     await self._turn_once()
                 except (KafkaError, *self.handler.rejoins_on) as e:
-                    self._lose(e, epoch)
+                    self.lose(e, epoch)
         except ConsumerStoppedError:
             pass
         except self.handler.stops_on as e:
@@ -309,7 +309,7 @@ class TaskLoop(mode.Service):
                 with _collector_paused():
                     await self._handle(batch)
 
-    def _lose(self, error: Exception, epoch: int) -> None:
+    def lose(self, error: Exception, epoch: int) -> None:
         """The tasks of `epoch` are lost (see the module's header): rejoin before the next fetch."""
         if self._lost is None:
             self._lost = (error, epoch)
@@ -602,7 +602,7 @@ class Rebalance(ConsumerRebalanceListener):
         try:
             await step
         except (KafkaError, *self.loop.handler.rejoins_on) as e:  # a producer that cannot start in an outage, say
-            self.loop._lose(e, epoch)
+            self.loop.lose(e, epoch)
         except self.loop.handler.stops_on as e:
             log.critical("memfilter %s: %s", self.loop.name, e)
             self.loop.crash_process()

@@ -186,7 +186,7 @@ class WorkerHandler:
                         outs[record.partition].append(dead_letter(record, self.topics.dlq, result))
                 self.metrics.persisted.inc(sum(1 for r in results if not isinstance(r, Rejection)))
             requests += phase_requests
-        await self.store.replicate()
+        await self.store.transport.replicate()
         return outs, requests, recorded
 
     async def prepare(self, loop: TaskLoop, batch: Batch, epoch: int) -> None:

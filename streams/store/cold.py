@@ -42,15 +42,15 @@ async def whole(store: HistoryStore, threads: list[str], written_ms: dict[str, i
     last written, as the caller knows it (else its newest message's time)."""
     commands = []
     for thread in threads:
-        rows, order, meta, saved, _, superseded, _ = store.keys(thread)
+        k = store.keys(thread)
         commands += [
-            ("HMGET", meta, "version", "owner", "newest", "erased", "cold"),
-            ("HGETALL", rows),
-            ("LRANGE", order, 0, -1),
-            ("HGETALL", superseded),
-            ("GET", saved),
+            ("HMGET", k.meta, "version", "owner", "newest", "erased", "cold"),
+            ("HGETALL", k.rows),
+            ("LRANGE", k.order, 0, -1),
+            ("HGETALL", k.superseded),
+            ("GET", k.saved),
         ]
-    replies = iter(await store._pipeline(commands))
+    replies = iter(await store.transport.pipeline(commands))
     out = []
     for thread in threads:
         (version, owner, newest, erased, cold), rows, order, superseded, saved = (next(replies) for _ in range(5))
@@ -94,13 +94,19 @@ async def evict(store: HistoryStore, pg: PostgresHistory, idle_before_ms: int, l
         return 0
     calls = []
     for thread, version in idle:
-        rows, order, meta, saved, _, superseded, tokens = store.keys(thread)
+        k = store.keys(thread)
         calls.append(
             scripts.EVICT.command(
-                rows_key=rows, order_key=order, meta_key=meta, saved_key=saved, superseded_key=superseded, tokens_key=tokens, held_version=str(version)
+                rows_key=k.rows,
+                order_key=k.order,
+                meta_key=k.meta,
+                saved_key=k.saved,
+                superseded_key=k.superseded,
+                tokens_key=k.tokens,
+                held_version=str(version),
             )
         )
-    left = [thread for (thread, _), done in zip(idle, await store._pipeline(calls)) if done]
+    left = [thread for (thread, _), done in zip(idle, await store.transport.pipeline(calls)) if done]
     await pg.left_redis(left)
     return len(left)
 
@@ -135,15 +141,15 @@ class Warmer:
         loading = [t for t in threads if t in held]
         for thread in loading:
             t = held[thread]
-            rows, order, meta, saved, _, superseded, _ = store.keys(thread)
+            k = store.keys(thread)
             calls.append(
                 scripts.RESTORE.command(
                     epoch=store.epoch,
-                    rows_key=rows,
-                    order_key=order,
-                    meta_key=meta,
-                    saved_key=saved,
-                    superseded_key=superseded,
+                    rows_key=k.rows,
+                    order_key=k.order,
+                    meta_key=k.meta,
+                    saved_key=k.saved,
+                    superseded_key=k.superseded,
                     held_version=str(t.version),
                     packed_rows=pack([x for mid, row in t.rows.items() for x in (mid, row.decode())]),
                     packed_order=pack(t.order),
@@ -151,7 +157,7 @@ class Warmer:
                     saved=t.saved,
                 )
             )
-        for thread, (status, version) in zip(loading, await store._pipeline(calls) if calls else []):
+        for thread, (status, version) in zip(loading, await store.transport.pipeline(calls) if calls else []):
             if status == b"fenced":
                 raise Fenced(thread, store.epoch, int(version))
             if status == b"behind":

@@ -4,7 +4,9 @@ Stored history is the truth the filter decides against, so this module keeps it 
 safe to write from several workers and from replays:
 
 The keys and what they hold are in `memfilter.store.layout`, the Lua scripts in `scripts/`
-(`memfilter.store.scripts`); Redis is spoken to through `memfilter.store.redis_driver`.
+(`memfilter.store.scripts`); Redis is spoken to through `memfilter.store.transport`, one
+pipelined round trip a call for all the threads it is given (one per node of a Redis Cluster,
+all at once), which also waits for the batch's writes to reach Redis's replicas (`replicate`).
 
 A thread is read with plain commands, meta first, in one pipeline for its batch (a Lua
 script cost Redis six times as much; consistency comes from the write); with it, the ids of
@@ -44,44 +46,41 @@ Saves are applied once: the identity of every other service's save is kept in `s
 processor's own events are skipped live, being saved already, and told apart in a rebuild
 by their version: `memfilter.audit.recorded`).
 
-Every call here is one pipelined round trip for all the threads it is given: on a Redis
-Cluster (`redis+cluster://` in REDIS_URL), one per node that serves some of them, all at once,
-each thread's commands on its own node in order (every script touches one thread's keys, or
-one bucket's: one slot). A node that answers MOVED, ASK, TRYAGAIN or CLUSTERDOWN (slots moving,
-a failover) or does not answer has the caller handle its batch again on the cluster's new map,
-as after an outage: nothing is followed half-way.
-
-Redis replicates asynchronously: a master can acknowledge a write and fail over before its
-replica has it. So, with MEMFILTER_REDIS_REPLICAS > 0, the worker commits a batch to Kafka
-only once `replicate` has seen every Redis write the batch relied on reach that many replicas
-(WAIT); on a timeout the batch is handled again, never committed half-safe.
+Threads that left Redis for PostgreSQL are loaded back by the store's cold tier
+(`memfilter.store.cold`, a `ColdTier` here) before they are read or written.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
-import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import AskError, ClusterDownError, NoScriptError, SlotNotCoveredError, TryAgainError
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from memfilter.core.thread import Recorded, ThreadState, Write
 from memfilter.core.tokens import Counter, read_counts, stored_count
 from memfilter.metrics import Metrics
 from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
-from memfilter.store import redis_driver, scripts
+from memfilter.store import scripts
 from memfilter.store.layout import NO_COUNTS, RECORDED, STATE_RANKS_PACKED, WINDOW_ENTRY, Keys, encode_recorded, pack, pack_rows, thread_tag
-from memfilter.store.postgres import Thread, Unavailable
+from memfilter.store.postgres import PostgresHistory, Thread, Unavailable
+from memfilter.store.transport import Transport
 
 if TYPE_CHECKING:
-    from memfilter.store.cold import Warmer
+    import redis.asyncio as aioredis
+    from redis.asyncio.cluster import RedisCluster
+
+
+class ColdTier(Protocol):
+    """What loads threads that left Redis back (`memfilter.store.cold.Warmer`)."""
+
+    pg: PostgresHistory
+
+    async def warm(self, store: HistoryStore, threads: list[str]) -> dict[str, str]:
+        """Load these cold threads back; those that could not be, with the reason."""
+        ...
 
 
 class Fenced(Exception):
@@ -118,16 +117,6 @@ class Meta(msgspec.Struct, frozen=True):
     size: int  # rows stored
 
 
-class NotReplicated(RedisConnectionError):
-    """Writes not yet on MEMFILTER_REDIS_REPLICAS replicas: the batch is not committed to Kafka
-    but handled again (`HistoryStore.replicate`)."""
-
-
-class Resharded(RedisConnectionError):
-    """A Redis Cluster node answered that a slot is elsewhere (MOVED, ASK), moving (TRYAGAIN) or
-    not served (CLUSTERDOWN): the cluster's map is read again and the batch handled again."""
-
-
 class HistoryStore(Keys):
     """Threads' history in one Redis (or Redis Cluster) under one key prefix."""
 
@@ -141,7 +130,7 @@ class HistoryStore(Keys):
         replicas: int = 0,
         replica_timeout: float = 1.0,
         counter: Counter | None = None,
-        warmer: Warmer | None = None,
+        warmer: ColdTier | None = None,
     ):
         super().__init__(prefix)
         # With a PostgreSQL tier (POSTGRES_URL), what loads threads that left Redis back
@@ -156,94 +145,7 @@ class HistoryStore(Keys):
         self.window_bytes = retry_window * WINDOW_ENTRY.size
         self.epoch = 0  # this writer's owner epoch (`take_epoch`); 0 for a store no worker uses (a replay's)
         self.metrics = metrics or Metrics()  # counts the round trips
-        self.replicas = replicas  # MEMFILTER_REDIS_REPLICAS: writes are on this many replicas before Kafka commits (`replicate`)
-        self.replica_timeout_ms = int(replica_timeout * 1000)
-        self._cluster = isinstance(client, RedisCluster)
-        self._nodes: dict[str, aioredis.Redis] = {}  # a cluster's node name -> a client of that node alone
-        self._stale_map = False  # a cluster node failed or redirected: read the cluster's map before the next call
-        self._touched: dict[str, tuple[Any, int]] = {}  # node name -> (the node, a slot of it), read or written since the last `replicate`
-        self._markers: dict[str, str] = {}  # node name -> the key of its `replicate` marker
-
-    async def _pipeline(self, commands: list[tuple]) -> list[Any]:
-        """Send the commands and read their replies: one round trip per Redis node (one
-        Redis, or each cluster node that holds some of their keys, all at once). An error
-        reply is raised once every reply is read. A cluster node that answers MOVED, ASK,
-        TRYAGAIN or CLUSTERDOWN, or does not answer, makes the next call read the cluster's map
-        again: the error (`Resharded`, a ConnectionError) has the caller handle its batch again,
-        as it does after an outage (a redirected command was not run, and what ran is found on
-        the second pass: the module's header)."""
-        if not self._cluster:
-            self._touched[""] = (None, 0)
-            replies = await self._node(self.redis, commands)
-        else:
-            replies = await self._routed(commands)
-        self._raise_first(replies)
-        return replies
-
-    def _raise_first(self, replies: list[Any]) -> None:
-        error = next((r for r in replies if isinstance(r, Exception)), None)
-        if error is not None:
-            if isinstance(error, (AskError, TryAgainError, ClusterDownError)):  # MovedError is an AskError
-                self._stale_map = True
-                raise Resharded(f"{type(error).__name__}: {error}; reading the cluster's map again") from error
-            raise error
-
-    async def _routed(self, commands: list[tuple]) -> list[Any]:
-        """`_pipeline` on a Redis Cluster: the commands grouped by the node that serves their
-        key's slot (redis-py's map of the cluster), each group in order on that node."""
-        assert isinstance(self.redis, RedisCluster)
-        cluster = await self.redis.initialize()  # the map, read on first use
-        if self._stale_map:
-            await redis_driver.read_map(cluster)
-            self._stale_map = False
-            self._markers.clear()  # a marker's slot may have moved
-        groups: dict[str, tuple[Any, int, list[int]]] = {}
-        try:
-            for i, command in enumerate(commands):
-                key = command[3] if command[0] == "EVALSHA" else command[1]
-                node = cluster.get_node_from_key(key)
-                group = groups.get(node.name)
-                if group is None:  # a slot of the node, for `replicate`: worked out once a node
-                    group = groups[node.name] = (node, cluster.keyslot(key), [])
-                group[2].append(i)
-        except SlotNotCoveredError as e:
-            self._stale_map = True
-            raise Resharded(str(e)) from e
-        replies: list[Any] = [None] * len(commands)
-
-        async def on(node, indices: list[int]) -> None:
-            for i, reply in zip(indices, await self._node(self._node_client(node), [commands[i] for i in indices])):
-                replies[i] = reply
-
-        done = await asyncio.gather(*(on(node, indices) for node, _, indices in groups.values()), return_exceptions=True)
-        for name, (node, slot, _) in groups.items():
-            self._touched.setdefault(name, (node, slot))
-        failed = next((e for e in done if e is not None), None)
-        if failed is not None:
-            if isinstance(failed, (RedisConnectionError, OSError, TimeoutError)):
-                self._stale_map = True  # a node down: its replica may be taking over
-            raise failed
-        return replies
-
-    def _node_client(self, node) -> aioredis.Redis:
-        """A client of one cluster node alone, made with the cluster client's connection settings."""
-        client = self._nodes.get(node.name)
-        if client is None:
-            client = self._nodes[node.name] = redis_driver.node_client(node)
-        return client
-
-    async def _node(self, client: aioredis.Redis, commands: list[tuple]) -> list[Any]:
-        """`redis_driver.send` on one node; scripts it lacks (first use, a restart, a replica just promoted)
-        are loaded there and the commands that named them sent again."""
-        replies = await redis_driver.send(client, commands)
-        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-        if missing:
-            for script in scripts.ALL:
-                await client.script_load(script.source)
-            for i, reply in zip(missing, await redis_driver.send(client, [commands[i] for i in missing])):
-                replies[i] = reply
-        self.metrics.round_trips.inc()  # the round trips that did the work: not a refused try
-        return replies
+        self.transport = Transport(client, prefix, self.metrics, replicas, replica_timeout)
 
     async def read(self, wanted: dict[str, list[str]], tail: int = 0, loading: bool = True) -> dict[str, ThreadState]:
         """For each thread, the message ids of interest, and the ids of its last `tail` rows:
@@ -257,18 +159,18 @@ class HistoryStore(Keys):
         commands: list[tuple] = []
         counting = self.counter is not None
         for thread, ids in wanted.items():
-            rows, order, meta, _, recent, superseded, tokens = self.keys(thread)
-            commands.append(("HMGET", meta, "owner", "version", "newest", "erased", "cold"))  # first: a write after it is caught as stale
-            commands.append(("HLEN", rows))
+            k = self.keys(thread)
+            commands.append(("HMGET", k.meta, "owner", "version", "newest", "erased", "cold"))  # first: a write after it is caught as stale
+            commands.append(("HLEN", k.rows))
             if ids:
-                commands.append(("HMGET", rows, *ids))
+                commands.append(("HMGET", k.rows, *ids))
                 if counting:  # those the window may weigh: a useChat echo's last ids are its window's
-                    commands.append(("HMGET", tokens, *ids[-(tail + 2) :]))
-            commands.append(("HKEYS", superseded))  # empty but after a regenerate or an edit
-            commands.append(("GET", recent))
+                    commands.append(("HMGET", k.tokens, *ids[-(tail + 2) :]))
+            commands.append(("HKEYS", k.superseded))  # empty but after a regenerate or an edit
+            commands.append(("GET", k.recent))
             if tail:
-                commands.append(("LRANGE", order, -tail, -1))
-        replies = iter(await self._pipeline(commands))
+                commands.append(("LRANGE", k.order, -tail, -1))
+        replies = iter(await self.transport.pipeline(commands))
         states = {}
         cold = []
         for thread, ids in wanted.items():
@@ -309,7 +211,8 @@ class HistoryStore(Keys):
         """The thread as PostgreSQL holds it, if it left Redis (for the commands that read one
         thread: read there, not loaded back, which only its worker does between its own reads
         and writes); None if it is in Redis. Raise Unavailable naming the reason if it cannot be read."""
-        if not await self.redis.hexists(self.keys(thread)[2], "cold"):
+        (cold,) = await self.transport.pipeline([("HEXISTS", self.keys(thread).meta, "cold")])
+        if not cold:
             return None
         return await self._postgresql_copy(thread)
 
@@ -338,18 +241,18 @@ class HistoryStore(Keys):
         reaching, missing = [], []
         counting = self.counter is not None
         for thread, state in states.items():
-            rows, order, *_, tokens = self.keys(thread)
+            k = self.keys(thread)
             if thread in reach:
                 reaching.append(state)
-                calls.append(scripts.TAIL.command(*reach[thread], rows_key=rows, order_key=order, tokens_key=tokens))
+                calls.append(scripts.TAIL.command(*reach[thread], rows_key=k.rows, order_key=k.order, tokens_key=k.tokens))
             if ids := [mid for mid in state.tail if mid not in state.rows]:  # a reach that finds none of its ids needs them too
                 missing.append((state, ids))
-                commands.append(("HMGET", rows, *ids))
+                commands.append(("HMGET", k.rows, *ids))
                 if counting:
-                    commands.append(("HMGET", tokens, *ids))
+                    commands.append(("HMGET", k.tokens, *ids))
         if not calls and not commands:
             return
-        replies = await self._pipeline([*calls, *commands])
+        replies = await self.transport.pipeline([*calls, *commands])
         for state, (ids, rows, counts) in zip(reaching, replies):
             if ids:
                 state.tail = [mid.decode() for mid in ids]
@@ -365,7 +268,7 @@ class HistoryStore(Keys):
     async def read_pending(self, records: list[tuple[str, bytes]]) -> list[Recorded | None]:
         """The records of these (thread, `window_key`) still waiting for a Kafka commit: one
         round trip."""
-        found = await self._pipeline([("GET", self.pending_key(thread, key)) for thread, key in records])
+        found = await self.transport.pipeline([("GET", self.pending_key(thread, key)) for thread, key in records])
         return [RECORDED.decode(r) if r is not None else None for r in found]
 
     async def owners(self, ids: list[str], threads: Sequence[str] = ()) -> tuple[dict[str, bytes], dict[str, str], set[str]]:
@@ -379,8 +282,8 @@ class HistoryStore(Keys):
             in_bucket[0].append(mid)
             in_bucket[1].append(field_)
         commands = [("HMGET", bucket, *fields) for bucket, (_, fields) in buckets.items()]
-        commands += [("HMGET", self.keys(thread)[2], "owner", "erased") for thread in threads]
-        replies = await self._pipeline(commands)
+        commands += [("HMGET", self.keys(thread).meta, "owner", "erased") for thread in threads]
+        replies = await self.transport.pipeline(commands)
         by_id = {}
         for (mids, _), held in zip(buckets.values(), replies):
             by_id.update((mid, h) for mid, h in zip(mids, held) if h is not None)
@@ -396,9 +299,9 @@ class HistoryStore(Keys):
         if not claims:
             return []
         keys = [(*self.id_key(mid), thread_tag(thread)) for mid, thread in claims]
-        claimed = await self._pipeline([("HSETNX", bucket, field_, tag) for bucket, field_, tag in keys])
+        claimed = await self.transport.pipeline([("HSETNX", bucket, field_, tag) for bucket, field_, tag in keys])
         held = [i for i, new in enumerate(claimed) if not new]
-        holders = await self._pipeline([("HGET", keys[i][0], keys[i][1]) for i in held]) if held else []
+        holders = await self.transport.pipeline([("HGET", keys[i][0], keys[i][1]) for i in held]) if held else []
         taken = [False] * len(claims)
         for i, holder in zip(held, holders):
             taken[i] = holder != keys[i][2]
@@ -408,48 +311,9 @@ class HistoryStore(Keys):
         """A new owner epoch, newer than every one handed out before: taken by a worker each
         time it is given partitions, before it reads or writes any of their threads (and on
         MEMFILTER_REDIS_REPLICAS replicas, or a failover could hand it out again)."""
-        (self.epoch,) = await self._pipeline([("INCR", f"{self.prefix}:epoch")])
-        await self.replicate()
+        (self.epoch,) = await self.transport.pipeline([("INCR", f"{self.prefix}:epoch")])
+        await self.transport.replicate()
         return self.epoch
-
-    async def replicate(self) -> None:
-        """Return once every write made so far on the nodes this store has read or written
-        since the last call is on MEMFILTER_REDIS_REPLICAS replicas; raise NotReplicated if it
-        is not within MEMFILTER_REDIS_REPLICA_TIMEOUT. Called before a batch's Kafka
-        transaction commits: Redis replicates asynchronously, so a master that fails over
-        after acknowledging a write can lose it, while Kafka would hold outputs that rely on
-        it. WAIT counts the replicas that have the connection's last write, and a master's
-        replication stream is one sequence: so a marker write, then WAIT, on one connection
-        per node, covers every earlier write there, by any connection. A node only read (a
-        batch handled again after a timeout here finds its requests recorded and writes
-        nothing) is waited on too: what it was read from may not be on a replica yet. One
-        round trip per node, all at once."""
-        touched, self._touched = self._touched, {}
-        if not self.replicas or not touched:
-            return
-
-        async def on(name: str, node, slot: int) -> int:
-            client = self.redis if node is None else self._node_client(node)
-            marker = self._markers.get(name) or self._markers.setdefault(name, self._marker(slot))
-            replies = await self._node(client, [("SET", marker, self.epoch, "PX", 60_000), ("WAIT", self.replicas, self.replica_timeout_ms)])
-            self._raise_first(replies)
-            return replies[1]
-
-        # On failure the caller handles the batch again, which reads (touches) its nodes again.
-        short = min(await asyncio.gather(*(on(name, node, slot) for name, (node, slot) in touched.items())))
-        if short < self.replicas:
-            raise NotReplicated(
-                f"writes on {short} of the {self.replicas} replicas MEMFILTER_REDIS_REPLICAS asks for within "
-                f"{self.replica_timeout_ms} ms; the batch is handled again, not committed"
-            )
-
-    def _marker(self, slot: int) -> str:
-        """A key in `slot` (of a cluster; any key for one Redis) for `replicate`'s marker write:
-        one per node, kept until the cluster's map is read again (`_markers`)."""
-        if not self._cluster:
-            return f"{self.prefix}:sync"
-        tag = next(str(n) for n in itertools.count() if key_slot(str(n).encode()) == slot)  # ~16,000 tries, ~5 ms
-        return f"{self.prefix}:sync:{{{tag}}}"
 
     async def commit(self, writes: list[Write]) -> list[tuple[str, int]]:
         """Run COMMIT for each write, in order: ('ok' or 'stale', the thread's version). Raise
@@ -458,19 +322,19 @@ class HistoryStore(Keys):
         ttl, size = self.processed_ttl, self.window_bytes
         calls = []
         for w in writes:
-            rows, order, meta, _, recent, superseded, tokens = self.keys(w.thread)
+            k = self.keys(w.thread)
             pending = self.pending_key(w.thread, w.entry[:8])
             after = self.pending_key(w.thread, w.after) if w.after else pending
             calls.append(
                 scripts.COMMIT.command(
-                    rows_key=rows,
-                    order_key=order,
-                    meta_key=meta,
-                    recent_key=recent,
+                    rows_key=k.rows,
+                    order_key=k.order,
+                    meta_key=k.meta,
+                    recent_key=k.recent,
                     pending_key=pending,
                     after_key=after,
-                    superseded_key=superseded,
-                    tokens_key=tokens,
+                    superseded_key=k.superseded,
+                    tokens_key=k.tokens,
                     epoch=self.epoch,
                     record=encode_recorded(w.recorded),
                     seen_version=w.version,
@@ -486,7 +350,7 @@ class HistoryStore(Keys):
                 )
             )
         out = []
-        for w, (status, value) in zip(writes, await self._pipeline(calls)):
+        for w, (status, value) in zip(writes, await self.transport.pipeline(calls)):
             if status == b"fenced":
                 raise Fenced(w.thread, self.epoch, int(value))
             out.append((status.decode(), int(value)))
@@ -496,7 +360,7 @@ class HistoryStore(Keys):
         """Drop the records of these (thread, `window_key`): their outputs are committed to
         Kafka, so no re-delivery needs them. One round trip."""
         keys = list(dict.fromkeys(self.pending_key(thread, key) for thread, key in records))
-        if self._cluster:  # one command's keys must share a slot: a thread's do
+        if self.transport.cluster:  # one command's keys must share a slot: a thread's do
             by_slot: dict[int, list[str]] = {}
             for k in keys:
                 by_slot.setdefault(key_slot(k.encode()), []).append(k)
@@ -504,7 +368,7 @@ class HistoryStore(Keys):
         else:
             groups = [keys[i : i + 1000] for i in range(0, len(keys), 1000)]
         if groups:
-            await self._pipeline([("UNLINK", *group) for group in groups])
+            await self.transport.pipeline([("UNLINK", *group) for group in groups])
 
     async def apply(self, saves: list[Save], loading: bool = True) -> list[int | tuple[str, str]]:
         """Save rows from `persist-messages`, in order and in one round trip; for each, the
@@ -516,16 +380,16 @@ class HistoryStore(Keys):
             return []
         calls = []
         for s in saves:
-            rows, order, meta, saved, _, superseded, tokens = self.keys(s.thread)
+            k = self.keys(s.thread)
             counts = [stored_count(self.counter, self.counter.row(row)) for _, row in s.rows] if self.counter is not None else []
             calls.append(
                 scripts.APPLY.command(
-                    rows_key=rows,
-                    order_key=order,
-                    meta_key=meta,
-                    saved_key=saved,
-                    superseded_key=superseded,
-                    tokens_key=tokens,
+                    rows_key=k.rows,
+                    order_key=k.order,
+                    meta_key=k.meta,
+                    saved_key=k.saved,
+                    superseded_key=k.superseded,
+                    tokens_key=k.tokens,
                     epoch=self.epoch,
                     resource=s.owner,
                     newest_ms=s.newest_ms,
@@ -541,7 +405,7 @@ class HistoryStore(Keys):
             )
         out: list[int | tuple[str, str]] = []
         cold: list[int] = []
-        for i, (s, (status, value)) in enumerate(zip(saves, await self._pipeline(calls))):
+        for i, (s, (status, value)) in enumerate(zip(saves, await self.transport.pipeline(calls))):
             if status == b"fenced":
                 raise Fenced(s.thread, self.epoch, int(value))
             if status == b"cold":  # loaded back, then saved (in order: a thread's saves are all cold or none)
@@ -572,10 +436,11 @@ class HistoryStore(Keys):
         an erased thread there (`memfilter.audit.recorded`, `ThreadLog`). The thread's version
         after it. Two round trips, three with ids to unindex; ('unavailable', why) for a thread
         that left Redis and cannot be loaded back (its ids are taken out of the index from its rows)."""
-        if await self.redis.hexists(self.keys(thread)[2], "cold") and (failed := await self.warm([thread])):
+        (cold,) = await self.transport.pipeline([("HEXISTS", self.keys(thread).meta, "cold")])
+        if cold and (failed := await self.warm([thread])):
             return ("unavailable", f"thread {thread}: {failed[thread]}")
-        rows, order, meta, saved, recent, superseded, tokens = self.keys(thread)
-        (stored, erasures), ids, window = await self._pipeline([("HMGET", meta, "version", "erasures"), ("HKEYS", rows), ("GET", recent)])
+        k = self.keys(thread)
+        (stored, erasures), ids, window = await self.transport.pipeline([("HMGET", k.meta, "version", "erasures"), ("HKEYS", k.rows), ("GET", k.recent)])
         if holds(erasures or b"", identity):
             return int(stored or 0)
         if stored is not None and int(stored) != version:  # no meta at all: a rebuild starting the thread at its erasure
@@ -590,21 +455,21 @@ class HistoryStore(Keys):
         if records:
             commands.append(("UNLINK", *records))
         if commands:
-            await self._pipeline(commands)
+            await self.transport.pipeline(commands)
         erase = scripts.ERASE.command(
-            rows_key=rows,
-            order_key=order,
-            meta_key=meta,
-            saved_key=saved,
-            recent_key=recent,
-            superseded_key=superseded,
-            tokens_key=tokens,
+            rows_key=k.rows,
+            order_key=k.order,
+            meta_key=k.meta,
+            saved_key=k.saved,
+            recent_key=k.recent,
+            superseded_key=k.superseded,
+            tokens_key=k.tokens,
             epoch=self.epoch,
             seen_version=version,
             identity=identity,
             erased_ms=erased_ms,
         )
-        ((status, value),) = await self._pipeline([erase])
+        ((status, value),) = await self.transport.pipeline([erase])
         if status == b"fenced":
             raise Fenced(thread, self.epoch, int(value))
         if status == b"cold":  # evicted since it was read: loaded back, and erased then
@@ -613,9 +478,9 @@ class HistoryStore(Keys):
 
     async def meta(self, thread: str) -> Meta:
         """A thread's meta and how many rows it holds (in PostgreSQL if it left Redis)."""
-        rows, _, meta, *_ = self.keys(thread)
-        (owner, version, erased, erasures, cold), size = await self._pipeline(
-            [("HMGET", meta, "owner", "version", "erased", "erasures", "cold"), ("HLEN", rows)]
+        k = self.keys(thread)
+        (owner, version, erased, erasures, cold), size = await self.transport.pipeline(
+            [("HMGET", k.meta, "owner", "version", "erased", "erasures", "cold"), ("HLEN", k.rows)]
         )
         if cold is not None:
             size = len((await self._postgresql_copy(thread)).rows)
@@ -626,44 +491,44 @@ class HistoryStore(Keys):
         command: as long as Redis takes to walk its keys)."""
         found: list[str] = []
         async for threads in self.thread_batches():
-            owners = await self._pipeline([("HGET", self.keys(t)[2], "owner") for t in threads])
+            owners = await self.transport.pipeline([("HGET", self.keys(t).meta, "owner") for t in threads])
             found += [t for t, owner in zip(threads, owners) if owner is not None and owner.decode() == resource]
         return sorted(found)
 
     async def thread_batches(self, size: int = 1000):
         """Every thread under this store's prefix (cold ones too), `size` at a time: a scan of their meta keys."""
-        async for keys in _batches(self.redis.scan_iter(match=f"{_glob_escape(self.prefix)}:t:*:meta", count=1000), size):
+        async for keys in _batches(self.transport.scan(f"{_glob_escape(self.prefix)}:t:*:meta"), size):
             yield [self.thread_of_meta(key.decode()) for key in keys]
 
     async def thread_rows(self, thread: str) -> list[bytes]:
         """A thread's conversation: its rows in save order, without the superseded ones."""
         if (held := await self._cold_copy(thread)) is not None:
             return [held.rows[mid] for mid in held.order]
-        rows, order, *_ = self.keys(thread)
-        ids = await self.redis.lrange(order, 0, -1)
-        return await self.redis.hmget(rows, ids) if ids else []
+        k = self.keys(thread)
+        ids, rows = await self.transport.pipeline([("LRANGE", k.order, 0, -1), ("HGETALL", k.rows)])
+        return [rows[mid] for mid in ids if mid in rows]
 
     async def row(self, thread: str, message_id: str) -> bytes | None:
         """One stored row of a thread (superseded or not), by message id."""
         if (held := await self._cold_copy(thread)) is not None:
             return held.rows.get(message_id)
-        rows, *_ = self.keys(thread)
-        return await self.redis.hget(rows, message_id)
+        (row,) = await self.transport.pipeline([("HGET", self.keys(thread).rows, message_id)])
+        return row
 
     async def superseded_rows(self, thread: str) -> list[tuple[str, bytes]]:
         """A thread's superseded rows, each with the id of the request that superseded it."""
         if (held := await self._cold_copy(thread)) is not None:
             return [(request, held.rows[mid]) for mid, request in held.superseded.items() if mid in held.rows]
-        rows, *_, superseded, _ = self.keys(thread)
-        by = await self.redis.hgetall(superseded)
-        found = await self.redis.hmget(rows, list(by)) if by else []
+        k = self.keys(thread)
+        (by,) = await self.transport.pipeline([("HGETALL", k.superseded)])
+        found = (await self.transport.pipeline([("HMGET", k.rows, *by)]))[0] if by else []
         return [(request.decode(), row) for request, row in zip(by.values(), found) if row is not None]
 
     async def drop(self) -> int:
         """Delete every key under this store's prefix; how many there were."""
         dropped = 0
-        async for keys in _batches(self.redis.scan_iter(match=f"{_glob_escape(self.prefix)}:*", count=1000), 1000):
-            dropped += await self.redis.unlink(*keys)
+        async for keys in _batches(self.transport.scan(f"{_glob_escape(self.prefix)}:*"), 1000):
+            dropped += await self.transport.unlink(keys)
         return dropped
 
 
@@ -675,11 +540,11 @@ def holds(packed: bytes, identity: bytes) -> bool:
 _KEY_PREFIX = re.compile(rb"^(.*?):(?:t:\{|idx:\{|sync:\{|sync$|epoch$)")
 
 
-async def prefixes(client: aioredis.Redis) -> dict[str, int]:
+async def prefixes(transport: Transport) -> dict[str, int]:
     """The history stores in a Redis: prefix -> how many keys it has (replays and rebuilds
     into new prefixes leave some behind)."""
     found: dict[str, int] = {}
-    async for key in client.scan_iter(count=1000):
+    async for key in transport.scan("*"):
         if m := _KEY_PREFIX.match(key):
             name = m.group(1).decode(errors="replace")
             found[name] = found.get(name, 0) + 1

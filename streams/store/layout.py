@@ -98,6 +98,18 @@ def encode_recorded(r: Recorded) -> bytes:
     return msgspec.json.encode(r)
 
 
+class ThreadKeys(msgspec.Struct, frozen=True, gc=False):
+    """One thread's keys (the layout's table)."""
+
+    rows: str
+    order: str
+    meta: str
+    saved: str
+    recent: str
+    superseded: str
+    tokens: str
+
+
 class Keys:
     """A store's key names, under its prefix."""
 
@@ -108,7 +120,7 @@ class Keys:
 
     def __init__(self, prefix: str):
         self.prefix = prefix
-        self._keys: dict[str, tuple[str, ...]] = {}
+        self._keys: dict[str, ThreadKeys] = {}
 
     def _tag(self, thread: str) -> str:
         if "{" in thread or "}" in thread or "%" in thread:  # one whole hash tag (see the layout)
@@ -120,12 +132,12 @@ class Keys:
         tag = key[len(self.prefix) + len(":t:{") : -len("}:meta")]
         return tag.replace("%7D", "}").replace("%7B", "{").replace("%25", "%")
 
-    def keys(self, thread: str) -> tuple[str, ...]:
-        """The thread's keys: rows, order, meta, saved, recent, superseded, tokens."""
+    def keys(self, thread: str) -> ThreadKeys:
+        """The thread's keys."""
         names = self._keys.get(thread)
         if names is None:
             base = self._tag(thread)
-            names = tuple(f"{base}:{name}" for name in ("rows", "order", "meta", "saved", "recent", "superseded", "tokens"))
+            names = ThreadKeys(*(f"{base}:{name}" for name in ThreadKeys.__struct_fields__))
             if len(thread) <= self.KEPT_ID_LENGTH:
                 if len(self._keys) >= self.KEPT_THREADS:
                     self._keys.clear()

@@ -201,6 +201,6 @@ async def counts(pipeline: Pipeline, prefix: str, conversations: list[Conversati
     client = aioredis.from_url(pipeline.redis_url)
     try:
         store = HistoryStore(client, prefix)
-        return {c.thread: await client.hgetall(store.keys(c.thread)[6]) for c in conversations}
+        return {c.thread: await client.hgetall(store.keys(c.thread).tokens) for c in conversations}
     finally:
         await client.aclose()

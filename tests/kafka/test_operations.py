@@ -63,7 +63,7 @@ async def a_tool_turn(pipeline: Pipeline, seen: Collector, thread: str, tamper: 
         await asyncio.sleep(0.1)
     if tamper:
         altered = dict(saved, content={"format": 2, "parts": [{"type": "tool-invocation", "toolInvocation": dict(CALL, args={"what": "TAMPERED"})}]})
-        await client.hset(store.keys(thread)[0], saved["id"], json.dumps(altered))
+        await client.hset(store.keys(thread).rows, saved["id"], json.dumps(altered))
     await client.aclose()
     answered = assistant(thread, dict(CALL, state="result", result={"booked": True}))
     await publish(pipeline.bootstrap, t.requests, [request(thread, 1, [user(thread, 0), answered])])

@@ -56,7 +56,7 @@ async def until(check, timeout: float = 90):
 async def cold_threads(pipeline: Pipeline, threads: list[str]) -> int:
     _, store = pipeline.store()
     try:
-        return sum([bool(await store.redis.hexists(store.keys(t)[2], "cold")) for t in threads])
+        return sum([bool(await store.redis.hexists(store.keys(t).meta, "cold")) for t in threads])
     finally:
         await store.redis.aclose()
 

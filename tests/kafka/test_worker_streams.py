@@ -91,9 +91,9 @@ async def check_redis(pipeline: Pipeline, threads: int = THREADS, turns: int = T
     try:
         pipe = client.pipeline(transaction=False)
         for i in range(threads):
-            rows, order, *_ = store.keys(f"{tag}{i}")
-            pipe.lrange(order, 0, -1)
-            pipe.hlen(rows)
+            k = store.keys(f"{tag}{i}")
+            pipe.lrange(k.order, 0, -1)
+            pipe.hlen(k.rows)
         replies = await pipe.execute()
     finally:
         await client.aclose()

@@ -176,7 +176,7 @@ async def problems(pipeline: Pipeline, agent: Agent, conversations: dict[str, li
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            counts = [await client.llen(store.keys(thread)[1]) for thread in conversations]
+            counts = [await client.llen(store.keys(thread).order) for thread in conversations]
             if counts == [len(messages) for messages in conversations.values()]:
                 break
             await asyncio.sleep(0.2)

@@ -15,6 +15,7 @@ import signal
 import string
 import time
 
+import msgspec
 import pytest
 from factories import CASES, SECRET, T0, msg
 from pipeline import save_case_history
@@ -182,7 +183,7 @@ class TestReadersOfOneThread:
             before = (await store.thread_rows("t1"), await store.row("t1", "u1"), await store.meta("t1"))
             await to_postgresql(store, pg, "t1")
             after = (await store.thread_rows("t1"), await store.row("t1", "u1"), await store.meta("t1"))
-            return before, after, await store.redis.hexists(store.keys("t1")[2], "cold")
+            return before, after, await store.redis.hexists(store.keys("t1").meta, "cold")
 
         before, after, still_cold = tiers(go)
         assert after == before and len(before[0]) == 2
@@ -193,11 +194,11 @@ class TestReadersOfOneThread:
             store, pg = make()
             await Processor(store, secret=SECRET).process([ask("t1", [msg("u0")], 0, T0)])
             await to_postgresql(store, pg, "t1")
-            await store.redis.hset(store.keys("t1")[2], "epoch", 7)  # another worker, given the partition since, wrote it
+            await store.redis.hset(store.keys("t1").meta, "epoch", 7)  # another worker, given the partition since, wrote it
             store.epoch = 3
             with pytest.raises(Fenced):
                 await store.read({"t1": []})
-            return await store.redis.hexists(store.keys("t1")[2], "cold")
+            return await store.redis.hexists(store.keys("t1").meta, "cold")
 
         assert tiers(go)
 
@@ -224,7 +225,7 @@ class TestEvictionNeverTakesTheOnlyCopy:
             assert await store.erase("t1", 1, b"erasure1", T0) == 2
             await sink(store, pg, ["t1"])
             first = await cold.evict(store, pg, FAR_FUTURE_MS)
-            meta = await store.redis.hgetall(store.keys("t1")[2])
+            meta = await store.redis.hgetall(store.keys("t1").meta)
             return first, await cold.evict(store, pg, FAR_FUTURE_MS), meta
 
         first, again, meta = tiers(go)
@@ -370,7 +371,7 @@ class TestPostgresqlDown:
                 took = time.monotonic() - started
                 with pytest.raises(Unavailable):  # eviction pauses: nothing moves
                     await cold.evict(store, pg, FAR_FUTURE_MS)
-                paused = not await store.redis.hexists(store.keys("idle")[2], "cold")
+                paused = not await store.redis.hexists(store.keys("idle").meta, "cold")
             finally:
                 signal_postgres(server.pid, signal.SIGCONT)
             later = await p.process([ask("cold", [msg("cold-u0"), msg("cold-u1")], 20, T0 + 2)])
@@ -401,7 +402,7 @@ class TestADataErrorIsNotAnOutage:
     @staticmethod
     async def copied(store: HistoryStore, source: str, target: str) -> None:
         """Thread `source`'s keys renamed to `target`'s (a thread id the edge would now refuse)."""
-        for old, new in zip(store.keys(source), store.keys(target)):
+        for old, new in zip(msgspec.structs.astuple(store.keys(source)), msgspec.structs.astuple(store.keys(target))):
             if await store.redis.exists(old):
                 await store.redis.rename(old, new)
 

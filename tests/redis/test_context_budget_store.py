@@ -79,7 +79,7 @@ async def conversation(store: HistoryStore, turns: int) -> tuple[list, list[Reco
 
 
 async def stored_counts(store: HistoryStore, thread: str) -> dict[str, bytes]:
-    return {k.decode(): v for k, v in (await store.redis.hgetall(store.keys(thread)[6])).items()}
+    return {k.decode(): v for k, v in (await store.redis.hgetall(store.keys(thread).tokens)).items()}
 
 
 class TestCountsStoredWithTheRows:
@@ -132,7 +132,7 @@ class TestTheWindowWeighsStoredCounts:
             said = [json.loads(r) for r in await store.thread_rows("t")]
             processor = Processor(store, TOPICS, BUDGET, secret=SECRET)
             before = on(TOPICS.filtered, await processor.process([request("t", [*said, msg("u3", text="next")], 100)]))[0]
-            await store.redis.hset(store.keys("t")[6], "a1", "e150.0")  # as if a1 weighed 150 tokens when saved
+            await store.redis.hset(store.keys("t").tokens, "a1", "e150.0")  # as if a1 weighed 150 tokens when saved
             trips = processor.metrics.value("memfilter_redis_round_trips_total")
             after = on(TOPICS.filtered, await processor.process([request("t", [*said, msg("u3", text="next"), msg("u4", text="and then")], 101)]))
             return before, after, processor.metrics.value("memfilter_redis_round_trips_total") - trips
@@ -145,10 +145,10 @@ class TestTheWindowWeighsStoredCounts:
     def test_a_request_whose_own_part_is_over_the_budget_is_a_dead_letter_and_writes_nothing(self, store_run):
         async def go(store, make):
             await conversation(store, 2)
-            version = await store.redis.hget(store.keys("t")[2], "version")
+            version = await store.redis.hget(store.keys("t").meta, "version")
             said = [json.loads(r) for r in await store.thread_rows("t")]
             outs = await Processor(store, TOPICS, BUDGET, secret=SECRET).process([request("t", [*said, msg("u9", text="word " * 400)], 50)])
-            return outs, version, await store.redis.hget(store.keys("t")[2], "version")
+            return outs, version, await store.redis.hget(store.keys("t").meta, "version")
 
         outs, before, after = store_run(go)
         (letter,) = outs
@@ -164,7 +164,7 @@ class TestTheWindowWeighsStoredCounts:
 
         async def go(store, make):
             await conversation(store, 1)
-            await store.redis.hset(store.keys("t")[6], "a0", "e190.0")  # as if a0 weighed 190 tokens when saved
+            await store.redis.hset(store.keys("t").tokens, "a0", "e190.0")  # as if a0 weighed 190 tokens when saved
             said = [json.loads(r) for r in await store.thread_rows("t")]
             sent = Processor(store, TOPICS, BUDGET, secret=SECRET)
             outs = await sent.process([request("t", [*said, msg("u1", text="next")], 10)])

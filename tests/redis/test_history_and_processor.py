@@ -69,7 +69,8 @@ class TestBatches:
         async def go(store):
             p = Processor(store)
             outs = await p.process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0"), msg("u1")], 1, "q1")])
-            return outs, [json.loads(r) for r in await store.thread_rows("t")], p.metrics.value("memfilter_redis_round_trips_total")
+            trips = p.metrics.value("memfilter_redis_round_trips_total")
+            return outs, [json.loads(r) for r in await store.thread_rows("t")], trips
 
         outs, rows, trips = with_store(go)
         persisted = outputs(outs, Topics().persist)
@@ -174,7 +175,7 @@ class TestRedelivery:
             records = [k async for k in store.redis.scan_iter(match=f"{store.prefix}:t:{{t}}:pending:*")]
             await store.drop_records(decided.recorded)
             left = [k async for k in store.redis.scan_iter(match=f"{store.prefix}:t:{{t}}:pending:*")]
-            return len(records), len(decided.recorded), left, len(await store.redis.get(store.keys("t")[4]))
+            return len(records), len(decided.recorded), left, len(await store.redis.get(store.keys("t").recent))
 
         records, to_drop, left, window_bytes = with_store(go)
         assert records == to_drop == 2 and left == []
@@ -183,7 +184,7 @@ class TestRedelivery:
     def test_a_record_never_dropped_expires_the_ttl_after_its_request_and_the_window_after_the_threads_last(self, with_store):
         async def go(store):
             store = HistoryStore(store.redis, store.prefix, processed_ttl=100)
-            window = store.keys("t")[4]
+            window = store.keys("t").recent
             await Processor(store).process([record("t", [msg("u0")], 0, "q0")])
             [first] = [k async for k in store.redis.scan_iter(match=f"{store.prefix}:t:{{t}}:pending:*")]
             for key in (window, first):
@@ -260,7 +261,7 @@ class TestRetries:
             store = HistoryStore(store.redis, store.prefix, retry_window=5)
             p = Processor(store)
             await p.process([record("t", [msg(f"u{k}")], k, f"q{k}") for k in range(12)])
-            return await store.redis.get(store.keys("t")[4])
+            return await store.redis.get(store.keys("t").recent)
 
         window = with_store(go)
         assert [WINDOW_ENTRY.unpack_from(window, at)[2] for at in range(0, len(window), WINDOW_ENTRY.size)] == [7, 8, 9, 10, 11]
@@ -313,8 +314,8 @@ class TestRedisTrouble:
         async def go(store):
             loading = ("EVAL", "return redis.error_reply('LOADING Redis is loading the dataset in memory')", 0)
             with pytest.raises(BusyLoadingError):
-                await store._pipeline([("PING",), loading, ("PING",)])
-            return await store._pipeline([("PING",)])  # every reply was read: still in step
+                await store.transport.pipeline([("PING",), loading, ("PING",)])
+            return await store.transport.pipeline([("PING",)])  # every reply was read: still in step
 
         assert with_store(go) == [b"PONG"]
         assert issubclass(BusyLoadingError, RedisConnectionError)
@@ -327,7 +328,7 @@ class TestRedisTrouble:
 
         async def go(store):
             store.redis.connection_pool.connection_kwargs["client_name"] = name
-            await asyncio.gather(*(store._pipeline([("PING",)]) for _ in range(6)))  # six idle connections
+            await asyncio.gather(*(store.transport.pipeline([("PING",)]) for _ in range(6)))  # six idle connections
             admin = aioredis.from_url(redis_url)
             try:
                 for client in await admin.client_list():
@@ -336,8 +337,8 @@ class TestRedisTrouble:
             finally:
                 await admin.aclose()
             with pytest.raises(RedisConnectionError):
-                await store._pipeline([("PING",)])
-            return await asyncio.gather(*(store._pipeline([("PING",)]) for _ in range(6)))
+                await store.transport.pipeline([("PING",)])
+            return await asyncio.gather(*(store.transport.pipeline([("PING",)]) for _ in range(6)))
 
         assert with_store(go) == [[b"PONG"]] * 6
 
@@ -381,9 +382,9 @@ class TestPersister:
             persister = Persister(store, "dlq", SECRET)
             rows = [msg("a0", role="assistant", threadId="t", createdAt="2026-03-01T10:00:00Z")]
             assert await persister.process([self.event("t", rows, processors=True)]) == []
-            version = await store.redis.hget(store.keys("t")[2], "version")
+            version = await store.redis.hget(store.keys("t").meta, "version")
             assert await persister.process([self.event("t", rows, processors=True)]) == []
-            return version, await store.redis.hget(store.keys("t")[2], "version"), await store.thread_rows("t")
+            return version, await store.redis.hget(store.keys("t").meta, "version"), await store.thread_rows("t")
 
         before, after, rows = with_store(go)
         assert before == after == b"1" and len(rows) == 1
@@ -405,9 +406,9 @@ class TestPersister:
         async def go(store):
             outs = await Processor(store, secret=SECRET).process([record("t", [msg("u0")], 0, "q0")])
             [persist] = [o for o in outs if o.topic == Topics().persist]
-            version = await store.redis.hget(store.keys("t")[2], "version")
+            version = await store.redis.hget(store.keys("t").meta, "version")
             letters = await Persister(store, "dlq", SECRET).process([Record("persist-messages", 0, 0, T0, b"t", persist.value, persist.headers)])
-            return letters, version, await store.redis.hget(store.keys("t")[2], "version")
+            return letters, version, await store.redis.hget(store.keys("t").meta, "version")
 
         letters, before, after = with_store(go)
         assert letters == [] and before == after
@@ -427,8 +428,9 @@ class TestPersister:
 
         async def go(store):
             letters = await Persister(store, "dlq", SECRET).process(batch)
+            trips = store.metrics.value("memfilter_redis_round_trips_total")
             rows = {t: [json.loads(r)["id"] for r in await store.thread_rows(t)] for t in ("t", "other", "u")}
-            return letters, rows, store.metrics.value("memfilter_redis_round_trips_total")
+            return letters, rows, trips
 
         letters, rows, trips = with_store(go)
         assert [dict(d.headers)["error.type"] for d in letters] == [b"foreign-message-id", b"ownership", b"decode"]
@@ -697,7 +699,7 @@ class TestSuperseding:
             before = p.metrics.value("memfilter_redis_round_trips_total")
             outs = await p.process([record("t", edited, 0, "edit", trigger="submit-message", messageId="u2")])
             trips = p.metrics.value("memfilter_redis_round_trips_total") - before
-            return outs, trips, await store.thread_rows("t"), await store.redis.hget(store.keys("t")[2], "version")
+            return outs, trips, await store.thread_rows("t"), await store.redis.hget(store.keys("t").meta, "version")
 
         outs, trips, rows, version = with_store(go)
         [filtered] = outputs(outs, Topics().filtered)
@@ -712,9 +714,9 @@ class TestSuperseding:
             p = Processor(store)
             regenerate = record("t", self.conversation()[:3], 0, "regen", trigger="regenerate-message")
             first = await p.process([regenerate])
-            version = await store.redis.hget(store.keys("t")[2], "version")
+            version = await store.redis.hget(store.keys("t").meta, "version")
             again = await Processor(store).process([regenerate])  # its batch's Kafka commit never came: consumed again
-            return first, again, version, await store.redis.hget(store.keys("t")[2], "version"), await store.superseded_rows("t")
+            return first, again, version, await store.redis.hget(store.keys("t").meta, "version"), await store.superseded_rows("t")
 
         first, again, version, after, superseded = with_store(go)
         assert [o.value for o in first] == [o.value for o in again]

@@ -87,9 +87,8 @@ async def apply(store: HistoryStore, records: list[Record]) -> None:
 
 async def history(store: HistoryStore, thread: str) -> tuple:
     """A thread's rows, order, meta (but the fencing epoch) and applied saves."""
-    rows, order, meta, saved, *_ = store.keys(thread)
-    r = store.redis
-    return await r.hgetall(rows), await r.lrange(order, 0, -1), await r.hmget(meta, "owner", "version", "newest"), await r.get(saved)
+    k, r = store.keys(thread), store.redis
+    return await r.hgetall(k.rows), await r.lrange(k.order, 0, -1), await r.hmget(k.meta, "owner", "version", "newest"), await r.get(k.saved)
 
 
 def stored_states(rows: list[bytes]) -> dict[str, str]:

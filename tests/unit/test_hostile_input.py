@@ -276,6 +276,11 @@ class TestNothingADecodeMeetsRaises:
 ids = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=[*map(chr, range(32)), "\x7f"]), min_size=1, max_size=20)
 
 
+def every_key(thread: str) -> tuple[str, ...]:
+    """A thread's keys, every one (`ThreadKeys`), under the default prefix."""
+    return msgspec.structs.astuple(HistoryStore(None, "mf").keys(thread))
+
+
 class TestIdentitiesNoClientCanTakeOver:
     def test_server_assigned_ids_depend_on_the_deployments_secret(self):
         raw = json.dumps({"threadId": "t", "resourceId": "r", "messages": [{"role": "user", "content": {"format": 2, "parts": []}}]}).encode()
@@ -301,11 +306,11 @@ class TestIdentitiesNoClientCanTakeOver:
     @settings(max_examples=300)
     @given(st.text(min_size=1, max_size=20))
     def test_every_key_of_a_thread_is_in_one_cluster_slot(self, thread):
-        assert len({key_slot(k.encode()) for k in HistoryStore(None, "mf").keys(thread)}) == 1
+        assert len({key_slot(k.encode()) for k in every_key(thread)}) == 1
 
     @pytest.mark.parametrize("thread", ["}x", "{x}", "a}b{c", "%7D", "}"])
     def test_a_thread_id_with_braces_keeps_its_keys_together_and_apart_from_others(self, thread):
-        keys = HistoryStore(None, "mf").keys(thread)
+        keys = every_key(thread)
         assert len({key_slot(k.encode()) for k in keys}) == 1
         assert all(k.startswith("mf:t:{") and k.count("{") == 1 and k.count("}") == 1 for k in keys)
 
@@ -313,7 +318,7 @@ class TestIdentitiesNoClientCanTakeOver:
     @given(st.text(max_size=6), st.text(max_size=6))
     def test_distinct_thread_ids_never_share_keys(self, a, b):
         if a != b:
-            assert set(HistoryStore(None, "mf").keys(a)).isdisjoint(HistoryStore(None, "mf").keys(b))
+            assert set(every_key(a)).isdisjoint(every_key(b))
 
     def test_a_processed_record_is_kept_under_the_resource_and_the_request_id(self):
         assert record_field("r1", "q") != record_field("r2", "q")
@@ -337,4 +342,8 @@ class TestNoClientFillsTheWorkersMemory:
 
     def test_the_key_names_kept_are_the_ones_made(self):
         store = HistoryStore(None, "mf")
-        assert store.keys("t1") == store.keys("t1") == tuple(f"mf:t:{{t1}}:{n}" for n in ("rows", "order", "meta", "saved", "recent", "superseded", "tokens"))
+        keys = store.keys("t1")
+        assert keys == store.keys("t1")
+        assert [keys.rows, keys.order, keys.meta, keys.saved, keys.recent, keys.superseded, keys.tokens] == [
+            f"mf:t:{{t1}}:{n}" for n in ("rows", "order", "meta", "saved", "recent", "superseded", "tokens")
+        ]

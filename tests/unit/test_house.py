@@ -35,7 +35,68 @@ def imports_of(module: str) -> set[str]:
     return found
 
 
+def modules() -> dict[str, Path]:
+    """The installed package's modules, by name."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        if "node_modules" in path.parts:
+            continue
+        parts = ["memfilter", *path.relative_to(PACKAGE).with_suffix("").parts]
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at any depth of its code, `TYPE_CHECKING` too)."""
+    known = modules()
+    graph = {}
+    for name, path in known.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memfilter"):
+                targets.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names)
+            elif isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name in known)
+        graph[name] = targets - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while (w := stack.pop()) != v:
+                group.append(w)
+            if group:
+                found.append(sorted([v, *group]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
 class TestOneWayDependencies:
+    def test_no_two_modules_import_each_other_through_any_path(self):
+        assert cycles(import_graph()) == []
+
+    def test_the_cycle_check_finds_a_cycle(self):
+        assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
     def test_the_worker_and_the_agent_runner_share_the_task_loop_and_neither_imports_the_other(self):
         worker, agent = imports_of("runtime.worker"), imports_of("runtime.agent")
         assert "memfilter.runtime.loop" in worker and "memfilter.runtime.loop" in agent

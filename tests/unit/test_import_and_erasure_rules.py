@@ -169,4 +169,4 @@ class TestFindingAResourcesThreads:
     def test_a_meta_key_names_its_thread_whatever_braces_or_escapes_the_id_holds(self):
         keys = Keys("mf:x")
         for thread in ("t1", "a{b}c", "%7B", "}{", "50%"):
-            assert keys.thread_of_meta(keys.keys(thread)[2]) == thread
+            assert keys.thread_of_meta(keys.keys(thread).meta) == thread
