@@ -35,6 +35,7 @@ from memfilter.core.filter import Policy
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Record
 from memfilter.settings import Kafka, Topics
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore
 from memfilter.store.redis_driver import connect
 
@@ -102,7 +103,7 @@ async def main() -> None:
             f"({len(consumed):,} requests in batches of {batch:,}: {filtered:,} filtered inputs, no dead letters)"
         )
     finally:
-        await store.drop()
+        await reads.drop(store)
         await client.aclose()
 
 

@@ -14,7 +14,7 @@ worker's apply) refuses it; this command then reads the thread again and publish
 erasure, until one applies. It waits for that, and says what it erased.
 
 A resource's threads are found by scanning the threads' meta keys for their owner
-(`HistoryStore.threads_of`): one pass over the store's keys, as long as Redis takes to walk
+(`memfilter.store.reads.threads_of`): one pass over the store's keys, as long as Redis takes to walk
 them (docs/erasure.md).
 """
 
@@ -33,6 +33,7 @@ from aiokafka import AIOKafkaProducer
 from memfilter.core import origin
 from memfilter.schemas.wire import Erasure, PersistMessages
 from memfilter.settings import Settings
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore, holds
 from memfilter.store.layout import save_identity
 
@@ -58,7 +59,7 @@ async def forget(
         asked: dict[str, tuple[int, bytes]] = {}  # thread -> (version asked at, the erasure's identity)
         sizes: dict[str, int] = {}
         for thread in threads:
-            meta = await store.meta(thread)
+            meta = await reads.meta(store, thread)
             if meta.owner is None and not meta.erased:  # no history at all
                 continue
             if meta.erased:
@@ -71,7 +72,7 @@ async def forget(
         while asked and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
             for thread, (version, identity) in list(asked.items()):
-                meta = await store.meta(thread)
+                meta = await reads.meta(store, thread)
                 if holds(meta.erasures, identity):
                     out.threads.append(thread)
                     out.messages += sizes[thread]

@@ -54,7 +54,7 @@ from memfilter.runtime.processor import ELSEWHERE_HEADER, VERSION_HEADER, Proces
 from memfilter.runtime.records import Record
 from memfilter.schemas.wire import FilteredInput
 from memfilter.settings import Topics
-from memfilter.store import cold
+from memfilter.store import cold, reads
 from memfilter.store.history import HistoryStore
 
 
@@ -77,7 +77,7 @@ async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: b
     MEMFILTER_SECRET, which tells the processor's events."""
     with Recorded.temporary(topics, secret) as recorded:
         await recorded.load(bootstrap, [topics.persist, topics.dlq], progress)
-        await store.drop()
+        await reads.drop(store)
         applied, refused, erased = await apply_log(recorded, store, progress)
     refused_by_postgres: dict[str, str] = {}
     if store.warmer is not None:  # with a PostgreSQL tier, it holds every thread as Redis now does
@@ -180,7 +180,7 @@ async def replay(
         try:
             return await replay_log(recorded, store, read_topic(bootstrap, topics.requests, start, end, progress), policy, why)
         finally:
-            await store.drop()
+            await reads.drop(store)
 
 
 class _Seen:

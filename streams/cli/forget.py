@@ -15,6 +15,7 @@ EXTRA = "worker"
 def run(args: argparse.Namespace) -> int:
     from memfilter.admin.erasure import forget
     from memfilter.schemas.wire import id_problem
+    from memfilter.store import reads
 
     settings = Settings.from_env()
     if reason := no_secret(settings):
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     store = history_store(settings.redis.url, settings.redis.prefix, settings)
 
     async def erase() -> int:
-        threads = await store.threads_of(args.resource) if args.resource else [args.thread]
+        threads = await reads.threads_of(store, args.resource) if args.resource else [args.thread]
         if args.dry_run:
             for thread in threads:
                 print(thread)

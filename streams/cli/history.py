@@ -15,14 +15,14 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from memfilter.audit.replay import rebuild
-    from memfilter.store.history import prefixes
+    from memfilter.store import reads
 
     settings = Settings.from_env()
     url, prefix = args.redis_url or settings.redis.url, getattr(args, "prefix", None) or settings.redis.prefix
 
     async def show() -> int:
         store = history_store(url, prefix, settings)
-        rows, superseded = await store.thread_rows(args.thread), await store.superseded_rows(args.thread)
+        rows, superseded = await reads.thread_rows(store, args.thread), await reads.superseded_rows(store, args.thread)
         if not rows and not superseded:
             print(f"memfilter history show: thread {args.thread} has no stored messages under prefix {prefix}", file=sys.stderr)
             return 1
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     async def list_prefixes() -> int:
-        found = await prefixes(history_store(url, prefix, settings).transport)
+        found = await reads.prefixes(history_store(url, prefix, settings).transport)
         for name, keys in sorted(found.items()):
             print(f"{name}  {plural(keys, 'key')}{'  (the workers’ prefix: MEMFILTER_REDIS_PREFIX)' if name == settings.redis.prefix else ''}")
         return 0
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         if reason := await refuse_live(settings, url, prefix, "drop"):
             print(f"memfilter history drop: {reason}", file=sys.stderr)
             return 1
-        print(f"dropped prefix {prefix}: {plural(await history_store(url, prefix, settings).drop(), 'key')} deleted")
+        print(f"dropped prefix {prefix}: {plural(await reads.drop(history_store(url, prefix, settings)), 'key')} deleted")
         return 0
 
     async def import_export() -> int:

@@ -50,6 +50,7 @@ from memfilter.core.filter import Rejection
 from memfilter.runtime.loop import ASSIGNED_ONCE_FETCH_MAX_WAIT_MS
 from memfilter.schemas.wire import FilteredInput, ReplyChunk
 from memfilter.settings import Topics
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore
 
 log = logging.getLogger("memfilter")
@@ -74,7 +75,7 @@ async def stored(store: HistoryStore, reply: dict[str, Any], thread: str, deadli
     `deadline`."""
     pause = 0.005
     while True:
-        row = await store.row(thread, reply["id"])
+        row = await reads.row(store, thread, reply["id"])
         if row is not None and json.loads(row) == reply:
             return True
         if time.monotonic() + pause > deadline:

@@ -67,6 +67,7 @@ from memfilter.metrics import GatewayMetrics
 from memfilter.runtime.records import MAX_RECORD_BYTES
 from memfilter.schemas.wire import id_problem
 from memfilter.settings import Settings
+from memfilter.store import reads
 from memfilter.store.cold import Warmer
 from memfilter.store.history import HistoryStore
 from memfilter.store.redis_driver import connect
@@ -480,7 +481,7 @@ class Gateway:
         if isinstance(owned, web.Response):
             return owned
         _, thread = owned
-        rows = await self.store.thread_rows(thread)
+        rows = await reads.thread_rows(self.store, thread)
         return web.json_response([to_ui(json.loads(row)) for row in rows if row is not None])
 
     async def page(self, _: web.Request) -> web.Response:

@@ -168,7 +168,7 @@ class WorkerHandler:
         """The batch's outputs by task, its requests, and the records to drop once it is
         committed (`Decided.recorded`): requests decided and saves applied in
         the order they were appended, then every Redis write of the batch on its replicas
-        (`HistoryStore.replicate`). A Redis failure anywhere has the whole batch handled again:
+        (`Transport.replicate`). A Redis failure anywhere has the whole batch handled again:
         what was written is found then (requests by their records, saves by their identity)."""
         outs: dict[int, list[Out]] = {tp.partition: [] for tp in batch}  # by task
         requests: list[Record] = []

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memfilter.store import scripts
+from memfilter.store import reads, scripts
 from memfilter.store.history import Fenced, HistoryStore
 from memfilter.store.layout import pack
 from memfilter.store.postgres import PostgresHistory, Refused, Thread, Unavailable
@@ -78,7 +78,7 @@ async def fill(store: HistoryStore, pg: PostgresHistory) -> tuple[int, dict[str,
     were written (a thread PostgreSQL holds at its version already is not), and the threads
     PostgreSQL refused, with why (each left in Redis alone; the others written)."""
     written, refused = 0, dict[str, str]()
-    async for threads in store.thread_batches(200):
+    async for threads in reads.thread_batches(store, 200):
         done, left_out = await pg.write(await whole(store, threads, {}))
         written, refused = written + done, refused | left_out
     return written, refused

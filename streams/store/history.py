@@ -52,7 +52,6 @@ Threads that left Redis for PostgreSQL are loaded back by the store's cold tier
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -65,7 +64,7 @@ from memfilter.metrics import Metrics
 from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
 from memfilter.store import scripts
 from memfilter.store.layout import NO_COUNTS, RECORDED, STATE_RANKS_PACKED, WINDOW_ENTRY, Keys, encode_recorded, pack, pack_rows, thread_tag
-from memfilter.store.postgres import PostgresHistory, Thread, Unavailable
+from memfilter.store.postgres import PostgresHistory
 from memfilter.store.transport import Transport
 
 if TYPE_CHECKING:
@@ -105,16 +104,6 @@ class Save(msgspec.Struct, frozen=True, gc=False):
     writer: str = "service"  # "processor" (its own, signed), "import" (an operator's import, signed) or "service": see APPLY
     superseded: list[str] = []  # ids it takes out of the conversation
     request_id: str = ""  # the event's, which marks what it supersedes
-
-
-class Meta(msgspec.Struct, frozen=True):
-    """A thread's meta (`HistoryStore.meta`)."""
-
-    owner: str | None
-    version: int
-    erased: bool  # erased (`memfilter forget`) and not started again
-    erasures: bytes  # the identities of the erasures applied to it (`holds`)
-    size: int  # rows stored
 
 
 class HistoryStore(Keys):
@@ -206,26 +195,6 @@ class HistoryStore(Keys):
         if self.warmer is None:
             return dict.fromkeys(threads, "it left Redis for PostgreSQL, and this command has no POSTGRES_URL to load it back from: set it")
         return await self.warmer.warm(self, threads)
-
-    async def _cold_copy(self, thread: str) -> Thread | None:
-        """The thread as PostgreSQL holds it, if it left Redis (for the commands that read one
-        thread: read there, not loaded back, which only its worker does between its own reads
-        and writes); None if it is in Redis. Raise Unavailable naming the reason if it cannot be read."""
-        (cold,) = await self.transport.pipeline([("HEXISTS", self.keys(thread).meta, "cold")])
-        if not cold:
-            return None
-        return await self._postgresql_copy(thread)
-
-    async def _postgresql_copy(self, thread: str) -> Thread:
-        """The thread as PostgreSQL holds it (it left Redis); Unavailable naming the reason if it cannot be read."""
-        if self.warmer is None:
-            raise Unavailable(f"thread {thread} left Redis for PostgreSQL, and this command has no POSTGRES_URL to read it from: set it")
-        held = (await self.warmer.pg.load([thread], into_redis=False)).get(thread)
-        if held is None:
-            raise Unavailable(
-                f"thread {thread} left Redis but PostgreSQL holds no copy of it (schema {self.warmer.pg.schema}); rebuild it (memfilter history rebuild)"
-            )
-        return held
 
     def _counts(self, ids: Sequence[str], stored: list[bytes | None]) -> dict[str, float]:
         """The stored counts of these ids that are the counter's."""
@@ -476,91 +445,7 @@ class HistoryStore(Keys):
             return await self.erase(thread, version, identity, erased_ms)
         return int(value) if status == b"ok" else (status.decode(), value.decode())
 
-    async def meta(self, thread: str) -> Meta:
-        """A thread's meta and how many rows it holds (in PostgreSQL if it left Redis)."""
-        k = self.keys(thread)
-        (owner, version, erased, erasures, cold), size = await self.transport.pipeline(
-            [("HMGET", k.meta, "owner", "version", "erased", "erasures", "cold"), ("HLEN", k.rows)]
-        )
-        if cold is not None:
-            size = len((await self._postgresql_copy(thread)).rows)
-        return Meta(owner.decode() if owner is not None else None, int(version or 0), erased is not None, erasures or b"", size)
-
-    async def threads_of(self, resource: str) -> list[str]:
-        """The threads `resource` owns: a scan of every thread's meta key (an operator's
-        command: as long as Redis takes to walk its keys)."""
-        found: list[str] = []
-        async for threads in self.thread_batches():
-            owners = await self.transport.pipeline([("HGET", self.keys(t).meta, "owner") for t in threads])
-            found += [t for t, owner in zip(threads, owners) if owner is not None and owner.decode() == resource]
-        return sorted(found)
-
-    async def thread_batches(self, size: int = 1000):
-        """Every thread under this store's prefix (cold ones too), `size` at a time: a scan of their meta keys."""
-        async for keys in _batches(self.transport.scan(f"{_glob_escape(self.prefix)}:t:*:meta"), size):
-            yield [self.thread_of_meta(key.decode()) for key in keys]
-
-    async def thread_rows(self, thread: str) -> list[bytes]:
-        """A thread's conversation: its rows in save order, without the superseded ones."""
-        if (held := await self._cold_copy(thread)) is not None:
-            return [held.rows[mid] for mid in held.order]
-        k = self.keys(thread)
-        ids, rows = await self.transport.pipeline([("LRANGE", k.order, 0, -1), ("HGETALL", k.rows)])
-        return [rows[mid] for mid in ids if mid in rows]
-
-    async def row(self, thread: str, message_id: str) -> bytes | None:
-        """One stored row of a thread (superseded or not), by message id."""
-        if (held := await self._cold_copy(thread)) is not None:
-            return held.rows.get(message_id)
-        (row,) = await self.transport.pipeline([("HGET", self.keys(thread).rows, message_id)])
-        return row
-
-    async def superseded_rows(self, thread: str) -> list[tuple[str, bytes]]:
-        """A thread's superseded rows, each with the id of the request that superseded it."""
-        if (held := await self._cold_copy(thread)) is not None:
-            return [(request, held.rows[mid]) for mid, request in held.superseded.items() if mid in held.rows]
-        k = self.keys(thread)
-        (by,) = await self.transport.pipeline([("HGETALL", k.superseded)])
-        found = (await self.transport.pipeline([("HMGET", k.rows, *by)]))[0] if by else []
-        return [(request.decode(), row) for request, row in zip(by.values(), found) if row is not None]
-
-    async def drop(self) -> int:
-        """Delete every key under this store's prefix; how many there were."""
-        dropped = 0
-        async for keys in _batches(self.transport.scan(f"{_glob_escape(self.prefix)}:*"), 1000):
-            dropped += await self.transport.unlink(keys)
-        return dropped
-
 
 def holds(packed: bytes, identity: bytes) -> bool:
     """Is `identity` one of the 8-byte identities packed one after another in `packed`?"""
     return any(packed[i : i + 8] == identity for i in range(0, len(packed), 8))
-
-
-_KEY_PREFIX = re.compile(rb"^(.*?):(?:t:\{|idx:\{|sync:\{|sync$|epoch$)")
-
-
-async def prefixes(transport: Transport) -> dict[str, int]:
-    """The history stores in a Redis: prefix -> how many keys it has (replays and rebuilds
-    into new prefixes leave some behind)."""
-    found: dict[str, int] = {}
-    async for key in transport.scan("*"):
-        if m := _KEY_PREFIX.match(key):
-            name = m.group(1).decode(errors="replace")
-            found[name] = found.get(name, 0) + 1
-    return found
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-async def _batches(items, size: int):
-    batch = []
-    async for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch

@@ -20,6 +20,7 @@ from pipeline import WORKER_LOGS, Collector, Pipeline, header, publish, read, wa
 from memfilter.client import Client
 from memfilter.core.reply_stream import Reply
 from memfilter.core.ui import to_stored
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore
 
 
@@ -161,7 +162,7 @@ def test_a_runner_built_on_the_client_consumes_as_a_group_and_its_replies_are_st
         redis = aioredis.from_url(services.redis_url)
         store = HistoryStore(redis, pipeline.prefix)
         for _ in range(100):  # the worker applies the replies
-            rows = [[json.loads(r)["id"] for r in await store.thread_rows(f"own-{i}")] for i in range(2)]
+            rows = [[json.loads(r)["id"] for r in await reads.thread_rows(store, f"own-{i}")] for i in range(2)]
             if all(len(r) == 2 for r in rows):
                 break
             await asyncio.sleep(0.1)
@@ -263,7 +264,7 @@ def test_an_agent_killed_mid_reply_loses_no_turn_and_its_next_owner_answers_it_o
             replies_ = [json.loads(r.value) for r in saved.records if json.loads(r.value)["requestId"] == "q-kill/reply"]
         streamed = await read(services.bootstrap, [t.streams], until=lambda rs: [c["type"] for c in texts(rs)].count("finish") >= 1)
         redis, store = pipeline.store()
-        rows = [json.loads(r) for r in await store.thread_rows("kill-1")]
+        rows = [json.loads(r) for r in await reads.thread_rows(store, "kill-1")]
         await redis.aclose()
         return replies_, streamed, rows
 

@@ -21,6 +21,7 @@ from pipeline import Pipeline
 
 from memfilter.client.conversations import Conversation, Driver
 from memfilter.core.tokens import ESTIMATE
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore
 
 HISTORY = 10
@@ -45,7 +46,7 @@ async def stored(pipeline: Pipeline, threads: list[str], prefix: str | None = No
     client = aioredis.from_url(pipeline.redis_url)
     try:
         store = HistoryStore(client, prefix or pipeline.prefix)
-        return {t: [json.loads(r) for r in await store.thread_rows(t)] for t in threads}
+        return {t: [json.loads(r) for r in await reads.thread_rows(store, t)] for t in threads}
     finally:
         await client.aclose()
 
@@ -147,7 +148,7 @@ async def superseded(pipeline: Pipeline, prefix: str, conversations: list[Conver
         store = HistoryStore(client, prefix)
         out = {}
         for c in conversations:
-            out[c.thread] = {json.loads(row)["id"]: (by, json.loads(row)) for by, row in await store.superseded_rows(c.thread)}
+            out[c.thread] = {json.loads(row)["id"]: (by, json.loads(row)) for by, row in await reads.superseded_rows(store, c.thread)}
         return out
     finally:
         await client.aclose()

@@ -24,6 +24,7 @@ from pipeline import Pipeline, dump, end_offsets, publish, read
 
 from memfilter.client import Client, RequestRejected
 from memfilter.core import origin
+from memfilter.store import reads
 
 NODE = Path(__file__).parents[1] / "node"
 pytestmark = pytest.mark.timeout(600)
@@ -72,7 +73,7 @@ def rows_of(pipeline: Pipeline, thread: str, prefix: str | None = None) -> list[
         client, store = pipeline.store()
         store.prefix = prefix or store.prefix
         try:
-            return [json.loads(r) for r in await store.thread_rows(thread)]
+            return [json.loads(r) for r in await reads.thread_rows(store, thread)]
         finally:
             await client.aclose()
 

@@ -20,6 +20,7 @@ from pipeline import REPO, Collector, Pipeline, dump, end_offsets, free_port, he
 from stacks import memfilter
 from test_worker_streams import stream
 
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore
 from memfilter.store.redis_driver import connect
 
@@ -58,7 +59,7 @@ async def a_tool_turn(pipeline: Pipeline, seen: Collector, thread: str, tamper: 
     await publish(pipeline.bootstrap, t.persist, [(thread.encode(), json.dumps(event).encode(), now_ms())])
     client, store = pipeline.store()
     deadline = time.monotonic() + 60
-    while len(await store.thread_rows(thread)) < 2:
+    while len(await reads.thread_rows(store, thread)) < 2:
         assert time.monotonic() < deadline, "the persister did not save the runner's event"
         await asyncio.sleep(0.1)
     if tamper:
@@ -214,7 +215,7 @@ async def redis_conversations(pipeline, url: str) -> dict[str, list[str]]:
     client = connect(url)
     store = HistoryStore(client, pipeline.prefix)
     try:
-        return {t: [json.loads(r)["id"] for r in await store.thread_rows(t)] async for batch in store.thread_batches() for t in batch}
+        return {t: [json.loads(r)["id"] for r in await reads.thread_rows(store, t)] async for batch in reads.thread_batches(store) for t in batch}
     finally:
         await client.aclose()
 

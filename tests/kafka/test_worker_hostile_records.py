@@ -20,6 +20,7 @@ from redis.crc import key_slot
 
 from memfilter.core import origin
 from memfilter.core.filtered import whole
+from memfilter.store import reads
 
 pytestmark = pytest.mark.xdist_group("hostile-records")  # the module's workers and records are shared (`--dist loadgroup`)
 
@@ -162,7 +163,7 @@ def run(services):
         client, store = pipeline.store()
         try:
             keys = [k.decode() async for k in client.scan_iter(match=f"{pipeline.prefix}:t:*", count=1000)]
-            rows_a = [json.loads(r) for r in await store.thread_rows("own-A")]
+            rows_a = [json.loads(r) for r in await reads.thread_rows(store, "own-A")]
         finally:
             await client.aclose()
         return records, alive, keys, rows_a, guessed, derived

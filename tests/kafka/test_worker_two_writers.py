@@ -22,6 +22,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.partitioner import murmur2
 from pipeline import Collector, Pipeline, dump, end_offsets, header, publish, read
 
+from memfilter.store import reads
+
 TURNS = 3
 
 
@@ -181,7 +183,7 @@ async def problems(pipeline: Pipeline, agent: Agent, conversations: dict[str, li
                 break
             await asyncio.sleep(0.2)
         for thread, messages in conversations.items():
-            rows = [json.loads(r) for r in await store.thread_rows(thread)]
+            rows = [json.loads(r) for r in await reads.thread_rows(store, thread)]
             ids = [r["id"] for r in rows]
             if ids != [m["id"] for m in messages]:
                 out.append(f"{thread}: stored {ids}")

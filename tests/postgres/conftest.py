@@ -9,6 +9,7 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
+from memfilter.store import reads
 from memfilter.store.cold import Warmer
 from memfilter.store.history import HistoryStore
 from memfilter.store.postgres import PostgresHistory
@@ -35,7 +36,7 @@ def tiers(redis_url, postgres_url):
                 return await fn(make)
             finally:
                 for store, pg in made:
-                    await store.drop()
+                    await reads.drop(store)
                     try:
                         await pg.drop()
                     except Exception:  # a test's stopped PostgreSQL: its schema goes with its server

@@ -25,7 +25,7 @@ from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Record
 from memfilter.settings import Topics
-from memfilter.store import cold
+from memfilter.store import cold, reads
 from memfilter.store.history import Fenced, HistoryStore
 from memfilter.store.postgres import PostgresHistory, Unavailable
 
@@ -119,7 +119,7 @@ class TestDecisionsOnThreadsThatLeftRedis:
                 history = [*history, msg(f"a{turn}", "assistant", f"answer {turn}")]
                 await sink(left, pg, ["t1"])
                 assert await cold.evict(left, pg, FAR_FUTURE_MS) == 1
-            return outs, await stayed.thread_rows("t1"), await left.thread_rows("t1"), left.metrics.value("memfilter_cold_loads_total")
+            return outs, await reads.thread_rows(stayed, "t1"), await reads.thread_rows(left, "t1"), left.metrics.value("memfilter_cold_loads_total")
 
         (want, got), rows_stayed, rows_left, loads = tiers(go)
         assert got == want
@@ -148,7 +148,7 @@ class TestDecisionsOnThreadsThatLeftRedis:
             await to_postgresql(store, pg, "t1")
             again = Record("persist-messages", 0, 1, T0 + 2, b"t1", reply)  # the same event published twice
             results = await Persister(store, Topics().dlq, SECRET).apply([again])
-            return results, [json.loads(r)["id"] for r in await store.thread_rows("t1")]
+            return results, [json.loads(r)["id"] for r in await reads.thread_rows(store, "t1")]
 
         results, ids = tiers(go)
         assert results == [2]  # the version it was at: nothing applied a second time
@@ -180,9 +180,9 @@ class TestReadersOfOneThread:
             store, pg = make()
             p = Processor(store, secret=SECRET)
             await p.process([ask("t1", [msg("u0"), msg("u1")], 0, T0)])
-            before = (await store.thread_rows("t1"), await store.row("t1", "u1"), await store.meta("t1"))
+            before = (await reads.thread_rows(store, "t1"), await reads.row(store, "t1", "u1"), await reads.meta(store, "t1"))
             await to_postgresql(store, pg, "t1")
-            after = (await store.thread_rows("t1"), await store.row("t1", "u1"), await store.meta("t1"))
+            after = (await reads.thread_rows(store, "t1"), await reads.row(store, "t1", "u1"), await reads.meta(store, "t1"))
             return before, after, await store.redis.hexists(store.keys("t1").meta, "cold")
 
         before, after, still_cold = tiers(go)
@@ -256,7 +256,7 @@ class TestEvictionNeverTakesTheOnlyCopy:
 
             store.commit = evicted_meanwhile
             outs = await p.process([ask("t1", [msg("u0"), msg("u1")], 1, T0 + 1)])
-            return [json.loads(o.value) for o in outs if o.topic == Topics().filtered], [json.loads(r)["id"] for r in await store.thread_rows("t1")]
+            return [json.loads(o.value) for o in outs if o.topic == Topics().filtered], [json.loads(r)["id"] for r in await reads.thread_rows(store, "t1")]
 
         (filtered,), ids = tiers(go)
         assert [m["id"] for m in filtered["context"]] == ["u0", "u1"]

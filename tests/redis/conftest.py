@@ -8,6 +8,7 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore
 
 
@@ -28,7 +29,7 @@ def redis_run(redis_url):
                 return await fn(client, prefix)
             finally:
                 for p in prefixes:
-                    await HistoryStore(client, p).drop()
+                    await reads.drop(HistoryStore(client, p))
                 await client.aclose()
 
         return asyncio.run(go())

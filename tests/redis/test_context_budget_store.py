@@ -18,6 +18,7 @@ from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Record
 from memfilter.settings import Topics
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore
 
 TOPICS = Topics()
@@ -86,7 +87,7 @@ class TestCountsStoredWithTheRows:
     def test_both_writers_store_each_rows_count_and_a_rebuild_stores_the_same(self, store_run):
         async def go(store, make):
             _, log = await conversation(store, 6)
-            rows = {json.loads(r)["id"]: r for r in await store.thread_rows("t")}
+            rows = {json.loads(r)["id"]: r for r in await reads.thread_rows(store, "t")}
             live = await stored_counts(store, "t")
             rebuilt = make()
             with Recorded.temporary(TOPICS, SECRET) as recorded:
@@ -129,7 +130,7 @@ class TestTheWindowWeighsStoredCounts:
     def test_a_count_is_read_from_the_store_not_made_again(self, store_run):
         async def go(store, make):
             await conversation(store, 3)
-            said = [json.loads(r) for r in await store.thread_rows("t")]
+            said = [json.loads(r) for r in await reads.thread_rows(store, "t")]
             processor = Processor(store, TOPICS, BUDGET, secret=SECRET)
             before = on(TOPICS.filtered, await processor.process([request("t", [*said, msg("u3", text="next")], 100)]))[0]
             await store.redis.hset(store.keys("t").tokens, "a1", "e150.0")  # as if a1 weighed 150 tokens when saved
@@ -146,7 +147,7 @@ class TestTheWindowWeighsStoredCounts:
         async def go(store, make):
             await conversation(store, 2)
             version = await store.redis.hget(store.keys("t").meta, "version")
-            said = [json.loads(r) for r in await store.thread_rows("t")]
+            said = [json.loads(r) for r in await reads.thread_rows(store, "t")]
             outs = await Processor(store, TOPICS, BUDGET, secret=SECRET).process([request("t", [*said, msg("u9", text="word " * 400)], 50)])
             return outs, version, await store.redis.hget(store.keys("t").meta, "version")
 
@@ -165,7 +166,7 @@ class TestTheWindowWeighsStoredCounts:
         async def go(store, make):
             await conversation(store, 1)
             await store.redis.hset(store.keys("t").tokens, "a0", "e190.0")  # as if a0 weighed 190 tokens when saved
-            said = [json.loads(r) for r in await store.thread_rows("t")]
+            said = [json.loads(r) for r in await reads.thread_rows(store, "t")]
             sent = Processor(store, TOPICS, BUDGET, secret=SECRET)
             outs = await sent.process([request("t", [*said, msg("u1", text="next")], 10)])
             refusing = Processor(store, TOPICS, Policy(budget=Budget(200, ESTIMATE, "refuse")), secret=SECRET)

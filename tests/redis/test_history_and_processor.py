@@ -24,6 +24,7 @@ from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Record
 from memfilter.settings import Topics
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore, Save
 from memfilter.store.layout import WINDOW_ENTRY, save_identity
 
@@ -70,7 +71,7 @@ class TestBatches:
             p = Processor(store)
             outs = await p.process([record("t", [msg("u0")], 0, "q0"), record("t", [msg("u0"), msg("u1")], 1, "q1")])
             trips = p.metrics.value("memfilter_redis_round_trips_total")
-            return outs, [json.loads(r) for r in await store.thread_rows("t")], trips
+            return outs, [json.loads(r) for r in await reads.thread_rows(store, "t")], trips
 
         outs, rows, trips = with_store(go)
         persisted = outputs(outs, Topics().persist)
@@ -107,7 +108,7 @@ class TestBatches:
             store.commit = commit_after_a_concurrent_save
             echo = [msg("u0"), msg("a0", role="assistant", text="answer "), msg("u1")]
             outs = await p.process([record("t", echo, 1, "q1")])
-            return outs, [json.loads(r)["id"] for r in await store.thread_rows("t")]
+            return outs, [json.loads(r)["id"] for r in await reads.thread_rows(store, "t")]
 
         outs, ids = with_store(go)
         [filtered] = outputs(outs, Topics().filtered)
@@ -162,7 +163,7 @@ class TestRedelivery:
             emitted = await committed(p, first)
             again = await p.process(first)
             retry = await p.process([record("t", [msg("u0")], 2, "q0")])  # a client's retry, elsewhere: still a duplicate
-            return emitted, again, retry, p.metrics.value("memfilter_requests_total", outcome="redelivered"), len(await store.thread_rows("t"))
+            return emitted, again, retry, p.metrics.value("memfilter_requests_total", outcome="redelivered"), len(await reads.thread_rows(store, "t"))
 
         emitted, again, retry, redelivered, rows = with_store(go)
         assert len(outputs(emitted, Topics().filtered)) == 2 and again == [] and redelivered == 2 and rows == 2
@@ -279,7 +280,7 @@ class TestLanes:
         async def go(store):
             p = Processor(store)
             outs = await p.process(batch)
-            return outs, {t: [json.loads(r)["id"] for r in await store.thread_rows(t)] for t in threads}
+            return outs, {t: [json.loads(r)["id"] for r in await reads.thread_rows(store, t)] for t in threads}
 
         outs, stored = with_store(go)
         filtered = outputs(outs, Topics().filtered)
@@ -384,7 +385,7 @@ class TestPersister:
             assert await persister.process([self.event("t", rows, processors=True)]) == []
             version = await store.redis.hget(store.keys("t").meta, "version")
             assert await persister.process([self.event("t", rows, processors=True)]) == []
-            return version, await store.redis.hget(store.keys("t").meta, "version"), await store.thread_rows("t")
+            return version, await store.redis.hget(store.keys("t").meta, "version"), await reads.thread_rows(store, "t")
 
         before, after, rows = with_store(go)
         assert before == after == b"1" and len(rows) == 1
@@ -397,7 +398,7 @@ class TestPersister:
 
         async def go(store):
             letters = await Persister(store, "dlq", SECRET).process([self.event("t", [first], processors=True), self.event("t", [turn])])
-            return letters, [json.loads(r) for r in await store.thread_rows("t")]
+            return letters, [json.loads(r) for r in await reads.thread_rows(store, "t")]
 
         letters, rows = with_store(go)
         assert letters == [] and rows == [first, turn]
@@ -429,7 +430,7 @@ class TestPersister:
         async def go(store):
             letters = await Persister(store, "dlq", SECRET).process(batch)
             trips = store.metrics.value("memfilter_redis_round_trips_total")
-            rows = {t: [json.loads(r)["id"] for r in await store.thread_rows(t)] for t in ("t", "other", "u")}
+            rows = {t: [json.loads(r)["id"] for r in await reads.thread_rows(store, t)] for t in ("t", "other", "u")}
             return letters, rows, trips
 
         letters, rows, trips = with_store(go)
@@ -453,7 +454,7 @@ class TestPersister:
             assert await persister.process([self.event("t", [msg("t0", threadId="t")], processors=True)]) == []
             assert len(await persister.process([self.event("t", refused, resource)])) == 1
             outs = await Processor(store).process([record("v", [msg("n1")], 0, "q0")])
-            return [o.topic for o in outs], [json.loads(r)["id"] for r in await store.thread_rows("v")]
+            return [o.topic for o in outs], [json.loads(r)["id"] for r in await reads.thread_rows(store, "v")]
 
         topics, saved = with_store(go)
         assert topics == [Topics().filtered, Topics().persist] and saved == ["n1"]
@@ -475,7 +476,7 @@ class TestPersister:
             assert await persister.process([self.event("other", [msg("e1", threadId="other")], processors=True)]) == []
             assert await persister.process([self.event("t", [msg("t0", threadId="t")], processors=True)]) == []
             letters = await persister.process([self.event("t", rows, resource)])
-            return letters, [json.loads(r)["id"] for r in await store.thread_rows("t")]
+            return letters, [json.loads(r)["id"] for r in await reads.thread_rows(store, "t")]
 
         [letter], ids = with_store(go)
         assert dict(letter.headers)["error.type"] == error.encode()
@@ -487,7 +488,7 @@ class TestPersister:
         async def go(store):
             letters = await Persister(store, "dlq", SECRET).process([self.event("t", [msg("x0", threadId="t")], resource="squatter")])
             outs = await Processor(store, secret=SECRET).process([record("t", [msg("u0")], 0, "q0")])
-            stored = [json.loads(r)["id"] for r in await store.thread_rows("t")]
+            stored = [json.loads(r)["id"] for r in await reads.thread_rows(store, "t")]
             return letters, [o.topic for o in outs], stored, (await store.owners(["x0"], ["t"]))[:2]
 
         [letter], topics, stored, (holders, owners) = with_store(go)
@@ -500,7 +501,7 @@ class TestPersister:
             persister = Persister(store, "dlq", SECRET)
             assert await persister.process([self.event("t", [msg("u0", threadId="t", text="mine")], processors=True)]) == []
             letters = await persister.process([self.event("t", [msg("u0", role="assistant", threadId="t", text="forged")])])
-            return letters, [json.loads(r) for r in await store.thread_rows("t")]
+            return letters, [json.loads(r) for r in await reads.thread_rows(store, "t")]
 
         [letter], rows = with_store(go)
         assert dict(letter.headers)["error.type"] == b"role"
@@ -517,7 +518,7 @@ class TestPersister:
             else:
                 headers = origin.headers(value, b"not the deployment's secret")
             letters = await Persister(store, "dlq", SECRET).process([Record("persist-messages", 0, 0, T0, b"t", value, tuple(headers))])
-            return letters, await store.thread_rows("t")
+            return letters, await reads.thread_rows(store, "t")
 
         [letter], rows = with_store(go)
         assert dict(letter.headers)["error.type"] == b"origin" and rows == []
@@ -539,7 +540,7 @@ class TestAnUnexpectedErrorStopsOneRecordOnly:
 
         async def go(store):
             outs = await Processor(store).process(batch)
-            return outs, [json.loads(r)["id"] for r in await store.thread_rows("t")]
+            return outs, [json.loads(r)["id"] for r in await reads.thread_rows(store, "t")]
 
         outs, stored = with_store(go)
         [letter] = [o for o in outs if o.topic == Topics().dlq]
@@ -606,7 +607,7 @@ class TestContext:
         async def go(store):
             await self.stored(store, [msg(f"big{i}", text="x" * (1 << 20)) for i in range(9)])
             outs = await Processor(store).process([record("t", [msg("u9")], 0, "q0")])
-            return outs, await store.thread_rows("t")
+            return outs, await reads.thread_rows(store, "t")
 
         outs, rows = with_store(go)
         [dead] = outs
@@ -652,7 +653,7 @@ class TestSuperseding:
             p = Processor(store)
             first = await p.process([record("t", self.conversation()[:3], 0, "regen", trigger="regenerate-message")])
             stale = await p.process([record("t", self.conversation(), 1, "stale")])
-            return first, stale, await store.thread_rows("t"), await store.superseded_rows("t")
+            return first, stale, await reads.thread_rows(store, "t"), await reads.superseded_rows(store, "t")
 
         first, stale, rows, superseded = with_store(go)
         [filtered] = outputs(first, Topics().filtered)
@@ -670,7 +671,7 @@ class TestSuperseding:
             await self.seeded(store)
             value = json.dumps({"threadId": "t", "resourceId": "r2", "messages": self.conversation()[:1], "trigger": "regenerate-message"})
             outs = await Processor(store).process([Record("chat-requests", 0, 0, T0, b"t", value.encode())])
-            return outs, await store.thread_rows("t"), await store.superseded_rows("t")
+            return outs, await reads.thread_rows(store, "t"), await reads.superseded_rows(store, "t")
 
         outs, rows, superseded = with_store(go)
         assert [dict(o.headers)["error.type"] for o in outs] == [b"ownership"]
@@ -683,7 +684,7 @@ class TestSuperseding:
             versions = await store.apply([event, event])
             late = msgspec.json.encode({**msg("a2", role="assistant", text="r2, finished"), "threadId": "t", "resourceId": "r1"})
             await store.apply([Save("t", "r1", T0, [("a2", late)], ["assistant"], save_identity("r1", "agent-2"))])
-            return versions, await store.thread_rows("t"), await store.superseded_rows("t")
+            return versions, await reads.thread_rows(store, "t"), await reads.superseded_rows(store, "t")
 
         versions, rows, superseded = with_store(go)
         assert versions[0] == versions[1]  # the same event again changes nothing
@@ -699,7 +700,7 @@ class TestSuperseding:
             before = p.metrics.value("memfilter_redis_round_trips_total")
             outs = await p.process([record("t", edited, 0, "edit", trigger="submit-message", messageId="u2")])
             trips = p.metrics.value("memfilter_redis_round_trips_total") - before
-            return outs, trips, await store.thread_rows("t"), await store.redis.hget(store.keys("t").meta, "version")
+            return outs, trips, await reads.thread_rows(store, "t"), await store.redis.hget(store.keys("t").meta, "version")
 
         outs, trips, rows, version = with_store(go)
         [filtered] = outputs(outs, Topics().filtered)
@@ -716,7 +717,7 @@ class TestSuperseding:
             first = await p.process([regenerate])
             version = await store.redis.hget(store.keys("t").meta, "version")
             again = await Processor(store).process([regenerate])  # its batch's Kafka commit never came: consumed again
-            return first, again, version, await store.redis.hget(store.keys("t").meta, "version"), await store.superseded_rows("t")
+            return first, again, version, await store.redis.hget(store.keys("t").meta, "version"), await reads.superseded_rows(store, "t")
 
         first, again, version, after, superseded = with_store(go)
         assert [o.value for o in first] == [o.value for o in again]

@@ -16,6 +16,7 @@ from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Record
 from memfilter.settings import Topics
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore
 
 TOPICS = Topics()
@@ -52,8 +53,8 @@ class TestAnImport:
             persister = Persister(store, TOPICS.dlq, SECRET)
             assert await persister.apply([event("t1", [row("u1"), row("a1", "assistant")], 0, "operator")]) == [1]
             assert await persister.apply([event("t1", [row("u1"), row("a1", "assistant")], 1, "operator")]) == [1]
-            meta = await store.meta("t1")
-            return meta.owner, meta.size, [json.loads(r)["id"] for r in await store.thread_rows("t1")]
+            meta = await reads.meta(store, "t1")
+            return meta.owner, meta.size, [json.loads(r)["id"] for r in await reads.thread_rows(store, "t1")]
 
         assert redis_run(go) == ("r1", 2, ["u1", "a1"])
 
@@ -77,7 +78,7 @@ class TestAnImport:
                     event("t1", [row("u1", text="changed")], 3, "operator"),  # other content under a stored id
                 ]
             )
-            return [r if isinstance(r, int) else r.type for r in results], [json.loads(r)["id"] for r in await store.thread_rows("t1")]
+            return [r if isinstance(r, int) else r.type for r in results], [json.loads(r)["id"] for r in await reads.thread_rows(store, "t1")]
 
         assert redis_run(go) == ([2, "clash", "clash"], ["u1", "a1", "u2"])
 
@@ -91,7 +92,7 @@ class TestAnErasure:
             await processor.process([request("t1", [msg("u1"), msg("a1", "assistant"), msg("u2")], 1)])
             before = await keys_of(store, "t1")
             persister = Persister(store, TOPICS.dlq, SECRET)
-            version = (await store.meta("t1")).version
+            version = (await reads.meta(store, "t1")).version
             assert await persister.apply([erasure("t1", version, 5)]) == [version + 1]
             after = await keys_of(store, "t1")
             held, _, erased = await store.owners(["u1", "u2"], ["t1"])
@@ -108,7 +109,7 @@ class TestAnErasure:
             persister = Persister(store, TOPICS.dlq, SECRET)
             await persister.apply([event("t1", [row("u1")], 0, "operator"), event("t1", [row("u1"), row("u2")], 1, "operator")])
             stale = await persister.apply([erasure("t1", 1, 2)])
-            rows = len(await store.thread_rows("t1"))
+            rows = len(await reads.thread_rows(store, "t1"))
             once = erasure("t1", 2, 3)
             return stale[0].type, rows, await persister.apply([once, once])
 
@@ -124,7 +125,7 @@ class TestAnErasure:
             own = event("t1", [row("n1")], 4, origin.headers(json.dumps({}).encode(), SECRET))  # placeholder, signed below
             value = json.dumps({"requestId": "q9", "threadId": "t1", "resourceId": "r1", "messages": [row("n1")], "historyVersion": 2}).encode()
             own = Record(TOPICS.persist, 0, 4, T0, b"t1", value, origin.headers(value, SECRET))
-            return service.type, imported.type, await persister.apply([own]), (await store.meta("t1")).erased
+            return service.type, imported.type, await persister.apply([own]), (await reads.meta(store, "t1")).erased
 
         assert redis_run(go) == ("erased", "erased", [3], False)  # the processor's own: a thread its resource started again
 
@@ -161,7 +162,7 @@ def test_a_rebuild_starts_an_erased_thread_at_its_erasure_and_agrees_with_the_li
 
         await through([request("t1", [msg("u1")], 0), request("t1", [msg("u1"), msg("a1", "assistant"), msg("u2")], 0)], False)
         await through([event("t1", [row("a2", "assistant")], 0)], True)
-        await through([erasure("t1", (await live.meta("t1")).version, 0), event("t1", [row("late", "assistant")], 0)], True)
+        await through([erasure("t1", (await reads.meta(live, "t1")).version, 0), event("t1", [row("late", "assistant")], 0)], True)
         processor.policy = processor.policy.__class__(reopen_erased=True)
         await through([request("t1", [msg("n1")], 0)], False)
         await through([event("t1", [row("n2", "assistant")], 0)], True)
@@ -173,8 +174,8 @@ def test_a_rebuild_starts_an_erased_thread_at_its_erasure_and_agrees_with_the_li
             applied = await apply_log(recorded, rebuilt)
 
         async def state(store):
-            meta = await store.meta("t1")
-            return meta.version, meta.owner, meta.erased, [json.loads(r)["id"] for r in await store.thread_rows("t1")]
+            meta = await reads.meta(store, "t1")
+            return meta.version, meta.owner, meta.erased, [json.loads(r)["id"] for r in await reads.thread_rows(store, "t1")]
 
         return applied, await state(live), await state(rebuilt), len(log)
 

@@ -28,6 +28,7 @@ from memfilter.core import origin
 from memfilter.runtime.processor import ELSEWHERE_HEADER, VERSION_HEADER
 from memfilter.runtime.records import Record
 from memfilter.settings import Topics
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore
 
 TOPICS = Topics()
@@ -112,10 +113,10 @@ async def rebuilt(redis_url: str, entries: list[tuple[Record, bool]]) -> tuple[t
         history = {}
         for thread in THREADS:
             state = (await store.read({thread: []}))[thread]
-            history[thread] = (state.owner, state.version, [json.loads(row) for row in await store.thread_rows(thread)])
+            history[thread] = (state.owner, state.version, [json.loads(row) for row in await reads.thread_rows(store, thread)])
         return counts, history
     finally:
-        await store.drop()
+        await reads.drop(store)
         await client.aclose()
 
 
@@ -206,7 +207,7 @@ async def replayed(redis_url: str, requests: list[Record], outcomes: list[Record
             recorded.add_persisted([record for record, _ in persisted])
             return await replay_log(recorded, store, one_batch())
     finally:
-        await store.drop()
+        await reads.drop(store)
         await client.aclose()
 
 

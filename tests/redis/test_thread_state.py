@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from memfilter.core.thread import Recorded, ThreadState, Write, after_commit
 from memfilter.core.tokens import ESTIMATE
+from memfilter.store import reads
 from memfilter.store.history import HistoryStore, Save
 from memfilter.store.layout import WINDOW_ENTRY, save_identity, window_key
 
@@ -108,7 +109,7 @@ async def run(redis_url: str, sequence: list) -> None:
             assert status == ("stale" if step["moved"] else "ok")
             assert await state_of(store, committed) == expected, (kind, step)
     finally:
-        await store.drop()
+        await reads.drop(store)
         await client.aclose()
 
 

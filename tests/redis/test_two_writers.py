@@ -26,6 +26,7 @@ from memfilter.runtime.records import Record
 from memfilter.runtime.worker import in_order
 from memfilter.runtime.written import Written
 from memfilter.settings import Topics
+from memfilter.store import reads
 from memfilter.store.history import Fenced, HistoryStore, Save
 
 TOPICS = Topics()
@@ -109,9 +110,9 @@ class TestASaveIsAppliedOnce:
         async def go(client, prefix):
             store = HistoryStore(client, prefix())
             await apply(store, records)
-            before = await store.thread_rows("t")
+            before = await reads.thread_rows(store, "t")
             await apply(store, [records[1], later_text, records[1]])
-            return before, await store.thread_rows("t")
+            return before, await reads.thread_rows(store, "t")
 
         before, after = redis_run(go)
         assert after == before
@@ -124,7 +125,7 @@ class TestASaveIsAppliedOnce:
             store = HistoryStore(client, prefix())
             await apply(store, records)
             await apply(store, [records[1], again])
-            return await store.thread_rows("t")
+            return await reads.thread_rows(store, "t")
 
         assert stored_states(redis_run(go)) == {"t-c0": "result"}
 
@@ -136,7 +137,7 @@ class TestASaveIsAppliedOnce:
         async def go(client, prefix):
             store = HistoryStore(client, prefix())
             await apply(store, records + [error, dropped])
-            return await store.thread_rows("t")
+            return await reads.thread_rows(store, "t")
 
         rows = redis_run(go)
         assert stored_states(rows) == {"t-c0": "result"} and json.loads(rows[-1])["content"]["parts"][0]["toolInvocation"]["result"] == {"yes": True}
@@ -148,7 +149,7 @@ class TestASaveIsAppliedOnce:
         async def go(client, prefix):
             store = HistoryStore(client, prefix())
             await apply(store, records + [approval])
-            return await store.thread_rows("t")
+            return await reads.thread_rows(store, "t")
 
         assert stored_states(redis_run(go)) == {"t-c0": "output-denied"}
 
@@ -194,7 +195,7 @@ class TestFencing:
             with pytest.raises(Fenced):
                 await apply(old, second[1:])
             await apply(old, conversation("other", ["text"]))  # a thread the new owner has not written: its records are re-delivered to the new owner anyway
-            return await new.thread_rows("t")
+            return await reads.thread_rows(new, "t")
 
         rows = redis_run(go)
         assert [json.loads(r)["id"] for r in rows] == ["t-u0", "t-a0", "t-u1"]

@@ -27,6 +27,7 @@ from redis.crc import key_slot
 from stacks import cluster_env, memfilter
 
 from memfilter.core.filtered import whole
+from memfilter.store import reads
 
 pytestmark = [
     pytest.mark.replicated,
@@ -123,7 +124,7 @@ async def rows_of(pipeline: Pipeline, thread: str, prefix: str | None = None) ->
     client, store = pipeline.store()
     store.prefix = prefix or store.prefix
     try:
-        return [json.loads(r)["id"] for r in await store.thread_rows(thread)]
+        return [json.loads(r)["id"] for r in await reads.thread_rows(store, thread)]
     finally:
         await client.aclose()
 
