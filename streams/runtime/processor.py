@@ -116,7 +116,7 @@ class Decided:
 
 @dataclass
 class _Pending:
-    index: int  # position in the batch
+    index: int  # position in its lane
     record: Record
     key: bytes  # what names the request in its thread's records (`window_key`)
     # The decoded request: freed once decided (`Processor._round`), decoded again if it is decided again.
@@ -214,16 +214,16 @@ class Processor:
 
     async def decide_batch(self, records: list[Record]) -> Decided:
         """Decide a batch: what to emit for each record, and what to drop once it is committed."""
-        decided = Decided([[] for _ in records])
         # A record goes to the lane of its key, the thread id (a record without one is
         # rejected), so a thread's records share one lane, in order.
         n = min(MAX_LANES, max(1, len(records) // LANE_RECORDS))
-        lanes: list[list[tuple[int, Record]]] = [[] for _ in range(n)]
+        by_lane: list[list[int]] = [[] for _ in range(n)]
         for i, record in enumerate(records):
-            lanes[zlib.crc32(record.key or b"") % n].append((i, record))
-        tasks = [asyncio.ensure_future(self._lane(lane, decided)) for lane in lanes if lane]
+            by_lane[zlib.crc32(record.key or b"") % n].append(i)
+        lanes = [lane for lane in by_lane if lane]
+        tasks = [asyncio.ensure_future(self._lane([records[i] for i in lane])) for lane in lanes]
         try:
-            await asyncio.gather(*tasks)
+            results = await asyncio.gather(*tasks)
         except BaseException:
             # A lane failed (Redis gone, say): the others are stopped too before the error goes
             # up, so that no lane of this attempt still runs beside the batch's retry.
@@ -231,6 +231,14 @@ class Processor:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        if len(results) == 1:
+            return results[0]
+        decided = Decided([[] for _ in records])
+        for lane, result in zip(lanes, results):
+            for i, outs in zip(lane, result.outs):
+                decided.outs[i] = outs
+            decided.recorded += result.recorded
+            decided.windows |= result.windows
         return decided
 
     def _decode(self, i: int, record: Record, outs: list[list[Out]]) -> Request | None:
@@ -251,16 +259,19 @@ class Processor:
     def _request(self, record: Record) -> Request:
         return decode_request(record.value, f"{record.topic}-{record.partition}-{record.offset}", self.limits, self.secret)
 
-    async def _lane(self, items: list[tuple[int, Record]], decided: Decided) -> None:
-        """Decode a lane's records, then rounds until every request is decided and committed."""
+    async def _lane(self, records: list[Record]) -> Decided:
+        """Decode a lane's records, then rounds until every request is decided and committed:
+        the lane's decisions, in its records' order."""
+        decided = Decided([[] for _ in records])
         threads: dict[str, _Thread] = {}
-        for i, record in items:
+        for i, record in enumerate(records):
             if (request := self._decode(i, record, decided.outs)) is None:
                 continue
             key = window_key(record_field(request.shape.resourceId, request.request_id))
             threads.setdefault(request.shape.threadId, _Thread([])).requests.append(_Pending(i, record, key, request))
         while threads:
             threads = await self._round(threads, decided)
+        return decided
 
     async def _round(self, threads: dict[str, _Thread], decided: Decided) -> dict[str, _Thread]:
         """Read, decide, claim and commit what is left of each thread; the threads to redo."""
