@@ -44,6 +44,10 @@ Outcome = Literal[
 ]
 # What a `useChat` request says it is (AI SDK v5): a new or edited message, or a regenerate.
 Trigger = Literal["submit-message", "regenerate-message"]
+# What a request does when it arrives while a reply to an earlier request of its thread is
+# being made (MEMFILTER_CONCURRENT_TURNS, `memfilter.core.filter`, `_check_turn`), strictest last.
+TURN_POLICIES = ("concurrent", "reject")
+TurnPolicy = Literal["concurrent", "reject"]
 
 
 # An id a client or a writer gives (a thread, a resource, a message; and a message's `type`,
@@ -228,6 +232,7 @@ class ChatRequestOf(Struct, Generic[M], omit_defaults=True):
     retainFullInput: bool = False
     trigger: Trigger | UnsetType = UNSET
     messageId: Id | UnsetType = UNSET  # with `submit-message`: the message edited (`docs/regenerate-edit.md`)
+    concurrentTurns: TurnPolicy | UnsetType = UNSET  # stricter than the deployment's MEMFILTER_CONCURRENT_TURNS only
 
 
 ChatRequest = ChatRequestOf[RequestMessageDict]

@@ -30,6 +30,7 @@ from msgspec import Meta
 from memfilter.core.filter import HISTORY_MESSAGES, Limits, Policy
 from memfilter.core.tokens import COUNTERS
 from memfilter.core.window import Budget
+from memfilter.schemas.wire import TurnPolicy
 
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Positive = Annotated[int, Meta(ge=1)]
@@ -168,6 +169,8 @@ class Decisions(
         "token_counter": "MEMFILTER_TOKEN_COUNTER",
         "context_no_history": "MEMFILTER_CONTEXT_NO_HISTORY",
         "reopen_erased": "MEMFILTER_REOPEN_ERASED",
+        "concurrent_turns": "MEMFILTER_CONCURRENT_TURNS",
+        "turn_wait_s": "MEMFILTER_TURN_WAIT_S",
     },
 ):
     """How requests are decided: made into the filter's `Policy` (`Settings.policy`)."""
@@ -183,6 +186,11 @@ class Decisions(
     context_no_history: Literal["send", "refuse"] = "send"
     # an erased thread (memfilter forget) stays erased; on: a new conversation's first request may start it again
     reopen_erased: Literal["on", "off"] = "off"
+    # a request that arrives while a reply to an earlier one of its thread is being made:
+    # `concurrent`, decided at once; `reject`, refused (`busy-thread`). A reply counts as being
+    # made for MEMFILTER_TURN_WAIT_S after its request at most (a runner that died holds no thread).
+    concurrent_turns: TurnPolicy = "concurrent"
+    turn_wait_s: Seconds = 120.0
 
 
 class Worker(
@@ -404,7 +412,8 @@ class Settings(msgspec.Struct, frozen=True):
     def policy(self) -> Policy:
         d = self.decisions
         budget = Budget(d.context_tokens, COUNTERS[d.token_counter], d.context_no_history) if d.context_tokens else None
-        return Policy(Limits(max_bytes=d.max_bytes, max_messages=d.max_messages), d.history_messages, d.edits == "on", budget, d.reopen_erased == "on")
+        limits = Limits(max_bytes=d.max_bytes, max_messages=d.max_messages)
+        return Policy(limits, d.history_messages, d.edits == "on", budget, d.reopen_erased == "on", d.concurrent_turns, int(d.turn_wait_s * 1000))
 
     @property
     def secret(self) -> bytes:

@@ -50,7 +50,7 @@ from memfilter.core.filter import Policy
 from memfilter.core.filtered import BadReference, whole
 from memfilter.core.window import WindowRow
 from memfilter.runtime.persister import Persister
-from memfilter.runtime.processor import ELSEWHERE_HEADER, VERSION_HEADER, Processor
+from memfilter.runtime.processor import ELSEWHERE_HEADER, REPLYING_HEADER, VERSION_HEADER, Processor
 from memfilter.runtime.records import Record
 from memfilter.schemas.wire import FilteredInput
 from memfilter.settings import Topics
@@ -200,6 +200,13 @@ class _Seen:
     def window(self, record: Record) -> bytes:
         thread = record.key.decode(errors="replace") if record.key is not None else ""
         return self.recorded.window(thread, record.partition, record.offset, self.retry_window)
+
+    def replying(self, record: Record) -> tuple[str, int] | None:
+        seen = (self.recorded.dead_at(record.partition, record.offset) or {}).get(REPLYING_HEADER)
+        try:
+            return msgspec.json.decode(seen, type=tuple[str, int]) if seen else None
+        except msgspec.DecodeError:  # not the processor's: read as none, and the decision may then differ
+            return None
 
 
 async def replay_log(recorded: Recorded, store: HistoryStore, batches: AsyncIterable[list[Record]], policy: Policy = Policy(), why: bool = False) -> Report:

@@ -49,7 +49,20 @@ import msgspec
 from msgspec import UNSET
 
 from memfilter.core import tokens, ui, window
-from memfilter.schemas.wire import ChatRequestOf, Content, Dropped, EitherMessage, Id, Message, MessagesOf, Part, RequestId, id_problem
+from memfilter.schemas.wire import (
+    TURN_POLICIES,
+    ChatRequestOf,
+    Content,
+    Dropped,
+    EitherMessage,
+    Id,
+    Message,
+    MessagesOf,
+    Part,
+    RequestId,
+    TurnPolicy,
+    id_problem,
+)
 
 Msg = dict[str, Any]
 
@@ -101,6 +114,8 @@ class Policy(msgspec.Struct, frozen=True):
     edits: bool = True
     budget: window.Budget | None = None
     reopen_erased: bool = False
+    turns: TurnPolicy = "concurrent"  # a request while a reply is being made (`_check_turn`)
+    turn_wait_ms: int = 120_000  # how long after its request a reply counts as being made
 
 
 class Request(msgspec.Struct):
@@ -134,6 +149,8 @@ class StoredView(msgspec.Struct):
     decoded: dict[str, Msg] = {}  # rows decoded so far (see `row`)
     counts: dict[str, float] = {}  # token counts stored beside rows (`memfilter.core.tokens`), where read
     erased: bool = False  # the thread was erased (`memfilter forget`) and not started again since
+    replying: str | None = None  # the request whose reply is being made (its save not applied yet)
+    replying_ms: int = 0  # that request's record time, epoch ms
 
     def row(self, mid: str) -> Msg:
         row = self.decoded.get(mid)
@@ -374,6 +391,25 @@ def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[st
             )
 
 
+def _check_turn(request: Request, view: StoredView, timestamp_ms: int, turns: TurnPolicy, wait_ms: int) -> None:
+    """A request that arrives while the reply to an earlier request of its thread is being made
+    (`view.replying`: decided, asked for an answer, its reply not saved yet, and decided less
+    than `wait_ms` before this one by record time, so that a runner that died does not hold the
+    thread for ever). `concurrent`: decided at once on the history as it stands. `reject`:
+    refused (`busy-thread`), to send again once the reply ends. The request may ask for a
+    stricter policy than the deployment's, never a looser one."""
+    asked = request.shape.concurrentTurns
+    if asked is not UNSET and TURN_POLICIES.index(asked) > TURN_POLICIES.index(turns):
+        turns = asked
+    if turns == "concurrent" or view.replying is None or timestamp_ms - view.replying_ms >= wait_ms:
+        return
+    raise Rejected(
+        "busy-thread",
+        f"thread {request.shape.threadId} is answering request {view.replying}; request {request.request_id} refused "
+        f"(concurrent turns: {turns}): send it again once that reply ends",
+    )
+
+
 def _check_erased(shape: ChatRequestOf[Message], reopen: bool) -> None:
     """An erased thread takes no request, unless the operator lets a new conversation start it
     again (MEMFILTER_REOPEN_ERASED): then only a first request, one user message (system
@@ -575,17 +611,21 @@ def decide(
     edits: bool = True,
     budget: window.Budget | None = None,
     reopen_erased: bool = False,
+    turns: TurnPolicy = "concurrent",
+    turn_wait_ms: int = 120_000,
 ) -> Decision:
     """The filter's decision for one validated request against its thread's stored view, with
     the model's context made of the last `history` rows of the conversation, within `budget`
     tokens if one is given (`memfilter.core.window`); a regenerate or an edit the request asks
     for, unless `edits` is off (MEMFILTER_EDITS); on an erased thread, a refusal unless
-    `reopen_erased` lets a new conversation start it (`_check_erased`)."""
+    `reopen_erased` lets a new conversation start it (`_check_erased`); while a reply is being
+    made in the thread, what `turns` says (`_check_turn`)."""
     shape = request.shape
     ids = request.ids
     try:
         _check_thread(shape)
         _check_storage(shape, view, ids, reopen_erased)
+        _check_turn(request, view, timestamp_ms, turns, turn_wait_ms)
     except Rejected as e:
         return Decision("rejected", [], [], [], error=Rejection(e.type, e.message))
 

@@ -49,6 +49,8 @@ class ThreadState(msgspec.Struct):
     tail: list[str] = []  # the ids of the thread's last rows, in order
     counts: dict[str, float] = {}  # token counts stored beside the rows read (with a budget)
     erased: bool = False  # the thread was erased (`memfilter forget`) and not started again since
+    replying: str | None = None  # the request whose reply is being made: decided, asked for an answer, its reply not saved yet
+    replying_ms: int = 0  # that request's record time, epoch ms
     unavailable: str = ""  # why the thread, cold (in PostgreSQL only), could not be loaded back: its requests are refused with it
 
 
@@ -67,6 +69,7 @@ class Write(msgspec.Struct, frozen=True, gc=False):
     superseded: list[str]  # ids it takes out of the conversation
     request_id: str
     counts: list[float] = []  # each row's token count, in order (with a budget)
+    replying_ms: int = -1  # the request's record time if it asks for an answer (the thread is `replying` to it), else -1
 
 
 def after_commit(state: ThreadState, write: Write, window_bytes: int) -> ThreadState:
@@ -74,8 +77,9 @@ def after_commit(state: ThreadState, write: Write, window_bytes: int) -> ThreadS
     window's size in bytes (the store's `window_bytes`)."""
     window = (state.window + write.entry)[-window_bytes:]
     pending = {**state.pending, write.entry[:8]: write.recorded}
+    replying, replying_ms = (write.request_id, write.replying_ms) if write.replying_ms >= 0 else (state.replying, state.replying_ms)
     if not write.rows and not write.superseded:  # a decision that saves nothing: its record alone
-        return msgspec.structs.replace(state, window=window, pending=pending)
+        return msgspec.structs.replace(state, window=window, pending=pending, replying=replying, replying_ms=replying_ms)
     new_ids = list(dict.fromkeys(mid for mid, _ in write.rows if mid not in state.rows))
     rows = {**state.rows, **dict(write.rows)}
     # those still in the conversation (a stored row is in the order or superseded): COMMIT's LREM finds them
@@ -95,4 +99,6 @@ def after_commit(state: ThreadState, write: Write, window_bytes: int) -> ThreadS
         tail=tail,
         counts={**state.counts, **{mid: c for (mid, _), c in zip(write.rows, write.counts)}} if write.counts else state.counts,
         erased=False,
+        replying=replying,
+        replying_ms=replying_ms,
     )

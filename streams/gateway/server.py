@@ -110,6 +110,7 @@ STATUS = {
     "too-large": 413,
     "context-budget": 413,
     "erased": 410,
+    "busy-thread": 409,
 }
 
 
@@ -301,7 +302,8 @@ class Gateway:
             ), "ownership"
         thread, request_id = body["id"], request.headers.get("Idempotency-Key") or str(uuid.uuid4())
         chat_request = {"requestId": request_id, "threadId": thread, "resourceId": resource, "messages": body["messages"]}
-        chat_request |= {k: body[k] for k in ("trigger", "messageId") if body.get(k) is not None}
+        # what the AI SDK's transport sends beside the messages, and a stricter turn policy the page may ask for (`busy-thread`)
+        chat_request |= {k: body[k] for k in ("trigger", "messageId", "concurrentTurns") if body.get(k) is not None}
         g = self.gateway
         with self.outcomes.waiting(thread, resource, request_id) as waiting:
             started = time.monotonic()

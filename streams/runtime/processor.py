@@ -71,6 +71,7 @@ from memfilter.core.filter import (
     window_reach,
 )
 from memfilter.core.filtered import FORMAT, compact
+from memfilter.core.replies import wants_reply
 from memfilter.core.thread import Recorded, ThreadState, Write, after_commit
 from memfilter.core.window import WindowRow, report
 from memfilter.metrics import Metrics
@@ -99,6 +100,10 @@ VERSION_HEADER = "memfilter.history-version"
 ELSEWHERE_HEADER = "memfilter.ids-elsewhere"
 # The header of a `duplicate` dead letter naming where the request was processed (topic-partition-offset).
 ORIGINAL_HEADER = "memfilter.duplicate-of"
+# The header of a `busy-thread` dead letter naming the request whose reply was being made and
+# its record time (JSON [request id, epoch ms]): a replay whose range begins after that
+# request was decided finds it there.
+REPLYING_HEADER = "memfilter.replying"
 
 
 @dataclass
@@ -147,6 +152,11 @@ class Seen(Protocol):
     def window(self, record: Record) -> bytes:
         """The thread's retry window before the request (`memfilter.store`)."""
 
+    def replying(self, record: Record) -> tuple[str, int] | None:
+        """The request whose reply was being made when this one was refused `busy-thread`, and
+        its record time: what a replay cannot find in its store when that request came before
+        the replayed range."""
+
 
 class _Source(msgspec.Struct):
     source: Source
@@ -168,6 +178,17 @@ def _reach(request: Request, view: StoredView) -> list[str]:
         return window_reach(request, view)
     except Exception:
         return []
+
+
+def _answered(context: list) -> bool:
+    """Whether the agent runner answers this context (`wants_reply`): its last message, decoded
+    if it goes on as stored bytes, decides."""
+    for message in reversed(context):
+        if isinstance(message, msgspec.Raw):
+            message = msgspec.json.decode(message)
+        if message.get("role") != "system":
+            return wants_reply([message])
+    return False
 
 
 def _consumed_before(window: bytes, record: Record) -> bool:
@@ -288,6 +309,8 @@ class Processor:
             for thread, t in threads.items():
                 states[thread].elsewhere = {mid: o for p in t.requests[t.next :] for mid, o in self.seen.elsewhere(p.record).items()}
                 states[thread].window = self.seen.window(t.requests[t.next].record)
+                if states[thread].replying is None and (replying := self.seen.replying(t.requests[t.next].record)) is not None:
+                    states[thread].replying, states[thread].replying_ms = replying
         elif unknown:
             owners, _, _ = await self.store.owners(sorted(unknown))
         if owners:
@@ -408,6 +431,8 @@ class Processor:
                 p.outcome = "rejected"
                 elsewhere = {mid: state.elsewhere[mid] for mid in lookup_ids(request) if mid in state.elsewhere}
                 p.seen = ((VERSION_HEADER, str(state.version).encode()), (ELSEWHERE_HEADER, msgspec.json.encode(elsewhere)))
+                if rec.error is not UNSET and rec.error.type == "busy-thread":
+                    p.seen += ((REPLYING_HEADER, msgspec.json.encode([state.replying, state.replying_ms])),)
                 planned.append((p, None, rec))
                 continue
             planned.append((p, write, rec))
@@ -432,10 +457,21 @@ class Processor:
     def _decide(self, p: _Pending, request: Request, state: ThreadState, after: bytes) -> tuple[Write | None, Recorded]:
         """One request's decision on `state`: its write (None for a rejection) and what it emits."""
         view = StoredView(
-            state.rows, state.elsewhere, state.owner, state.size, state.newest_ms, state.tail, state.superseded, counts=state.counts, erased=state.erased
+            state.rows,
+            state.elsewhere,
+            state.owner,
+            state.size,
+            state.newest_ms,
+            state.tail,
+            state.superseded,
+            counts=state.counts,
+            erased=state.erased,
+            replying=state.replying,
+            replying_ms=state.replying_ms,
         )
         started = perf_counter()
-        decision = decide(request, view, p.record.timestamp_ms, self.history, self.edits, self.budget, self.policy.reopen_erased)
+        policy = self.policy
+        decision = decide(request, view, p.record.timestamp_ms, self.history, self.edits, self.budget, policy.reopen_erased, policy.turns, policy.turn_wait_ms)
         self.metrics.decision.observe(perf_counter() - started)
         p.outcome = decision.outcome
         p.left_out = decision.fit is not None and decision.fit.left_out
@@ -461,6 +497,7 @@ class Processor:
             decision.superseded,
             request.request_id,
             decision.counts(self.budget.counter) if self.budget is not None else [],
+            p.record.timestamp_ms if _answered(decision.context) else -1,
         )
         return write, rec
 

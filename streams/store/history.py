@@ -149,7 +149,9 @@ class HistoryStore(Keys):
         counting = self.counter is not None
         for thread, ids in wanted.items():
             k = self.keys(thread)
-            commands.append(("HMGET", k.meta, "owner", "version", "newest", "erased", "cold"))  # first: a write after it is caught as stale
+            commands.append(
+                ("HMGET", k.meta, "owner", "version", "newest", "erased", "cold", "replying", "replying_ms")
+            )  # first: a write after it is caught as stale
             commands.append(("HLEN", k.rows))
             if ids:
                 commands.append(("HMGET", k.rows, *ids))
@@ -163,7 +165,7 @@ class HistoryStore(Keys):
         states = {}
         cold = []
         for thread, ids in wanted.items():
-            (owner, version, newest, erased, is_cold), size = next(replies), next(replies)
+            (owner, version, newest, erased, is_cold, replying, replying_ms), size = next(replies), next(replies)
             if is_cold is not None:
                 cold.append(thread)
             rows = next(replies) if ids else ()
@@ -181,6 +183,8 @@ class HistoryStore(Keys):
                 tail=[mid.decode() for mid in next(replies)] if tail else [],
                 counts=counts,
                 erased=erased is not None,
+                replying=replying.decode() if replying is not None else None,
+                replying_ms=int(replying_ms or 0),
             )
         if cold:
             failed = await self.warm(cold) if loading else dict.fromkeys(cold, "evicted again while it was being loaded back")
@@ -316,6 +320,7 @@ class HistoryStore(Keys):
                     packed_superseded=pack(w.superseded),
                     request_id=w.request_id,
                     packed_counts=pack([stored_count(self.counter, c) for c in w.counts]) if w.counts and self.counter is not None else NO_COUNTS,
+                    replying_ms=w.replying_ms,
                 )
             )
         out = []

@@ -11,8 +11,10 @@ worker and the echo agent runner behind it):
 - `tests/node/streaming.test.mjs` runs it against gateways whose agent runner streams from the
   fake OpenAI endpoint (`tests/fake_openai.py`): tokens shown before the reply is saved, the
   client's copy equal to the stored one, a dropped connection resumed on another gateway, a
-  stop that saves what was made and a next turn that sees it, and a tool call, its client
-  output and the model's continuation as one stored message, as the client keeps it;
+  stop that saves what was made and a next turn that sees it, a second tab's message refused
+  `busy-thread` while the first's reply streams (the request asks for `concurrentTurns:
+  reject`) and taken after it, and a tool call, its client output and the model's
+  continuation as one stored message, as the client keeps it;
 - `tests/node/page.test.mjs` opens the gateway's chat page in Debian's Chromium (puppeteer-core)
   on a gateway with header identity, as `deploy/run-local.sh` runs it: a typed message gets the
   answer and a reload shows the stored history; its screenshot is kept at SCREENSHOT."""

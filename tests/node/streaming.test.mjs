@@ -66,6 +66,28 @@ test("a dropped connection is resumed on another gateway, which replays the repl
   assert.equal(after.status, 204); // ended and saved: what the AI SDK takes for "nothing to resume"
 });
 
+test("a second tab's message while the first's reply streams is refused busy-thread when it asks so, and goes in after the reply", async () => {
+  const user = `dan-${RUN}`;
+  const id = `tabs-${RUN}`;
+  const first = new Chat({ id, user, gateway: MODEL });
+  const sending = first.sendMessage({ text: "slow 10" });
+  await until(() => first.messages.length, (n) => n === 2); // the reply is streaming
+  const second = new Chat({ id, user, gateway: MODEL_2, messages: (await stored(MODEL_2, id, user)).body });
+  await second.sendMessage({ text: "and another thing" }, { body: { concurrentTurns: "reject" } });
+  assert.equal(second.status, "error");
+  const refused = JSON.parse(second.error.message).error;
+  assert.equal(refused.code, "busy-thread");
+  assert.match(refused.message, /is answering request .*send it again once that reply ends/);
+  await sending;
+  assert.equal(first.status, "ready", first.error?.message);
+  const again = new Chat({ id, user, gateway: MODEL_2, messages: (await stored(MODEL_2, id, user)).body });
+  await again.sendMessage({ text: "and another thing" }, { body: { concurrentTurns: "reject" } });
+  assert.equal(again.status, "ready", again.error?.message);
+  const { body } = await stored(MODEL, id, user);
+  assert.deepEqual(body.map((m) => m.role), ["user", "assistant", "user", "assistant"]);
+  assert.equal(text(body[1]), Array.from({ length: 10 }, (_, i) => `t${i} `).join("")); // the first reply, whole, before the second message
+});
+
 test("another user can neither resume nor stop a reply in a thread not theirs", async () => {
   const chat = new Chat({ id: `mine-${RUN}`, user: `cat-${RUN}`, gateway: MODEL });
   const sending = chat.sendMessage({ text: "slow 8" });

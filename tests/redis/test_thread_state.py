@@ -3,8 +3,9 @@
 
 Random sequences of commits (new rows and rows saved again, rows taken out of the
 conversation, token counts, createdAt, the retry window filling past its size, the same
-request committed again, decisions made on a version that has moved), of other services'
-saves and of erasures run on a real Redis; before each commit the thread is read as the
+request committed again, decisions made on a version that has moved, decisions that ask for an
+answer and so mark the thread replying), of other services' saves (some of them the reply it
+is marked for) and of erasures run on a real Redis; before each commit the thread is read as the
 processor reads it, and after it the thread read again must be what `after_commit` said.
 """
 
@@ -50,6 +51,7 @@ def commits(draw, n: int):
             "counts": [float(draw(st.integers(1, 50))) for _ in rows] if counted else [],
             "key": draw(st.sampled_from(KEYS)),
             "moved": draw(st.integers(0, 4)) == 0,  # decided on a version that has moved since
+            "answered": draw(st.booleans()),  # asks the model for an answer: the thread is replying to it
             "n": n,
         },
     )
@@ -58,7 +60,11 @@ def commits(draw, n: int):
 @st.composite
 def saves(draw, n: int):
     mid = draw(st.sampled_from(IDS))
-    return ("save", {"owner": draw(st.sampled_from(["A", "B"])), "mid": mid, "row": row(mid, "assistant", draw(st.sampled_from(["a", "c"]))), "n": n})
+    reply_to = draw(st.integers(0, max(n - 1, 0)))  # a reply to an earlier request, the one replied to or not
+    return (
+        "save",
+        {"owner": draw(st.sampled_from(["A", "B"])), "mid": mid, "row": row(mid, "assistant", draw(st.sampled_from(["a", "c"]))), "n": n, "reply_to": reply_to},
+    )
 
 
 @st.composite
@@ -83,7 +89,10 @@ async def run(redis_url: str, sequence: list) -> None:
         for kind, step in sequence:
             before = await state_of(store, committed)
             if kind == "save":
-                await store.apply([Save("t", step["owner"], -1, [(step["mid"], step["row"])], ["assistant"], save_identity(step["owner"], f"s{step['n']}"))])
+                identity = save_identity(step["owner"], f"s{step['n']}")
+                await store.apply(
+                    [Save("t", step["owner"], -1, [(step["mid"], step["row"])], ["assistant"], identity, request_id=f"q{step['reply_to']}/reply")]
+                )
                 continue
             if kind == "erase":
                 await store.erase("t", before.version, save_identity("operator", f"e{step['n']}"), 1)
@@ -101,6 +110,7 @@ async def run(redis_url: str, sequence: list) -> None:
                 step["superseded"],
                 f"q{step['n']}",
                 step["counts"],
+                step["n"] if step["answered"] else -1,
             )
             [(status, _)] = await store.commit([write])
             if status == "ok":
@@ -121,7 +131,7 @@ def test_after_commit_leaves_the_thread_as_commit_lua_leaves_it_in_redis(redis_u
 
 def test_a_commit_that_saves_nothing_keeps_its_record_and_moves_only_the_window(redis_url):
     key = KEYS[0]
-    sequence = [("commit", {"owner": "A", "rows": [], "superseded": [], "newest_ms": -1, "counts": [], "key": key, "moved": False, "n": 0})]
+    sequence = [("commit", {"owner": "A", "rows": [], "superseded": [], "newest_ms": -1, "counts": [], "key": key, "moved": False, "answered": False, "n": 0})]
     asyncio.run(run(redis_url, sequence))
     state = after_commit(ThreadState(None, 0, None, 0, {}, {}), Write("t", 0, b"", "A", -1, [], Recorded(), [], key + bytes(24), [], "q", []), 32)
     assert (state.version, state.owner, state.window, list(state.pending)) == (0, None, key + bytes(24), [key])

@@ -18,7 +18,9 @@
 -- - a superseded id of the event that is a row of this thread, still in its conversation,
 --   leaves the conversation (its row stays, marked with the event's request id); a later save
 --   of a superseded row updates the row and leaves it out.
--- - with a context budget, a row written gets its token count beside it (`tokens_key`).
+-- - with a context budget, a row written gets its token count beside it (`tokens_key`);
+-- - the save of the reply the thread is `replying` to (its request id, then `/reply`) ends
+--   that reply: the thread is no longer marked (COMMIT marks it).
 -- KEYS: rows_key order_key meta_key saved_key superseded_key tokens_key
 -- ARGV: epoch resource newest_ms packed_rows packed_roles writer identity packed_ranks packed_superseded request_id packed_counts
 local rows_key, order_key, meta_key, saved_key, superseded_key, tokens_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -119,6 +121,8 @@ for _, id in ipairs(cmsgpack.unpack(packed_superseded)) do
     changed = true
   end
 end
+local replying = redis.call('HGET', meta_key, 'replying')
+if replying and request_id == replying .. '/reply' then redis.call('HDEL', meta_key, 'replying', 'replying_ms') end
 if changed then
   if redis.call('HSETNX', meta_key, 'owner', resource) == 1 then redis.call('HDEL', meta_key, 'erased') end
   local newest = tonumber(redis.call('HGET', meta_key, 'newest') or '-1')

@@ -4,9 +4,11 @@
 -- has written this thread since (`fenced`).
 -- With a context budget, each row's token count is written beside it (`tokens_key`).
 -- KEYS: rows_key order_key meta_key recent_key pending_key after_key superseded_key tokens_key
--- ARGV: epoch record seen_version resource newest_ms packed_rows ttl entry window_bytes packed_superseded request_id packed_counts
+-- A decision that asks the model for an answer marks the thread `replying` to its request
+-- (`replying_ms`: its record time) until that reply's save is applied (APPLY).
+-- ARGV: epoch record seen_version resource newest_ms packed_rows ttl entry window_bytes packed_superseded request_id packed_counts replying_ms
 local rows_key, order_key, meta_key, recent_key, pending_key, after_key, superseded_key, tokens_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local epoch, record, seen_version, resource, newest_ms, packed_rows, ttl, entry, window_bytes, packed_superseded, request_id, packed_counts = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12]
+local epoch, record, seen_version, resource, newest_ms, packed_rows, ttl, entry, window_bytes, packed_superseded, request_id, packed_counts, replying_ms = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13]
 -- The owner epoch fences: a worker takes one each time it is given partitions, and every
 -- write stamps the thread's meta with it; an older one than the thread's is refused.
 local stored = tonumber(redis.call('HGET', meta_key, 'epoch') or '0')
@@ -46,6 +48,7 @@ if #rows > 0 or #gone > 0 then
   version = version + 1
   redis.call('HSET', meta_key, 'version', version)
 end
+if tonumber(replying_ms) >= 0 then redis.call('HSET', meta_key, 'replying', request_id, 'replying_ms', replying_ms) end
 redis.call('SET', pending_key, record, 'EX', ttl)
 local window = (redis.call('GET', recent_key) or '') .. entry
 local size = tonumber(window_bytes)
