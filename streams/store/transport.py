@@ -1,9 +1,9 @@
 """The history store's transport: one round trip of many commands to one Redis or a Redis Cluster.
 
 This is the one place of the store that knows redis-py (through `memfilter.store.redis_driver`,
-which alone reads its internals): the repositories over it (`memfilter.store.history`,
-`memfilter.store.cold`) hand it commands and read replies, and never see a connection, a node
-or a slot.
+which alone reads its internals): the modules over it (`memfilter.store.history`,
+`memfilter.store.reads`, `memfilter.store.cold`) hand it commands and read replies, and never
+see a connection, a node or a slot.
 
 Every call is one pipelined round trip for all the commands it is given: on a Redis Cluster
 (`redis+cluster://` in REDIS_URL), one per node that serves some of them, all at once, each
