@@ -208,6 +208,13 @@ def reply_message(event: FilteredInput, ui: Msg, timestamp_ms: int, secret: byte
     return {k: v for k, v in message.items() if v is not None}
 
 
+def no_reply_event(event: FilteredInput) -> bytes:
+    """The PersistMessages value that ends a reply that will not come (the runner dead-lettered
+    its input): it saves nothing, but as the input's `<requestId>/reply` it ends the thread's
+    replying mark (docs/delivery.md), so the thread's next request is not held for one."""
+    return msgspec.json.encode(PersistMessages(f"{event.requestId}/reply", event.threadId, event.resourceId, []))
+
+
 def reply_event(event: FilteredInput, message: Msg) -> bytes:
     """The PersistMessages value that saves `message` as the reply to a filtered input, in
     its thread, for its resource; a repeat of it changes nothing."""

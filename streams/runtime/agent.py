@@ -242,10 +242,10 @@ class AgentHandler:
                         reply = await self._reply(event, live)
                 value = replies.reply_event(event, replies.reply_message(event, reply.ui(), r.timestamp, self.settings.secret))
             except ModelRefused as e:
-                out.append(self._dead(r, Rejection("model", str(e))))
+                out += [self._dead(r, Rejection("model", str(e))), Out(self.topics.persist, r.key, replies.no_reply_event(event), None)]
                 continue
             except Exception as e:  # one input's problem (a bug, a context no code foresaw): not the runner's
-                out.append(self._dead(r, internal_error(Record.of(r), e)))
+                out += [self._dead(r, internal_error(Record.of(r), e)), Out(self.topics.persist, r.key, replies.no_reply_event(event), None)]
                 continue
             self.metrics.inputs.labels("answered").inc()
             self._count(reply.metadata)

@@ -70,14 +70,16 @@ def test_the_openai_backend_streams_replies_and_saves_what_the_chunks_add_up_to_
             read(
                 services.bootstrap,
                 [t.persist, t.dlq, t.streams],
-                until=lambda rs: sum(r.topic == t.dlq or (r.topic == t.persist and json.loads(r.value)["requestId"].endswith("/reply")) for r in rs) >= 7,
+                until=lambda rs: (
+                    sum(r.topic == t.persist and json.loads(r.value)["requestId"].endswith("/reply") for r in rs) >= 7 and any(r.topic == t.dlq for r in rs)
+                ),
             )
         )
     finally:
         pipeline.stop_all()
-    saved = {
-        r.key.decode(): json.loads(r.value)["messages"][0] for r in records if r.topic == t.persist and json.loads(r.value)["requestId"].endswith("/reply")
-    }
+    ended = {r.key.decode(): json.loads(r.value)["messages"] for r in records if r.topic == t.persist and json.loads(r.value)["requestId"].endswith("/reply")}
+    assert ended["oa-3"] == []  # refused: no reply is saved, and the thread is no longer waiting for one (docs/delivery.md)
+    saved = {thread: messages[0] for thread, messages in ended.items() if messages}
     parts = {thread: message["content"]["parts"] for thread, message in saved.items()}
     metadata = {thread: message["content"].get("metadata") for thread, message in saved.items()}
     assert parts["oa-1"][-1] == {"type": "text", "text": "model says 3", "state": "done"}  # the system prompt, the request's own, the user's

@@ -20,10 +20,12 @@ from factories import SECRET, T0, msg
 
 from memfilter.audit.recorded import Recorded
 from memfilter.audit.replay import replay_log
+from memfilter.core import replies
 from memfilter.core.filter import Policy
 from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Record
+from memfilter.schemas.wire import FilteredInput
 from memfilter.settings import Topics
 from memfilter.store import reads
 from memfilter.store.history import HistoryStore
@@ -121,6 +123,17 @@ class TestReject:
             return await processor.process([request(1, [msg("u0"), msg("a0", role="assistant", text="mine"), msg("u1")])])
 
         assert accepted(turns(Policy(turns="reject"), go)) == 1
+
+    def test_a_reply_that_will_not_come_ends_the_wait_when_the_runner_says_so(self, turns):
+        async def go(processor, persister, store):
+            [decided] = [o for o in await processor.process([request(0, FIRST)]) if o.topic == TOPICS.filtered]
+            # the runner dead-lettered the input (the model refused it): it saves an empty reply
+            ended = replies.no_reply_event(msgspec.json.decode(decided.value, type=FilteredInput))
+            assert await persister.process([Record(TOPICS.persist, 0, 0, T0, b"t", ended)]) == []
+            return await processor.process([request(1, SECOND)]), (await reads.meta(store, "t")).size
+
+        outs, rows = turns(Policy(turns="reject"), go)
+        assert accepted(outs) == 1 and rows == 2  # the empty reply saved nothing
 
     def test_a_reply_to_another_request_ends_nothing(self, turns):
         async def go(processor, persister, store):
