@@ -370,10 +370,13 @@ class Collector:
         await self.consumer.stop()
 
 
+WORKING_META = {b"epoch", b"replying", b"replying_ms"}  # a thread's meta that is not history: fencing, the reply being made
+
+
 async def dump(pipeline: Pipeline, prefix: str, url: str | None = None) -> dict:
     """Every thread's rows, order, meta and applied saves, and the id index, under `prefix`
-    (not the processed-request records and retry windows, which are on no topic, nor the
-    fencing epochs and replication markers)."""
+    (not the processed-request records, retry windows and replying marks, working state a
+    rebuild does not restore, nor the fencing epochs and replication markers)."""
     client = connect(url or pipeline.redis_url)
     out = {}
     async for key in client.scan_iter(match=f"{prefix}:*"):
@@ -388,6 +391,6 @@ async def dump(pipeline: Pipeline, prefix: str, url: str | None = None) -> dict:
         elif kind == b"string":
             out[name] = await client.get(key)
         else:
-            out[name] = {k: v for k, v in (await client.hgetall(key)).items() if k != b"epoch"}
+            out[name] = {k: v for k, v in (await client.hgetall(key)).items() if k not in WORKING_META}
     await client.aclose()
     return out
