@@ -12,6 +12,7 @@ round trip through the store's transport; a walk is as long as Redis takes to sc
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 
@@ -59,27 +60,27 @@ async def thread_batches(store: HistoryStore, size: int = 1000):
 
 async def thread_rows(store: HistoryStore, thread: str) -> list[bytes]:
     """A thread's conversation: its rows in save order, without the superseded ones."""
-    if (held := await _cold_copy(store, thread)) is not None:
-        return [held.rows[mid] for mid in held.order]
     k = store.keys(thread)
-    ids, rows = await store.transport.pipeline([("LRANGE", k.order, 0, -1), ("HGETALL", k.rows)])
+    read = await _read(store, thread, [("LRANGE", k.order, 0, -1), ("HGETALL", k.rows)])
+    if isinstance(read, Thread):
+        return [read.rows[mid] for mid in read.order]
+    ids, rows = read
     return [rows[mid] for mid in ids if mid in rows]
 
 
 async def row(store: HistoryStore, thread: str, message_id: str) -> bytes | None:
     """One stored row of a thread (superseded or not), by message id."""
-    if (held := await _cold_copy(store, thread)) is not None:
-        return held.rows.get(message_id)
-    (found,) = await store.transport.pipeline([("HGET", store.keys(thread).rows, message_id)])
-    return found
+    read = await _read(store, thread, [("HGET", store.keys(thread).rows, message_id)])
+    return read.rows.get(message_id) if isinstance(read, Thread) else read[0]
 
 
 async def superseded_rows(store: HistoryStore, thread: str) -> list[tuple[str, bytes]]:
     """A thread's superseded rows, each with the id of the request that superseded it."""
-    if (held := await _cold_copy(store, thread)) is not None:
-        return [(request, held.rows[mid]) for mid, request in held.superseded.items() if mid in held.rows]
     k = store.keys(thread)
-    (by,) = await store.transport.pipeline([("HGETALL", k.superseded)])
+    read = await _read(store, thread, [("HGETALL", k.superseded)])
+    if isinstance(read, Thread):
+        return [(request, read.rows[mid]) for mid, request in read.superseded.items() if mid in read.rows]
+    (by,) = read
     found = (await store.transport.pipeline([("HMGET", k.rows, *by)]))[0] if by else []
     return [(request.decode(), row) for request, row in zip(by.values(), found) if row is not None]
 
@@ -92,14 +93,13 @@ async def drop(store: HistoryStore) -> int:
     return dropped
 
 
-async def _cold_copy(store: HistoryStore, thread: str) -> Thread | None:
-    """The thread as PostgreSQL holds it, if it left Redis (for the commands that read one
-    thread: read there, not loaded back, which only its worker does between its own reads
-    and writes); None if it is in Redis. Raise Unavailable naming the reason if it cannot be read."""
-    (cold,) = await store.transport.pipeline([("HEXISTS", store.keys(thread).meta, "cold")])
-    if not cold:
-        return None
-    return await _postgresql_copy(store, thread)
+async def _read(store: HistoryStore, thread: str, commands: list[tuple]) -> list[Any] | Thread:
+    """The replies to these commands on one thread, sent with the check that it is in Redis,
+    in one round trip; the thread as PostgreSQL holds it instead if it left Redis (read there,
+    not loaded back, which only its worker does between its own reads and writes). Raise
+    Unavailable naming the reason if it cannot be read."""
+    cold, *replies = await store.transport.pipeline([("HEXISTS", store.keys(thread).meta, "cold"), *commands])
+    return await _postgresql_copy(store, thread) if cold else replies
 
 
 async def _postgresql_copy(store: HistoryStore, thread: str) -> Thread:
