@@ -45,9 +45,10 @@ Outcome = Literal[
 # What a `useChat` request says it is (AI SDK v5): a new or edited message, or a regenerate.
 Trigger = Literal["submit-message", "regenerate-message"]
 # What a request does when it arrives while a reply to an earlier request of its thread is
-# being made (MEMFILTER_CONCURRENT_TURNS, `memfilter.core.filter`, `_check_turn`), strictest last.
-TURN_POLICIES = ("concurrent", "reject")
-TurnPolicy = Literal["concurrent", "reject"]
+# being made (MEMFILTER_CONCURRENT_TURNS, `memfilter.core.filter`, `turn`), strictest last: a
+# request may ask for a stricter one than its deployment's, never a looser.
+TURN_POLICIES = ("concurrent", "interrupt", "enqueue", "reject")
+TurnPolicy = Literal["concurrent", "interrupt", "enqueue", "reject"]
 
 
 # An id a client or a writer gives (a thread, a resource, a message; and a message's `type`,
@@ -293,6 +294,18 @@ class FilteredInput(Struct):
         ]
         | UnsetType
     ) = UNSET
+    waited: Waited | UnsetType = UNSET  # a request that waited for the reply before it (enqueue, interrupt)
+
+
+class Waited(Struct, omit_defaults=True):
+    """How a request that arrived while its thread's reply was being made waited for it
+    (MEMFILTER_CONCURRENT_TURNS `enqueue` or `interrupt`) before it was decided."""
+
+    ms: Annotated[int, Meta(description="From the request's record time to the decision's, in ms.")]
+    lapsed: Annotated[
+        bool,
+        Meta(description="True when the reply it waited for was not saved within MEMFILTER_TURN_WAIT_S: decided without it."),
+    ] = False
 
 
 class Erasure(Struct):

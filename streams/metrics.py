@@ -16,6 +16,9 @@ One registry per worker (so tests can run several in one process). What an opera
 | `memfilter_context_history_left_out_total` | counter | filtered inputs whose context holds no stored history because not even its newest whole turn fit the token budget (`historyLeftOut`; MEMFILTER_CONTEXT_NO_HISTORY=send) |
 | `memfilter_consumer_lag{topic,partition}` | gauge | offsets not yet consumed, per assigned partition (0 when idle: transaction markers count as consumed) |
 | `memfilter_assigned_partitions` | gauge | partitions this worker holds |
+| `memfilter_turns_total{how}` | counter | requests that came while their thread's reply was being made (MEMFILTER_CONCURRENT_TURNS, docs/delivery.md): `waited` (began waiting for their turn), `interrupted` (began waiting, and stopped that reply), `lapsed` (decided without the reply they waited for: not saved within MEMFILTER_TURN_WAIT_S), `rejected` (`busy-thread`) |
+| `memfilter_turns_waiting` | gauge | threads of this worker's partitions with requests waiting for their turn (as of its last sweep, every second) |
+| `memfilter_turn_waited_seconds` | histogram | a request's wait for its turn, record time to decision (`waited.ms` of its filtered input) |
 
 The agent runner's (`memfilter agent`, `AgentMetrics`):
 
@@ -99,6 +102,9 @@ class Metrics(LoopMetrics):
         self.round_trips = Counter("memfilter_redis_round_trips", "Pipelined Redis round trips", registry=r)
         self.cold_loads = Counter("memfilter_cold_loads", "Threads loaded back into Redis from PostgreSQL", registry=r)
         self.history_left_out = Counter("memfilter_context_history_left_out", "Contexts without stored history: not one turn fit the budget", registry=r)
+        self.turns = Counter("memfilter_turns", "Requests that came while a reply was being made, by what they did", ["how"], registry=r)
+        self.turns_waiting = Gauge("memfilter_turns_waiting", "Threads with requests waiting for their turn, of this worker's partitions", registry=r)
+        self.turn_waited = Histogram("memfilter_turn_waited_seconds", "A request's wait for its turn", buckets=_LATENCY_BUCKETS + (60, 120, 300), registry=r)
 
 
 class AgentMetrics(LoopMetrics):

@@ -187,8 +187,10 @@ class Decisions(
     # an erased thread (memfilter forget) stays erased; on: a new conversation's first request may start it again
     reopen_erased: Literal["on", "off"] = "off"
     # a request that arrives while a reply to an earlier one of its thread is being made:
-    # `concurrent`, decided at once; `reject`, refused (`busy-thread`). A reply counts as being
-    # made for MEMFILTER_TURN_WAIT_S after its request at most (a runner that died holds no thread).
+    # `concurrent`, decided at once; `enqueue`, decided once that reply is saved; `interrupt`,
+    # the same once that reply is stopped; `reject`, refused (`busy-thread`). A reply counts as
+    # being made for MEMFILTER_TURN_WAIT_S after its request at most (a runner that died holds
+    # no thread): then what waited is decided without it (docs/delivery.md).
     concurrent_turns: TurnPolicy = "concurrent"
     turn_wait_s: Seconds = 120.0
 

@@ -46,13 +46,14 @@ from dataclasses import dataclass, field
 import msgspec
 
 from memfilter.audit.recorded import Progress, Recorded, ThreadLog, read_topic
+from memfilter.core import origin
 from memfilter.core.filter import Policy
 from memfilter.core.filtered import BadReference, whole
 from memfilter.core.window import WindowRow
 from memfilter.runtime.persister import Persister
-from memfilter.runtime.processor import ELSEWHERE_HEADER, REPLYING_HEADER, VERSION_HEADER, Processor
+from memfilter.runtime.processor import ELSEWHERE_HEADER, REPLYING_HEADER, VERSION_HEADER, WAITED_HEADER, Processor
 from memfilter.runtime.records import Record
-from memfilter.schemas.wire import FilteredInput
+from memfilter.schemas.wire import FilteredInput, Waited
 from memfilter.settings import Topics
 from memfilter.store import cold, reads
 from memfilter.store.history import HistoryStore
@@ -208,6 +209,20 @@ class _Seen:
         except msgspec.DecodeError:  # not the processor's: read as none, and the decision may then differ
             return None
 
+    def waited(self, record: Record) -> Waited | None:
+        try:
+            if (raw := self.recorded.filtered_at(record.partition, record.offset)) is not None:
+                waited = msgspec.json.decode(raw, type=_Waited).waited
+                return waited if waited is not msgspec.UNSET else None
+            seen = (self.recorded.dead_at(record.partition, record.offset) or {}).get(WAITED_HEADER)
+            return msgspec.json.decode(seen, type=Waited) if seen else None
+        except msgspec.DecodeError:  # not the processor's: read as none, and the decision may then differ
+            return None
+
+
+class _Waited(msgspec.Struct):
+    waited: Waited | msgspec.UnsetType = msgspec.UNSET
+
 
 async def replay_log(recorded: Recorded, store: HistoryStore, batches: AsyncIterable[list[Record]], policy: Policy = Policy(), why: bool = False) -> Report:
     """Decide each `chat-requests` record of `batches` again on `store` (empty at first), brought
@@ -224,6 +239,9 @@ async def replay_log(recorded: Recorded, store: HistoryStore, batches: AsyncIter
     )
     report = Report()
     async for batch in batches:
+        # the worker's wakes of requests that waited for their turn are not requests: each
+        # waiting request is replayed at its own position, decided as woken (`_Seen.waited`)
+        batch = [r for r in batch if not origin.is_wake(r.key, r.value, r.headers, recorded.secret)]
         report.requests += len(batch)
         windows: dict[tuple[int, int], list[WindowRow]] = {}
         for wave in _waves(batch):

@@ -151,6 +151,7 @@ class StoredView(msgspec.Struct):
     erased: bool = False  # the thread was erased (`memfilter forget`) and not started again since
     replying: str | None = None  # the request whose reply is being made (its save not applied yet)
     replying_ms: int = 0  # that request's record time, epoch ms
+    waiting: int = 0  # requests of the thread waiting for their turn (MEMFILTER_CONCURRENT_TURNS enqueue, interrupt)
 
     def row(self, mid: str) -> Msg:
         row = self.decoded.get(mid)
@@ -168,6 +169,7 @@ class Decision(msgspec.Struct):
     superseded: list[str] = []  # ids of the rows the request takes out of the conversation (`_action`)
     error: Rejection | None = None
     fit: window.Window | None = None  # how the context's window was chosen (its tokens, with a budget)
+    wait: TurnPolicy | None = None  # `enqueue` or `interrupt`: not decided yet, it waits for its turn (`_check_turn`)
 
     def counts(self, counter: tokens.Counter) -> list[float]:
         """The token count of each row to save, in `persist`'s order (counted once: the window
@@ -391,22 +393,29 @@ def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[st
             )
 
 
-def _check_turn(request: Request, view: StoredView, timestamp_ms: int, turns: TurnPolicy, wait_ms: int) -> None:
-    """A request that arrives while the reply to an earlier request of its thread is being made
-    (`view.replying`: decided, asked for an answer, its reply not saved yet, and decided less
-    than `wait_ms` before this one by record time, so that a runner that died does not hold the
-    thread for ever). `concurrent`: decided at once on the history as it stands. `reject`:
-    refused (`busy-thread`), to send again once the reply ends. The request may ask for a
-    stricter policy than the deployment's, never a looser one."""
+def _check_turn(request: Request, view: StoredView, timestamp_ms: int, turns: TurnPolicy, wait_ms: int) -> TurnPolicy | None:
+    """What a request does that arrives while the reply to an earlier request of its thread is
+    being made (`view.replying`: decided, asked for an answer, its reply not saved yet, and
+    decided less than `wait_ms` before this one by record time, so that a runner that died does
+    not hold the thread for ever), or while earlier requests of its thread wait (`view.waiting`):
+    None, decided at once on the history as it stands (`concurrent`, or nothing to wait for);
+    `enqueue`, it waits for that reply's save; `interrupt`, the same once the reply is stopped
+    (the caller stops it); `reject`, refused (`busy-thread`), to send again once the reply ends.
+    The request may ask for a stricter policy than the deployment's, never a looser one. A
+    request that arrives behind waiting ones waits behind them, so that the thread's turns
+    keep their order."""
     asked = request.shape.concurrentTurns
     if asked is not UNSET and TURN_POLICIES.index(asked) > TURN_POLICIES.index(turns):
         turns = asked
-    if turns == "concurrent" or view.replying is None or timestamp_ms - view.replying_ms >= wait_ms:
-        return
+    busy = view.replying is not None and timestamp_ms - view.replying_ms < wait_ms
+    if turns == "concurrent" or not (busy or view.waiting):
+        return None
+    if turns != "reject":
+        return turns if busy and not view.waiting else "enqueue"  # behind others: the reply being made is theirs to stop
+    behind = f"is answering request {view.replying}" if busy else f"has {view.waiting} requests waiting for their turn"
     raise Rejected(
         "busy-thread",
-        f"thread {request.shape.threadId} is answering request {view.replying}; request {request.request_id} refused "
-        f"(concurrent turns: {turns}): send it again once that reply ends",
+        f"thread {request.shape.threadId} {behind}; request {request.request_id} refused (concurrent turns: {turns}): send it again once that reply ends",
     )
 
 
@@ -613,21 +622,25 @@ def decide(
     reopen_erased: bool = False,
     turns: TurnPolicy = "concurrent",
     turn_wait_ms: int = 120_000,
+    woken: bool = False,
 ) -> Decision:
     """The filter's decision for one validated request against its thread's stored view, with
     the model's context made of the last `history` rows of the conversation, within `budget`
     tokens if one is given (`memfilter.core.window`); a regenerate or an edit the request asks
     for, unless `edits` is off (MEMFILTER_EDITS); on an erased thread, a refusal unless
     `reopen_erased` lets a new conversation start it (`_check_erased`); while a reply is being
-    made in the thread, what `turns` says (`_check_turn`)."""
+    made in the thread, what `turns` says (`_check_turn`), unless the request has waited for
+    its turn already (`woken`)."""
     shape = request.shape
     ids = request.ids
     try:
         _check_thread(shape)
         _check_storage(shape, view, ids, reopen_erased)
-        _check_turn(request, view, timestamp_ms, turns, turn_wait_ms)
+        wait = None if woken else _check_turn(request, view, timestamp_ms, turns, turn_wait_ms)
     except Rejected as e:
         return Decision("rejected", [], [], [], error=Rejection(e.type, e.message))
+    if wait is not None:
+        return Decision("waiting", [], [], [], wait=wait)
 
     outcome, kept = _select(request, view)
     superseded_kept: set[int] = set()

@@ -20,6 +20,11 @@ events carry `memfilter.origin: operator` and a signature under a key derived fr
 secret for that purpose alone (`operator_headers`), so neither mark can be made from the other,
 and a live worker applies them (it skips only the processor's own, saved already).
 
+A request that waited for its turn is decided when the worker wakes it (`memfilter.runtime.turns`):
+a record on `chat-requests` that carries the waiting request, and `memfilter.wake`, the HMAC
+of the thread and the value (`wake_headers`), so that no publisher can wake a request early,
+or wake one of another thread.
+
 A reply streamed on `reply-streams` is relayed by the gateway to the browser of the request's
 resource. So that no other writer of that topic can put words in a reply (or end it), each
 attempt's id is a nonce and the HMAC of the nonce, the request, the thread and the resource
@@ -71,6 +76,28 @@ def is_operators(value: bytes | None, headers, secret: bytes) -> bool:
         return False
     signature = next((v for k, v in headers if k == SIGNATURE), b"")
     return hmac.compare_digest(signature, hmac.digest(_operator_key(secret), value, hashlib.sha256).hex().encode())
+
+
+WAKE_HEADER = "memfilter.wake"
+
+
+def wake_headers(key: bytes, value: bytes, secret: bytes) -> tuple[tuple[str, bytes], ...]:
+    """The header that marks a `chat-requests` record as the worker's wake of a request that
+    waited for its turn (`memfilter.runtime.turns`), bound to its thread (the key)."""
+    return ((WAKE_HEADER, _wake_mac(key, value, secret)),)
+
+
+def is_wake(key: bytes | None, value: bytes | None, headers, secret: bytes) -> bool | None:
+    """True for the worker's wake, whose signature verifies; False for a record that claims to
+    be one without it; None for a record that does not claim to be one."""
+    mac = next((v for k, v in headers if k == WAKE_HEADER), None)
+    if mac is None:
+        return None
+    return key is not None and value is not None and hmac.compare_digest(mac, _wake_mac(key, value, secret))
+
+
+def _wake_mac(key: bytes, value: bytes, secret: bytes) -> bytes:
+    return hmac.digest(secret, b"wake\n" + key + b"\n" + value, hashlib.sha256).hex().encode()
 
 
 def attempt(secret: bytes, request_id: str, thread: str, resource: str, nonce: str) -> str:

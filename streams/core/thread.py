@@ -30,6 +30,7 @@ class Recorded(msgspec.Struct, omit_defaults=True):
     filtered: msgspec.Raw | UnsetType = UNSET  # the FilteredInput value, as sent
     persist: msgspec.Raw | UnsetType = UNSET  # the PersistMessages value, as sent
     error: Rejection | UnsetType = UNSET
+    woken: int = -1  # decided on a wake (a request that waited for its turn): the wake's offset
 
 
 class ThreadState(msgspec.Struct):
@@ -51,6 +52,10 @@ class ThreadState(msgspec.Struct):
     erased: bool = False  # the thread was erased (`memfilter forget`) and not started again since
     replying: str | None = None  # the request whose reply is being made: decided, asked for an answer, its reply not saved yet
     replying_ms: int = 0  # that request's record time, epoch ms
+    waiting: int = 0  # requests that wait for their turn (`Write.wait`), oldest first in the thread's `waiting` list
+    # The (partition, offset) of the first of them, where a batch asked for it (a wake of the
+    # thread: `HistoryStore.read`'s `heads`), else None.
+    head: tuple[int, int] | None = None
     unavailable: str = ""  # why the thread, cold (in PostgreSQL only), could not be loaded back: its requests are refused with it
 
 
@@ -70,16 +75,24 @@ class Write(msgspec.Struct, frozen=True, gc=False):
     request_id: str
     counts: list[float] = []  # each row's token count, in order (with a budget)
     replying_ms: int = -1  # the request's record time if it asks for an answer (the thread is `replying` to it), else -1
+    # A request that waits for its turn (MEMFILTER_CONCURRENT_TURNS enqueue, interrupt): itself,
+    # to keep at the end of the thread's `waiting` list (`Waiting`, encoded). Nothing else is
+    # written but its window entry: it has emitted nothing yet.
+    wait: bytes = b""
+    woken: bool = False  # the thread's first waiting request, decided now: it leaves the `waiting` list (no new window entry)
 
 
 def after_commit(state: ThreadState, write: Write, window_bytes: int) -> ThreadState:
     """The thread once `write` is committed (COMMIT answered `ok`); `window_bytes`, the retry
     window's size in bytes (the store's `window_bytes`)."""
-    window = (state.window + write.entry)[-window_bytes:]
+    window = state.window if write.woken else (state.window + write.entry)[-window_bytes:]
+    if write.wait:
+        return msgspec.structs.replace(state, window=window, waiting=state.waiting + 1)
     pending = {**state.pending, write.entry[:8]: write.recorded}
     replying, replying_ms = (write.request_id, write.replying_ms) if write.replying_ms >= 0 else (state.replying, state.replying_ms)
+    waiting, head = (state.waiting - 1, None) if write.woken else (state.waiting, state.head)
     if not write.rows and not write.superseded:  # a decision that saves nothing: its record alone
-        return msgspec.structs.replace(state, window=window, pending=pending, replying=replying, replying_ms=replying_ms)
+        return msgspec.structs.replace(state, window=window, pending=pending, replying=replying, replying_ms=replying_ms, waiting=waiting, head=head)
     new_ids = list(dict.fromkeys(mid for mid, _ in write.rows if mid not in state.rows))
     rows = {**state.rows, **dict(write.rows)}
     # those still in the conversation (a stored row is in the order or superseded): COMMIT's LREM finds them
@@ -101,4 +114,6 @@ def after_commit(state: ThreadState, write: Write, window_bytes: int) -> ThreadS
         erased=False,
         replying=replying,
         replying_ms=replying_ms,
+        waiting=waiting,
+        head=head,
     )

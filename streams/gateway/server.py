@@ -65,7 +65,7 @@ from memfilter.gateway.limits import Fairness
 from memfilter.gateway.outcomes import ENDS, Live, Outcomes, Waiting, stored
 from memfilter.metrics import GatewayMetrics
 from memfilter.runtime.records import MAX_RECORD_BYTES
-from memfilter.schemas.wire import id_problem
+from memfilter.schemas.wire import TURN_POLICIES, id_problem
 from memfilter.settings import Settings
 from memfilter.store import reads
 from memfilter.store.cold import Warmer
@@ -316,10 +316,11 @@ class Gateway:
                     503, "unavailable", f"Kafka at {self.settings.kafka.bootstrap} did not take the request ({type(e).__name__}); try again"
                 ), "unavailable"
             self.outcomes.landed(waiting, at)
+            within = g.outcome_s + self._turn_wait_s(body.get("concurrentTurns"))
             try:
-                decided = await asyncio.wait_for(asyncio.shield(waiting.decided), g.outcome_s)
+                decided = await asyncio.wait_for(asyncio.shield(waiting.decided), within)
             except TimeoutError:
-                message = f"no decision on request {request_id} within {g.outcome_s:g} s (MEMFILTER_GATEWAY_OUTCOME_S): is a worker running on {self.settings.topics.requests}?"
+                message = f"no decision on request {request_id} within {within:g} s (MEMFILTER_GATEWAY_OUTCOME_S): is a worker running on {self.settings.topics.requests}?"
                 return error(504, "timeout", message), "timeout"
             self.metrics.wait.labels("decision").observe(time.monotonic() - started)
             if isinstance(decided, Rejection):
@@ -327,6 +328,14 @@ class Gateway:
             if not wants_reply(decided.context):
                 return stream(None), "no-reply"
             return await self._relay(request, waiting, started)
+
+    def _turn_wait_s(self, asked: object) -> float:
+        """How long a request may wait for its turn before the worker decides it: a reply being
+        made in its thread at most MEMFILTER_TURN_WAIT_S, under `enqueue` or `interrupt` (the
+        deployment's, or the request's own: `memfilter.core.filter`, `_check_turn`)."""
+        policy = self.settings.policy
+        turns = max((policy.turns, asked if asked in TURN_POLICIES else policy.turns), key=TURN_POLICIES.index)
+        return policy.turn_wait_ms / 1000 if turns in ("enqueue", "interrupt") else 0.0
 
     async def _relay(self, request: web.Request, w: Waiting, started: float) -> tuple[web.StreamResponse, str]:
         """The reply to a decided request, relayed as it is made (see the module's header)."""

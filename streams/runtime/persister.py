@@ -85,9 +85,10 @@ class Persister:
         """Apply the records in order (`apply`); return the dead letters."""
         return [dead_letter(record, self.dlq_topic, result) for record, result in zip(records, await self.apply(records)) if isinstance(result, Rejection)]
 
-    async def apply(self, records: list[Record]) -> list[Rejection | int]:
+    async def apply(self, records: list[Record], due: set[str] | None = None) -> list[Rejection | int]:
         """Apply the records in order; for each, why it was refused, or its thread's version
-        after it. A batch takes three round trips, whatever its size, and ends as the events
+        after it; into `due`, the threads whose waiting requests' turn has come
+        (`HistoryStore.apply`). A batch takes three round trips, whatever its size, and ends as the events
         would leave it one by one:
 
         1. the owners, as stored, of the batch's threads and message ids; each event is checked
@@ -114,13 +115,13 @@ class Persister:
             if ev.event.erasure is msgspec.UNSET:
                 saves.append((i, ev))
                 continue
-            await self._save(saves, results)
+            await self._save(saves, results, due)
             saves = []
             results[i] = await self._erase(ev)
-        await self._save(saves, results)
+        await self._save(saves, results, due)
         return results
 
-    async def _save(self, events: list[tuple[int, _Event]], results: list[Rejection | int | None]) -> None:
+    async def _save(self, events: list[tuple[int, _Event]], results: list[Rejection | int | None], due: set[str] | None) -> None:
         """`apply`'s three round trips, for events without an erasure."""
         if not events:
             return
@@ -156,7 +157,8 @@ class Persister:
                     ev.event.requestId,
                 )
                 for _, ev in saves
-            ]
+            ],
+            due=due,
         )
         for (i, ev), result in zip(saves, applied):
             results[i] = _refused(ev, *result) if isinstance(result, tuple) else result

@@ -76,10 +76,10 @@ from memfilter.core.thread import Recorded, ThreadState, Write, after_commit
 from memfilter.core.window import WindowRow, report
 from memfilter.metrics import Metrics
 from memfilter.runtime.records import MAX_OUTPUT_BYTES, Out, Record, dead_letter, internal_error
-from memfilter.schemas.wire import FilteredInput, PersistMessagesOf, Source
+from memfilter.schemas.wire import FilteredInput, PersistMessagesOf, Source, StopReply, Waited
 from memfilter.settings import Topics
 from memfilter.store.history import HistoryStore
-from memfilter.store.layout import WINDOW_ENTRY, in_window, record_field, thread_tag, window_key
+from memfilter.store.layout import WAITING, WINDOW_ENTRY, Waiting, encode_waiting, in_window, record_field, thread_tag, window_key
 
 log = logging.getLogger("memfilter")
 
@@ -91,6 +91,10 @@ log = logging.getLogger("memfilter")
 # one lane: its round trips stay few).
 LANE_RECORDS = 100
 MAX_LANES = 6
+# A request that interrupts a reply (MEMFILTER_CONCURRENT_TURNS `interrupt`) stops it as it
+# starts waiting, and again every STOP_AGAIN_MS while that reply goes on (a stop is a relay,
+# outside the exactly-once history: one can be lost with its transaction).
+STOP_AGAIN_MS = 5_000
 
 
 # Headers of a dead letter that say what a rejection decided against stored history saw, so
@@ -104,6 +108,9 @@ ORIGINAL_HEADER = "memfilter.duplicate-of"
 # its record time (JSON [request id, epoch ms]): a replay whose range begins after that
 # request was decided finds it there.
 REPLYING_HEADER = "memfilter.replying"
+# The header of a dead letter of a request refused once it had waited for its turn: how it
+# waited (`Waited`, JSON), which a replay gives its decision again, as a filtered input's `waited`.
+WAITED_HEADER = "memfilter.waited"
 
 
 @dataclass
@@ -117,6 +124,9 @@ class Decided:
     # With `windows` and a budget: each decision's window, row by row, by the request's
     # position (partition, offset), for an audit's report (`memfilter replay --why`).
     windows: dict[tuple[int, int], list[WindowRow]] = field(default_factory=dict)
+    # Threads whose requests waiting for their turn changed: -> (partition, when to look at them
+    # again, epoch ms: at once if 0; None once none waits), for the sweep's index (`memfilter.runtime.turns`).
+    waits: dict[str, tuple[int, int | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,6 +140,12 @@ class _Pending:
     left_out: bool = False  # its context holds no stored history: not even the newest whole turn fit the budget
     seen: tuple[tuple[str, bytes], ...] = ()  # what a rejection saw (`dead_letter`)
     window: list[WindowRow] | None = None  # its context's window, row by row, for an audit (`Decided.windows`)
+    # A request that waited for its turn, decided now: the wake's (offset, record time), live
+    # (`record` is the waiting request, as consumed); how it waited, as recorded (an audit's replay).
+    wake: tuple[int, int] | None = None
+    waited: Waited | None = None
+    was: Waited | None = None  # how it waited, as its decision says (`_waited`)
+    stop: Out | None = None  # `interrupt`: the stop of the reply being made, sent as it starts waiting
 
 
 @dataclass
@@ -139,6 +155,8 @@ class _Thread:
     requests: list[_Pending]
     next: int = 0  # first request not yet committed
     planned: list[tuple[_Pending, Write | None, Recorded]] = field(default_factory=list)
+    last: ThreadState | None = None  # the thread as the planned writes leave it
+    waits: bool = False  # a request of it began or ended waiting for its turn (`Decided.waits`)
 
 
 class Seen(Protocol):
@@ -156,6 +174,10 @@ class Seen(Protocol):
         """The request whose reply was being made when this one was refused `busy-thread`, and
         its record time: what a replay cannot find in its store when that request came before
         the replayed range."""
+
+    def waited(self, record: Record) -> Waited | None:
+        """How the request waited for its turn before it was decided, if it did: a replay
+        decides it as woken, as it was, whatever its store says of the replies then."""
 
 
 class _Source(msgspec.Struct):
@@ -286,10 +308,21 @@ class Processor:
         decided = Decided([[] for _ in records])
         threads: dict[str, _Thread] = {}
         for i, record in enumerate(records):
+            wake = None
+            if (woken := origin.is_wake(record.key, record.value, record.headers, self.secret)) is not None:
+                if not woken:
+                    message = f"record {record.topic}-{record.partition}-{record.offset} claims to be the worker's wake ({origin.WAKE_HEADER}) but its signature does not verify"
+                    decided.outs[i].append(dead_letter(record, self.topics.dlq, Rejection("origin", message)))
+                    self.metrics.requests.labels("rejected").inc()
+                    continue
+                waiting = WAITING.decode(record.value or b"")  # the waiting request, as it was consumed
+                wake = (record.offset, record.timestamp_ms)
+                record = Record(record.topic, waiting.partition, waiting.offset, waiting.timestamp_ms, record.key, waiting.value)
             if (request := self._decode(i, record, decided.outs)) is None:
                 continue
             key = window_key(record_field(request.shape.resourceId, request.request_id))
-            threads.setdefault(request.shape.threadId, _Thread([])).requests.append(_Pending(i, record, key, request))
+            p = _Pending(i, record, key, request, wake=wake, waited=self.seen.waited(record) if self.seen is not None else None)
+            threads.setdefault(request.shape.threadId, _Thread([])).requests.append(p)
         while threads:
             threads = await self._round(threads, decided)
         return decided
@@ -302,7 +335,8 @@ class Processor:
                 if p.request is None:  # decided in an earlier round, and cut there or found stale
                     p.request = self._request(p.record)
             wanted[thread] = list(dict.fromkeys(chain.from_iterable(lookup_ids(p.request) for p in t.requests[t.next :] if p.request)))
-        states = await self.store.read(wanted, self.history)
+        heads = frozenset(thread for thread, t in threads.items() if any(p.wake for p in t.requests[t.next :]))
+        states = await self.store.read(wanted, self.history, heads=heads)
         unknown = {mid for thread, ids in wanted.items() for mid in ids if mid not in states[thread].rows}
         owners: dict[str, bytes] = {}
         if self.seen is not None:
@@ -330,7 +364,7 @@ class Processor:
         # the end of the round, after the claim's and commit's round trips (timed inside
         # `benchmarks.processor_cpu`).
         for thread, t in threads.items():
-            t.planned = self._decide_thread(thread, t, states.pop(thread))
+            t.planned, t.last = self._decide_thread(thread, t, states.pop(thread))
             for p, _, _ in t.planned:
                 p.request = None
 
@@ -363,11 +397,16 @@ class Processor:
                 left_out += p.left_out
                 if p.window is not None:
                     decided.windows[p.record.partition, p.record.offset] = p.window
-                if w is not None or p.outcome == "redelivered":
+                if (w is not None and not w.wait) or p.outcome == "redelivered":
                     decided.recorded.append((thread, p.key))
+                if w is not None and (w.wait or w.woken) or p.outcome == "rejected":
+                    self._count_turn(p, w, rec)
+                t.waits |= w is not None and (bool(w.wait) or w.woken)
                 t.next += 1
             if failed:
                 redo.add(thread)
+            elif t.waits and t.last is not None:
+                decided.waits[thread] = (t.requests[0].record.partition, self._look_again(t.last, t.planned))
         for outcome, n in outcomes.items():  # one increment per outcome: a labelled one costs ~1 µs
             self.metrics.requests.labels(outcome).inc(n)
         if left_out:
@@ -394,13 +433,18 @@ class Processor:
                 reach[thread] = list(dict.fromkeys(far))
         await self.store.read_tails(states, reach)
 
-    def _decide_thread(self, thread: str, t: _Thread, state: ThreadState) -> list[tuple[_Pending, Write | None, Recorded]]:
-        """Decide a thread's remaining requests in order, each on what the earlier ones saved."""
+    def _decide_thread(self, thread: str, t: _Thread, state: ThreadState) -> tuple[list[tuple[_Pending, Write | None, Recorded]], ThreadState]:
+        """Decide a thread's remaining requests in order, each on what the earlier ones saved;
+        and the thread as they leave it."""
         planned = []
         after = b""
         for p in t.requests[t.next :]:
             request = p.request
             assert request is not None  # decoded for this round (`_round`)
+            if state.unavailable and p.wake is not None:  # cold, and PostgreSQL did not give it back: it waits on, for a later wake
+                p.outcome = "not-due"
+                planned.append((p, None, Recorded()))
+                continue
             if state.unavailable:  # cold, and PostgreSQL did not give it back: refused, to publish again
                 p.outcome = "rejected"
                 planned.append(
@@ -408,21 +452,32 @@ class Processor:
                 )
                 continue
             rec = state.pending.get(p.key)
-            if rec is not None and _position(rec) == (p.record.topic, p.record.partition, p.record.offset):
-                p.outcome = "redelivered"
-                planned.append((p, None, rec))
-                continue
-            original = in_window(state.window, p.key)
-            if original is not None and original[:2] == (p.record.partition, p.record.offset):
-                # processed at this very position, and its record already dropped: that happens
-                # only once its outputs are committed, so the offsets this worker started from
-                # were older than its transaction (read while it completed): emit nothing again
-                p.outcome = "redelivered"
-                planned.append((p, None, Recorded()))
-                continue
-            if (duplicate := self._duplicate(p, request, original)) is not None:
-                planned.append((p, None, duplicate))
-                continue
+            if p.wake is not None:
+                if rec is not None and rec.woken == p.wake[0]:  # this wake decided it already: its outputs again
+                    p.outcome = "redelivered"
+                    planned.append((p, None, rec))
+                    continue
+                if state.head != (p.record.partition, p.record.offset) or not self._due(state, p.wake[1]):
+                    p.outcome = "not-due"  # decided already on another wake, or its turn has not come: nothing
+                    planned.append((p, None, Recorded()))
+                    continue
+            else:
+                if rec is not None and rec.filtered is not UNSET and _position(rec) == (p.record.topic, p.record.partition, p.record.offset):
+                    p.outcome = "redelivered"
+                    planned.append((p, None, rec))
+                    continue
+                original = in_window(state.window, p.key)
+                if original is not None and original[:2] == (p.record.partition, p.record.offset):
+                    # processed at this very position (or waiting for its turn since), and its record
+                    # already dropped: that happens only once its outputs are committed, so the offsets
+                    # this worker started from were older than its transaction: emit nothing again
+                    p.outcome = "redelivered"
+                    planned.append((p, None, Recorded()))
+                    continue
+                if (duplicate := self._duplicate(p, request, original)) is not None:
+                    planned.append((p, None, duplicate))
+                    continue
+            p.was = self._waited(p, state)
             try:
                 write, rec = self._decide(p, request, state, after)
             except Exception as e:
@@ -433,12 +488,58 @@ class Processor:
                 p.seen = ((VERSION_HEADER, str(state.version).encode()), (ELSEWHERE_HEADER, msgspec.json.encode(elsewhere)))
                 if rec.error is not UNSET and rec.error.type == "busy-thread":
                     p.seen += ((REPLYING_HEADER, msgspec.json.encode([state.replying, state.replying_ms])),)
-                planned.append((p, None, rec))
-                continue
+                if p.was is not None:
+                    p.seen += ((WAITED_HEADER, msgspec.json.encode(p.was)),)
+                if p.wake is None:
+                    planned.append((p, None, rec))
+                    continue
+                # refused once woken: it leaves the waiting requests all the same, and a wake again emits this
+                rec = Recorded(error=rec.error, woken=p.wake[0])
+                entry = WINDOW_ENTRY.pack(p.key, p.record.partition, p.record.offset, p.record.timestamp_ms)
+                write = Write(thread, state.version, after, request.shape.resourceId, -1, [], rec, [], entry, [], request.request_id, woken=True)
             planned.append((p, write, rec))
             state = after_commit(state, write, self.store.window_bytes)  # what the thread's next request sees
-            after = p.key
-        return planned
+            if not write.wait:  # a request that waits has no record for the next to follow
+                after = p.key
+        return planned, state
+
+    def _count_turn(self, p: _Pending, w: Write | None, rec: Recorded) -> None:
+        """The metrics of a request that came while a reply was being made (`memfilter_turns_*`)."""
+        if w is not None and w.wait:
+            self.metrics.turns.labels("interrupted" if p.stop is not None else "waited").inc()
+        elif w is not None and w.woken and p.was is not None:
+            self.metrics.turn_waited.observe(p.was.ms / 1000)
+            if p.was.lapsed:
+                self.metrics.turns.labels("lapsed").inc()
+        elif rec.error is not UNSET and rec.error.type == "busy-thread":
+            self.metrics.turns.labels("rejected").inc()
+
+    def _due(self, state: ThreadState, now_ms: int) -> bool:
+        """Has the turn of the thread's first waiting request come: no reply being made, or the
+        one being made not saved within MEMFILTER_TURN_WAIT_S?"""
+        return state.replying is None or now_ms - state.replying_ms >= self.policy.turn_wait_ms
+
+    def _waited(self, p: _Pending, state: ThreadState) -> Waited | None:
+        """How a request decided on its wake waited: from its record time to the wake's, and
+        whether the reply it waited for lapsed (still being made: `_due` by time alone)."""
+        if p.waited is not None:
+            return p.waited
+        if p.wake is None:
+            return None
+        return Waited(max(0, p.wake[1] - p.record.timestamp_ms), state.replying is not None)
+
+    def _look_again(self, state: ThreadState, planned: list[tuple[_Pending, Write | None, Recorded]]) -> int | None:
+        """When the sweep looks at a thread with requests waiting again: once its reply lapses (at
+        once if none is being made); for an `interrupt` of it, sooner, to stop it again. None
+        once nothing waits."""
+        if not state.waiting:
+            return None
+        if state.replying is None:
+            return 0
+        at = state.replying_ms + self.policy.turn_wait_ms
+        if any(p.stop is not None for p, _, _ in planned):
+            at = min(at, max(p.record.timestamp_ms for p, _, _ in planned) + STOP_AGAIN_MS)
+        return at
 
     def _duplicate(self, p: _Pending, request: Request, original: tuple[int, int, int] | None) -> Recorded | None:
         """The dead letter of a request found in its thread's retry window, if it is inside
@@ -468,22 +569,38 @@ class Processor:
             erased=state.erased,
             replying=state.replying,
             replying_ms=state.replying_ms,
+            waiting=state.waiting,
         )
         started = perf_counter()
         policy = self.policy
-        decision = decide(request, view, p.record.timestamp_ms, self.history, self.edits, self.budget, policy.reopen_erased, policy.turns, policy.turn_wait_ms)
+        woken = p.wake is not None or p.waited is not None
+        decision = decide(
+            request, view, p.record.timestamp_ms, self.history, self.edits, self.budget, policy.reopen_erased, policy.turns, policy.turn_wait_ms, woken
+        )
         self.metrics.decision.observe(perf_counter() - started)
         p.outcome = decision.outcome
+        entry = WINDOW_ENTRY.pack(p.key, p.record.partition, p.record.offset, p.record.timestamp_ms)
+        shape = request.shape
+        if decision.wait is not None:  # it waits for its turn: kept as consumed, nothing emitted yet
+            stop = (state.replying or "") if decision.wait == "interrupt" else ""
+            if stop:
+                value = msgspec.json.encode(StopReply(shape.threadId, shape.resourceId, stop))
+                p.stop = Out(self.topics.stops, p.record.key, value, p.record.timestamp_ms)
+            waiting = encode_waiting(Waiting(p.record.partition, p.record.offset, p.record.timestamp_ms, p.record.value or b"", stop))
+            return Write(
+                shape.threadId, state.version, after, shape.resourceId, -1, [], Recorded(), [], entry, [], request.request_id, wait=waiting
+            ), Recorded()
         p.left_out = decision.fit is not None and decision.fit.left_out
         if self.windows and self.budget is not None and decision.fit is not None:
             p.window = report(decision.fit, state.tail, decision.superseded, state.rows, self.budget)
         if decision.error is not None:
             return None, Recorded(error=decision.error)
-        rec, rows = self._record(p, request, decision, state.version)
+        rec, rows = self._record(p, request, decision, state.version, p.was)
         if (too_large := self._too_large(p, request, rec, len(decision.context))) is not None:
             return None, Recorded(error=too_large)
+        if p.wake is not None:
+            rec.woken = p.wake[0]
         newest = max((parse_ms(r.get("createdAt")) or -1 for r in decision.persist), default=-1)
-        shape = request.shape
         write = Write(
             shape.threadId,
             state.version,
@@ -493,15 +610,16 @@ class Processor:
             rows,
             rec,
             [mid for mid, _ in rows if mid not in state.rows],
-            WINDOW_ENTRY.pack(p.key, p.record.partition, p.record.offset, p.record.timestamp_ms),
+            entry,
             decision.superseded,
             request.request_id,
             decision.counts(self.budget.counter) if self.budget is not None else [],
             p.record.timestamp_ms if _answered(decision.context) else -1,
+            woken=p.wake is not None,
         )
         return write, rec
 
-    def _record(self, p: _Pending, request: Request, decision, version: int) -> tuple[Recorded, list[tuple[str, bytes]]]:
+    def _record(self, p: _Pending, request: Request, decision, version: int, waited: Waited | None) -> tuple[Recorded, list[tuple[str, bytes]]]:
         shape = request.shape
         source = Source(p.record.topic, p.record.partition, p.record.offset)
         compacted = self.filtered_format == FORMAT
@@ -519,6 +637,7 @@ class Processor:
             FORMAT if compacted else UNSET,
             decision.fit.tokens if decision.fit is not None and decision.fit.tokens is not None else UNSET,
             True if decision.fit is not None and decision.fit.left_out else UNSET,
+            waited if waited is not None else UNSET,
         )
         rows = [(row["id"], msgspec.json.encode(row)) for row in decision.persist]
         persist = None
@@ -548,8 +667,8 @@ class Processor:
         key, ts = p.record.key, p.record.timestamp_ms
         if rec.error is not msgspec.UNSET:
             return [dead_letter(p.record, self.topics.dlq, rec.error, p.seen)]
-        if rec.filtered is msgspec.UNSET:  # committed before (`_decide_thread`)
-            return []
+        if rec.filtered is msgspec.UNSET:  # committed before (`_decide_thread`), or waiting for its turn
+            return [p.stop] if p.stop is not None else []
         outs = [Out(self.topics.filtered, key, bytes(rec.filtered), ts)]
         if rec.persist is not msgspec.UNSET:
             persist = bytes(rec.persist)

@@ -65,6 +65,7 @@ from memfilter.runtime.loop import Batch, Handled, TaskLoop
 from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Out, Record, dead_letter
+from memfilter.runtime.turns import SWEEP_S, Turns
 from memfilter.runtime.written import Written
 from memfilter.settings import Settings, Topics, without_password
 from memfilter.store.cold import Warmer
@@ -116,6 +117,9 @@ class WorkerHandler:
         self.store = store
         self.processor = Processor(store, settings.topics, settings.policy, metrics, settings.secret, filtered_format=settings.worker.filtered_format)
         self.persister = Persister(store, settings.topics.dlq, settings.secret)
+        self.turns = Turns(store, settings.topics, settings.secret, settings.policy.turn_wait_ms, metrics)
+        self.partitions: list[int] = []  # the tasks assigned (`tasks`): the sweep's
+        self.swept = 0.0  # when the sweep last ran (monotonic)
 
     def describe(self) -> str:
         s = self.settings
@@ -136,7 +140,8 @@ class WorkerHandler:
                 f"assigned {topics.requests} partitions {by_topic[topics.requests]} but {topics.persist} partitions "
                 f"{by_topic[topics.persist]}: every worker of group {group} must use the range assignor"
             )
-        return by_topic[topics.requests]
+        self.partitions = by_topic[topics.requests]
+        return self.partitions
 
     async def take_up(self) -> None:
         """A new owner epoch for Redis writes: fences the last owners' (`memfilter.store`)."""
@@ -169,23 +174,41 @@ class WorkerHandler:
         committed (`Decided.recorded`): requests decided and saves applied in
         the order they were appended, then every Redis write of the batch on its replicas
         (`Transport.replicate`). A Redis failure anywhere has the whole batch handled again:
-        what was written is found then (requests by their records, saves by their identity)."""
+        what was written is found then (requests by their records, saves by their identity).
+        With them, the wakes of the threads whose waiting requests' turn came in the batch, and
+        every SWEEP_S those the sweep finds due (`memfilter.runtime.turns`)."""
         outs: dict[int, list[Out]] = {tp.partition: [] for tp in batch}  # by task
         requests: list[Record] = []
         recorded: list[tuple[str, bytes]] = []
+        waits: dict[str, tuple[int, int | None]] = {}
+        due: dict[str, int] = {}  # thread -> partition: its first waiting request's turn may have come
         for phase_requests, phase_persisted in in_order(batch, self.topics, self.settings.secret, self.written):
             if phase_requests:
                 decided = await self.processor.decide_batch(phase_requests)
                 for record, record_outs in zip(phase_requests, decided.outs):
                     outs[record.partition] += record_outs
                 recorded += decided.recorded
+                waits |= decided.waits
             if phase_persisted:
-                results = await self.persister.apply(phase_persisted)
+                ended: set[str] = set()
+                results = await self.persister.apply(phase_persisted, ended)
                 for record, result in zip(phase_persisted, results):
                     if isinstance(result, Rejection):
                         outs[record.partition].append(dead_letter(record, self.topics.dlq, result))
+                    elif (thread := (record.key or b"").decode(errors="replace")) in ended:
+                        due[thread] = record.partition
                 self.metrics.persisted.inc(sum(1 for r in results if not isinstance(r, Rejection)))
             requests += phase_requests
+        now = time.time()
+        await self.turns.index(waits)
+        due |= {thread: partition for thread, (partition, at) in waits.items() if at == 0}
+        woken = [await self.turns.wake(due, int(now * 1000))]
+        if time.monotonic() - self.swept >= SWEEP_S:
+            self.swept = time.monotonic()
+            woken.append(await self.turns.sweep(self.partitions, int(now * 1000)))
+        for wakes in woken:
+            for task, task_outs in wakes.items():
+                outs.setdefault(task, []).extend(task_outs)
         await self.store.transport.replicate()
         return outs, requests, recorded
 

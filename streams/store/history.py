@@ -63,7 +63,7 @@ from memfilter.core.tokens import Counter, read_counts, stored_count
 from memfilter.metrics import Metrics
 from memfilter.settings import PROCESSED_TTL_S, RETRY_WINDOW
 from memfilter.store import scripts
-from memfilter.store.layout import NO_COUNTS, RECORDED, STATE_RANKS_PACKED, WINDOW_ENTRY, Keys, encode_recorded, pack, pack_rows, thread_tag
+from memfilter.store.layout import NO_COUNTS, RECORDED, STATE_RANKS_PACKED, WAITING, WINDOW_ENTRY, Keys, encode_recorded, pack, pack_rows, thread_tag
 from memfilter.store.postgres import PostgresHistory
 from memfilter.store.transport import Transport
 
@@ -136,7 +136,7 @@ class HistoryStore(Keys):
         self.metrics = metrics or Metrics()  # counts the round trips
         self.transport = Transport(client, prefix, self.metrics, replicas, replica_timeout)
 
-    async def read(self, wanted: dict[str, list[str]], tail: int = 0, loading: bool = True) -> dict[str, ThreadState]:
+    async def read(self, wanted: dict[str, list[str]], tail: int = 0, loading: bool = True, heads: frozenset[str] = frozenset()) -> dict[str, ThreadState]:
         """For each thread, the message ids of interest, and the ids of its last `tail` rows:
         one round trip. With a counter, the stored counts of the last `tail + 2` ids of
         interest too (a useChat echo's window; a row weighed without one is counted from its
@@ -144,14 +144,17 @@ class HistoryStore(Keys):
         thread; so is `pending` (`read_pending`); the tail's rows are those of `wanted`
         (`read_tails` reads the others). A thread found cold (it left Redis for PostgreSQL) is
         loaded back and read again (`warm`: a PostgreSQL query and two round trips more, only
-        then); one that cannot be is returned `unavailable`, with the reason."""
+        then); one that cannot be is returned `unavailable`, with the reason. For the threads of
+        `heads` (woken), the position of the first request waiting for its turn too (`head`)."""
         commands: list[tuple] = []
         counting = self.counter is not None
         for thread, ids in wanted.items():
             k = self.keys(thread)
             commands.append(
-                ("HMGET", k.meta, "owner", "version", "newest", "erased", "cold", "replying", "replying_ms")
+                ("HMGET", k.meta, "owner", "version", "newest", "erased", "cold", "replying", "replying_ms", "waiting")
             )  # first: a write after it is caught as stale
+            if thread in heads:
+                commands.append(("LINDEX", k.waiting, 0))
             commands.append(("HLEN", k.rows))
             if ids:
                 commands.append(("HMGET", k.rows, *ids))
@@ -165,7 +168,9 @@ class HistoryStore(Keys):
         states = {}
         cold = []
         for thread, ids in wanted.items():
-            (owner, version, newest, erased, is_cold, replying, replying_ms), size = next(replies), next(replies)
+            owner, version, newest, erased, is_cold, replying, replying_ms, waiting = next(replies)
+            head = next(replies) if thread in heads else None
+            size = next(replies)
             if is_cold is not None:
                 cold.append(thread)
             rows = next(replies) if ids else ()
@@ -185,10 +190,12 @@ class HistoryStore(Keys):
                 erased=erased is not None,
                 replying=replying.decode() if replying is not None else None,
                 replying_ms=int(replying_ms or 0),
+                waiting=int(waiting or 0),
+                head=_position(head),
             )
         if cold:
             failed = await self.warm(cold) if loading else dict.fromkeys(cold, "evicted again while it was being loaded back")
-            states |= await self.read({t: wanted[t] for t in cold if t not in failed}, tail, loading=False)
+            states |= await self.read({t: wanted[t] for t in cold if t not in failed}, tail, loading=False, heads=heads)
             for thread, why in failed.items():
                 states[thread].unavailable = why
         return states
@@ -308,6 +315,7 @@ class HistoryStore(Keys):
                     after_key=after,
                     superseded_key=k.superseded,
                     tokens_key=k.tokens,
+                    waiting_key=k.waiting,
                     epoch=self.epoch,
                     record=encode_recorded(w.recorded),
                     seen_version=w.version,
@@ -321,6 +329,8 @@ class HistoryStore(Keys):
                     request_id=w.request_id,
                     packed_counts=pack([stored_count(self.counter, c) for c in w.counts]) if w.counts and self.counter is not None else NO_COUNTS,
                     replying_ms=w.replying_ms,
+                    wait=w.wait,
+                    woken="1" if w.woken else "",
                 )
             )
         out = []
@@ -344,12 +354,13 @@ class HistoryStore(Keys):
         if groups:
             await self.transport.pipeline([("UNLINK", *group) for group in groups])
 
-    async def apply(self, saves: list[Save], loading: bool = True) -> list[int | tuple[str, str]]:
+    async def apply(self, saves: list[Save], loading: bool = True, due: set[str] | None = None) -> list[int | tuple[str, str]]:
         """Save rows from `persist-messages`, in order and in one round trip; for each, the
         thread's version after it, or why it was refused: ('ownership', the thread's owner),
         ('unowned', ''), ('role', the id of the row whose role it would change), ('erased',
         when), ('clash', the id of an imported row that disagrees with the stored thread).
-        Raise Fenced as `commit` does."""
+        Raise Fenced as `commit` does. Into `due`, the threads saved whose waiting requests'
+        turn has come (APPLY's `due`: no reply being made any more)."""
         if not saves:
             return []
         calls = []
@@ -379,9 +390,11 @@ class HistoryStore(Keys):
             )
         out: list[int | tuple[str, str]] = []
         cold: list[int] = []
-        for i, (s, (status, value)) in enumerate(zip(saves, await self.transport.pipeline(calls))):
+        for i, (s, (status, value, *flags)) in enumerate(zip(saves, await self.transport.pipeline(calls))):
             if status == b"fenced":
                 raise Fenced(s.thread, self.epoch, int(value))
+            if flags and flags[0] and due is not None:
+                due.add(s.thread)
             if status == b"cold":  # loaded back, then saved (in order: a thread's saves are all cold or none)
                 cold.append(i)
             out.append(int(value) if status == b"ok" else (status.decode(), value.decode()))
@@ -392,7 +405,7 @@ class HistoryStore(Keys):
                 else {saves[i].thread: "evicted again while it was being loaded back" for i in cold}
             )
             again = [i for i in cold if saves[i].thread not in failed]
-            for i, result in zip(again, await self.apply([saves[i] for i in again], loading=False)):
+            for i, result in zip(again, await self.apply([saves[i] for i in again], loading=False, due=due)):
                 out[i] = result
             for i in cold:
                 if saves[i].thread in failed:
@@ -438,6 +451,7 @@ class HistoryStore(Keys):
             recent_key=k.recent,
             superseded_key=k.superseded,
             tokens_key=k.tokens,
+            waiting_key=k.waiting,
             epoch=self.epoch,
             seen_version=version,
             identity=identity,
@@ -449,6 +463,14 @@ class HistoryStore(Keys):
         if status == b"cold":  # evicted since it was read: loaded back, and erased then
             return await self.erase(thread, version, identity, erased_ms)
         return int(value) if status == b"ok" else (status.decode(), value.decode())
+
+
+def _position(waiting: bytes | None) -> tuple[int, int] | None:
+    """Where a waiting request (`Waiting`) was consumed: (partition, offset)."""
+    if waiting is None:
+        return None
+    w = WAITING.decode(waiting)
+    return w.partition, w.offset
 
 
 def holds(packed: bytes, identity: bytes) -> bool:

@@ -14,8 +14,10 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:t:{T}:tokens` | hash | message id -> the row's token count, written with the row when a budget is set (`memfilter.core.tokens.stored_count`: the counter's tag, then the count) |
 | `mf:t:{T}:superseded` | hash | message id -> the request id that superseded it: rows a regenerate or an edit took out of the conversation (out of `order`, still in `rows`) |
 | `mf:t:{T}:recent` | string | the retry window: the thread's last `retry_window` processed requests, a `WINDOW_ENTRY` each |
+| `mf:t:{T}:waiting` | list | the requests that wait for their turn while a reply is being made (MEMFILTER_CONCURRENT_TURNS `enqueue`, `interrupt`), oldest first, a `Waiting` each (msgpack); meta `waiting` counts them, meta `replying` / `replying_ms` name the request whose reply is being made |
 | `mf:t:{T}:pending:<K>` | string | what was emitted for processed request K (`window_key`, hex), as `Recorded` JSON, until its batch's Kafka transaction commits |
 | `mf:idx:{B}` | hash | message id digest -> digest of the thread that owns it (`id_key`, `thread_tag`), in 4,096 buckets |
+| `mf:waits:<P>` | sorted set | thread id -> when to look at it again (epoch ms), for the threads of partition P with requests waiting: the worker's sweep (`memfilter.runtime.turns`) wakes them once due |
 | `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
 | `mf:sync:{S}` | string | a marker `replicate` writes before WAIT, one per cluster node (`mf:sync` on one Redis); expires after a minute |
 
@@ -108,6 +110,22 @@ class ThreadKeys(msgspec.Struct, frozen=True, gc=False):
     recent: str
     superseded: str
     tokens: str
+    waiting: str
+
+
+class Waiting(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A request waiting for its turn, as its thread's `waiting` list keeps it: its record, so
+    that a wake decides it as it was consumed."""
+
+    partition: int
+    offset: int
+    timestamp_ms: int
+    value: bytes
+    stop: str = ""  # `interrupt`: the request whose reply it stops (again, while it waits)
+
+
+encode_waiting = msgspec.msgpack.Encoder().encode
+WAITING = msgspec.msgpack.Decoder(Waiting)
 
 
 class Keys:
@@ -143,6 +161,10 @@ class Keys:
                     self._keys.clear()
                 self._keys[thread] = names
         return names
+
+    def waits_key(self, partition: int) -> str:
+        """The threads of a partition with requests waiting for their turn (the sweep's index)."""
+        return f"{self.prefix}:waits:{partition}"
 
     def pending_key(self, thread: str, key: bytes) -> str:
         """Where the record of a processed request (`window_key`) waits for its batch's Kafka commit."""

@@ -4,7 +4,9 @@ the processor and the persister against a real Redis, without Kafka.
 A decision that asks the model for an answer marks its thread replying to its request; the
 save of that reply (`<requestId>/reply`, applied by the persister) ends the mark. Under
 `reject`, a request in between is refused (`busy-thread`) and writes nothing; under
-`concurrent`, today's behaviour, it is decided at once.
+`concurrent`, today's behaviour, it is decided at once; under `enqueue` it waits, emitting
+nothing, until a wake (`memfilter.runtime.turns`, here called as the worker calls it) decides
+it after the reply; `interrupt` waits the same and stops that reply first.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from memfilter.audit.replay import replay_log
 from memfilter.core import replies
 from memfilter.core.filter import Policy
 from memfilter.runtime.persister import Persister
+from memfilter.core import origin
+from memfilter.metrics import Metrics
 from memfilter.runtime.processor import Processor
-from memfilter.runtime.records import Record
-from memfilter.schemas.wire import FilteredInput
+from memfilter.runtime.records import Out, Record
+from memfilter.runtime.turns import Turns
+from memfilter.schemas.wire import FilteredInput, StopReply
 from memfilter.settings import Topics
 from memfilter.store import reads
 from memfilter.store.history import HistoryStore
@@ -44,6 +49,20 @@ def reply(n: int, mid: str, offset: int = 0) -> Record:
     row = msg(mid, role="assistant", text="echo", threadId="t", createdAt="2026-03-01T10:00:00Z")
     value = {"requestId": f"q{n}/reply", "threadId": "t", "resourceId": "r1", "messages": [row]}
     return Record(TOPICS.persist, 0, offset, T0, b"t", json.dumps(value).encode())
+
+
+def filtered(outs) -> list[FilteredInput]:
+    return [msgspec.json.decode(o.value, type=FilteredInput) for o in outs if o.topic == TOPICS.filtered]
+
+
+def context_ids(outs) -> list[str]:
+    [decided] = [msgspec.json.decode(o.value) for o in outs if o.topic == TOPICS.filtered]
+    return [m["id"] for m in decided["context"]]
+
+
+def as_records(outs: list[Out], offset: int, at_ms: int) -> list[Record]:
+    """Records sent by the worker, as consumed: from `offset` on, at `at_ms`."""
+    return [Record(o.topic, 0, offset + n, at_ms, o.key, o.value, o.headers) for n, o in enumerate(outs)]
 
 
 def refusals(outs) -> list[str]:
@@ -68,7 +87,9 @@ def turns(redis_url):
             client = aioredis.from_url(redis_url)
             store = HistoryStore(client, f"turns-{uuid.uuid4().hex[:8]}")
             try:
-                return await fn(Processor(store, TOPICS, policy, secret=SECRET), Persister(store, TOPICS.dlq, SECRET), store)
+                processor = Processor(store, TOPICS, policy, secret=SECRET)
+                processor.turns = Turns(store, TOPICS, SECRET, policy.turn_wait_ms, Metrics())  # the worker's, beside it
+                return await fn(processor, Persister(store, TOPICS.dlq, SECRET), store)
             finally:
                 await reads.drop(store)
                 await client.aclose()
@@ -144,6 +165,150 @@ class TestReject:
         assert refusals(turns(Policy(turns="reject"), go)) == ["busy-thread"]
 
 
+async def save_reply(processor: Processor, persister: Persister, n: int, mid: str, offset: int = 0) -> set[str]:
+    """The runner's reply to q<n> saved, as the worker applies it: the threads it makes due."""
+    due: set[str] = set()
+    assert not [r for r in await persister.apply([reply(n, mid, offset)], due) if not isinstance(r, int)]
+    return due
+
+
+async def wake(processor: Processor, threads: set[str], at_ms: int, offset: int) -> list[Out]:
+    """What the worker does after a batch: wake the due threads, then decide the wakes."""
+    wakes = (await processor.turns.wake(dict.fromkeys(threads, 0), at_ms)).get(0, [])
+    return await processor.process(as_records(wakes, offset, at_ms)) if wakes else []
+
+
+ENQUEUE = Policy(turns="enqueue", turn_wait_ms=60_000)
+AFTER_A0 = [*FIRST, msg("a0", role="assistant", text="echo"), msg("u1", text="second")]  # what the second tab sends once it sees the reply
+
+
+class TestEnqueue:
+    def test_a_request_while_the_reply_is_being_made_waits_and_emits_nothing(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            outs = await processor.process([request(1, SECOND)])
+            return outs, await reads.meta(store, "t")
+
+        outs, meta = turns(ENQUEUE, go)
+        assert outs == [] and meta.size == 1  # u1 not stored yet: it is decided after the reply
+
+    def test_once_the_reply_is_saved_the_waiting_request_is_decided_after_it_with_the_reply_in_its_context(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            await processor.process([request(1, SECOND)])
+            due = await save_reply(processor, persister, 0, "a0")
+            outs = await wake(processor, due, T0 + 5_000, offset=10)
+            return due, outs, [json.loads(r)["id"] for r in await reads.thread_rows(store, "t")]
+
+        due, outs, order = turns(ENQUEUE, go)
+        assert due == {"t"} and order == ["u0", "a0", "u1"] and context_ids(outs) == ["u0", "a0", "u1"]
+        [decided] = filtered(outs)
+        assert decided.source.offset == 1 and decided.waited.ms == 4_000 and not decided.waited.lapsed  # q1 at T0 + 1 s, woken at T0 + 5 s
+
+    def test_requests_waiting_are_decided_one_reply_after_the_other_in_their_order(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            third = [*SECOND, msg("u2", text="third")]
+            assert await processor.process([request(1, SECOND), request(2, third)]) == []
+            first = await wake(processor, await save_reply(processor, persister, 0, "a0"), T0 + 5_000, offset=10)
+            early = await wake(processor, {"t"}, T0 + 5_001, offset=11)  # q1 is being answered now: q2 waits on
+            second = await wake(processor, await save_reply(processor, persister, 1, "a1", offset=1), T0 + 6_000, offset=12)
+            return first, early, second, [json.loads(r)["id"] for r in await reads.thread_rows(store, "t")]
+
+        first, early, second, order = turns(ENQUEUE, go)
+        assert [f.requestId for f in filtered(first)] == ["q1"] and early == [] and [f.requestId for f in filtered(second)] == ["q2"]
+        assert order == ["u0", "a0", "u1", "a1", "u2"] and context_ids(second) == order
+
+    def test_a_reply_not_saved_within_the_wait_lets_the_waiting_request_go_and_says_so(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST, at_ms=T0)])
+            await processor.process([request(1, SECOND, at_ms=T0 + 1_000)])
+            before = await wake(processor, {"t"}, T0 + 59_999, offset=10)
+            after = await wake(processor, {"t"}, T0 + 60_000, offset=11)
+            return before, after
+
+        before, after = turns(ENQUEUE, go)
+        [decided] = filtered(after)
+        assert before == [] and decided.waited.lapsed and decided.waited.ms == 59_000 and context_ids(after) == ["u0", "u1"]
+
+    def test_a_wake_consumed_again_emits_the_same_bytes_and_another_wake_nothing(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            await processor.process([request(1, SECOND)])
+            await save_reply(processor, persister, 0, "a0")
+            wakes = as_records((await processor.turns.wake({"t": 0}, T0 + 5_000))[0], 10, T0 + 5_000)
+            first = await processor.process(wakes)
+            again = await processor.process(wakes)  # its transaction aborted: consumed again
+            other = await processor.process(as_records((await processor.turns.wake({"t": 0}, T0 + 5_000)).get(0, []) or [Out(TOPICS.requests, b"t", wakes[0].value, None, wakes[0].headers)], 11, T0 + 5_001))
+            return first, again, other, (await reads.meta(store, "t")).version
+
+        first, again, other, version = turns(ENQUEUE, go)
+        assert first and [o.value for o in again] == [o.value for o in first] and other == [] and version == 3
+
+    def test_a_forged_wake_is_refused_and_wakes_nothing(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            await processor.process([request(1, SECOND)])
+            [head] = await store.transport.pipeline([("LINDEX", store.keys("t").waiting, 0)])
+            forged = Record(TOPICS.requests, 0, 9, T0 + 2_000, b"t", head, origin.wake_headers(b"t", head, b"not-the-secret"))
+            return await processor.process([forged]), (await reads.meta(store, "t")).size
+
+        outs, size = turns(ENQUEUE, go)
+        assert refusals(outs) == ["origin"] and size == 1
+
+    def test_another_thread_is_never_held_by_a_waiting_one(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            other = Record(TOPICS.requests, 0, 2, T0, b"t2", json.dumps({"requestId": "x", "threadId": "t2", "resourceId": "r1", "messages": [msg("v0")]}).encode())
+            return await processor.process([request(1, SECOND), other])
+
+        assert [f.threadId for f in filtered(turns(ENQUEUE, go))] == ["t2"]
+
+    def test_an_erasure_drops_what_waits_with_the_thread(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            await processor.process([request(1, SECOND)])
+            meta = await reads.meta(store, "t")
+            await store.erase("t", meta.version, b"erasure1", 1)
+            return await store.transport.pipeline([("EXISTS", store.keys("t").waiting)])
+
+        assert turns(ENQUEUE, go) == [0]
+
+
+class TestInterrupt:
+    def test_a_request_stops_the_reply_being_made_then_is_decided_after_what_it_saved(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            waits = await processor.process([request(1, SECOND, concurrentTurns="interrupt")])
+            # the runner stops and saves what it made, finish reason `interrupted`
+            outs = await wake(processor, await save_reply(processor, persister, 0, "a0"), T0 + 2_000, offset=10)
+            return waits, outs
+
+        waits, outs = turns(Policy(turns="interrupt"), go)
+        [stop] = [msgspec.json.decode(o.value, type=StopReply) for o in waits if o.topic == TOPICS.stops]
+        assert [o.topic for o in waits] == [TOPICS.stops] and (stop.threadId, stop.resourceId, stop.requestId) == ("t", "r1", "q0")
+        assert context_ids(outs) == ["u0", "a0", "u1"]
+
+    def test_a_reply_that_goes_on_is_stopped_again_by_the_sweep(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST, at_ms=T0)])
+            await processor.process([request(1, SECOND, at_ms=T0 + 1_000)])
+            return await processor.turns.wake({"t": 0}, T0 + 7_000)
+
+        outs = turns(Policy(turns="interrupt"), go)
+        assert [o.topic for o in outs[0]] == [TOPICS.stops]
+
+    def test_a_request_behind_waiting_ones_does_not_stop_their_turn(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            first = await processor.process([request(1, SECOND, concurrentTurns="enqueue")])
+            second = await processor.process([request(2, [*SECOND, msg("u2")])])
+            return first, second
+
+        first, second = turns(Policy(turns="interrupt"), go)
+        assert first == [] and second == []
+
+
 class TestConcurrentAndNarrowing:
     def test_concurrent_decides_the_second_request_at_once_as_before(self, turns):
         async def go(processor, persister, store):
@@ -165,6 +330,17 @@ class TestConcurrentAndNarrowing:
             return await processor.process([request(1, SECOND, concurrentTurns="concurrent")])
 
         assert refusals(turns(Policy(turns="reject"), go)) == ["busy-thread"]
+
+    def test_a_request_may_ask_to_wait_on_a_concurrent_deployment_but_not_to_interrupt_an_enqueue_one(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            return await processor.process([request(1, SECOND, concurrentTurns="enqueue")])
+
+        async def louder(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            return await processor.process([request(1, SECOND, concurrentTurns="interrupt")])
+
+        assert turns(Policy(), go) == [] and turns(ENQUEUE, louder) == []  # waits, and stops nothing
 
     def test_an_unknown_policy_on_a_request_is_refused_as_a_schema_error(self, turns):
         async def go(processor, persister, store):
@@ -215,3 +391,35 @@ class TestReplay:
 
         report = turns(Policy(turns="reject"), go)
         assert report.requests == 3 - first and report.differences == []
+
+    def test_a_request_that_waited_replays_identical_after_the_same_save_and_its_wake_is_no_request(self, turns, redis_url):
+        async def go(processor, persister, store):
+            requests = [request(0, FIRST), request(1, SECOND)]
+            outs = await processor.process(requests)
+            answer = reply(0, "a0", offset=1)
+            due: set[str] = set()
+            await persister.apply([answer], due)
+            [wake_out] = (await processor.turns.wake(dict.fromkeys(due, 0), T0 + 5_000))[0]
+            [woken] = as_records([wake_out], 2, T0 + 5_000)
+            outs += await processor.process([woken])
+            as_record = [Record(o.topic, 0, n, o.timestamp_ms, o.key, o.value, o.headers) for n, o in enumerate(outs)]
+            persisted = [r for r in as_record if r.topic == TOPICS.persist]
+            log = [msgspec.structs.replace(persisted[0], offset=0), answer, msgspec.structs.replace(persisted[1], offset=2)]
+            client = aioredis.from_url(redis_url)
+            replay_store = HistoryStore(client, f"replay-{uuid.uuid4().hex[:8]}")
+
+            async def batches():
+                yield [*requests, woken]  # the wake is on chat-requests, after the request it woke
+
+            try:
+                with Recorded.temporary(TOPICS, SECRET) as recorded:
+                    recorded.add_filtered([r for r in as_record if r.topic == TOPICS.filtered])
+                    recorded.add_persisted(log)
+                    return filtered(outs), await replay_log(recorded, replay_store, batches(), ENQUEUE)
+            finally:
+                await reads.drop(replay_store)
+                await client.aclose()
+
+        decided, report = turns(ENQUEUE, go)
+        assert [f.requestId for f in decided] == ["q0", "q1"] and decided[1].waited is not msgspec.UNSET
+        assert report.requests == 2 and report.differences == []

@@ -52,6 +52,8 @@ def commits(draw, n: int):
             "key": draw(st.sampled_from(KEYS)),
             "moved": draw(st.integers(0, 4)) == 0,  # decided on a version that has moved since
             "answered": draw(st.booleans()),  # asks the model for an answer: the thread is replying to it
+            # waits for its turn (kept, nothing else written), or is the first waiting one decided now
+            "turn": draw(st.sampled_from(["", "", "wait", "woken"])),
             "n": n,
         },
     )
@@ -97,26 +99,33 @@ async def run(redis_url: str, sequence: list) -> None:
             if kind == "erase":
                 await store.erase("t", before.version, save_identity("operator", f"e{step['n']}"), 1)
                 continue
-            write = Write(
-                "t",
-                before.version - 1 if step["moved"] else before.version,
-                b"",
-                step["owner"],
-                step["newest_ms"],
-                step["rows"],
-                Recorded(filtered=msgspec.Raw(msgspec.json.encode({"n": step["n"]}))),
-                [mid for mid, _ in step["rows"] if mid not in before.rows],
-                WINDOW_ENTRY.pack(step["key"], 0, step["n"], step["n"]),
-                step["superseded"],
-                f"q{step['n']}",
-                step["counts"],
-                step["n"] if step["answered"] else -1,
-            )
+            entry = WINDOW_ENTRY.pack(step["key"], 0, step["n"], step["n"])
+            if step["turn"] == "wait":  # only while a reply is being made or others wait: else decided again
+                write = Write("t", before.version - 1 if step["moved"] else before.version, b"", step["owner"], -1, [], Recorded(), [], entry, [], f"q{step['n']}", wait=b"w%d" % step["n"])
+                refused = step["moved"] or (before.replying is None and not before.waiting)
+            else:
+                write = Write(
+                    "t",
+                    before.version - 1 if step["moved"] else before.version,
+                    b"",
+                    step["owner"],
+                    step["newest_ms"],
+                    step["rows"],
+                    Recorded(filtered=msgspec.Raw(msgspec.json.encode({"n": step["n"]}))),
+                    [mid for mid, _ in step["rows"] if mid not in before.rows],
+                    entry,
+                    step["superseded"],
+                    f"q{step['n']}",
+                    step["counts"],
+                    step["n"] if step["answered"] else -1,
+                    woken=step["turn"] == "woken" and before.waiting > 0,  # the processor wakes only a request that waits
+                )
+                refused = step["moved"]
             [(status, _)] = await store.commit([write])
-            if status == "ok":
+            if status == "ok" and not write.wait:
                 committed.add(step["key"])
             expected = after_commit(before, write, store.window_bytes) if status == "ok" else before
-            assert status == ("stale" if step["moved"] else "ok")
+            assert status == ("stale" if refused else "ok")
             assert await state_of(store, committed) == expected, (kind, step)
     finally:
         await reads.drop(store)
@@ -131,7 +140,9 @@ def test_after_commit_leaves_the_thread_as_commit_lua_leaves_it_in_redis(redis_u
 
 def test_a_commit_that_saves_nothing_keeps_its_record_and_moves_only_the_window(redis_url):
     key = KEYS[0]
-    sequence = [("commit", {"owner": "A", "rows": [], "superseded": [], "newest_ms": -1, "counts": [], "key": key, "moved": False, "answered": False, "n": 0})]
+    sequence = [
+        ("commit", {"owner": "A", "rows": [], "superseded": [], "newest_ms": -1, "counts": [], "key": key, "moved": False, "answered": False, "turn": "", "n": 0})
+    ]
     asyncio.run(run(redis_url, sequence))
     state = after_commit(ThreadState(None, 0, None, 0, {}, {}), Write("t", 0, b"", "A", -1, [], Recorded(), [], key + bytes(24), [], "q", []), 32)
     assert (state.version, state.owner, state.window, list(state.pending)) == (0, None, key + bytes(24), [key])

@@ -20,7 +20,9 @@
 --   of a superseded row updates the row and leaves it out.
 -- - with a context budget, a row written gets its token count beside it (`tokens_key`);
 -- - the save of the reply the thread is `replying` to (its request id, then `/reply`) ends
---   that reply: the thread is no longer marked (COMMIT marks it).
+--   that reply: the thread is no longer marked (COMMIT marks it). Applied or found applied, a
+--   save answers `due` ('1') when requests of the thread wait for their turn and no reply is
+--   being made any more: the worker wakes the first (memfilter.runtime.turns).
 -- KEYS: rows_key order_key meta_key saved_key superseded_key tokens_key
 -- ARGV: epoch resource newest_ms packed_rows packed_roles writer identity packed_ranks packed_superseded request_id packed_counts
 local rows_key, order_key, meta_key, saved_key, superseded_key, tokens_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -39,12 +41,16 @@ if not owner then
   if erased and writer ~= 'processor' then return {'erased', erased} end
   if writer == 'service' then return {'unowned', ''} end
 end
+local function due()
+  if redis.call('HEXISTS', meta_key, 'waiting') == 1 and redis.call('HEXISTS', meta_key, 'replying') == 0 then return '1' end
+  return ''
+end
 local version = redis.call('HGET', meta_key, 'version') or '0'
 local saved = identity ~= '' and (redis.call('GET', saved_key) or '')
 if saved then
   local at = string.find(saved, identity, 1, true)
   while at do
-    if at % 8 == 1 then return {'ok', version} end
+    if at % 8 == 1 then return {'ok', version, due()} end
     at = string.find(saved, identity, at + 1, true)
   end
 end
@@ -129,4 +135,4 @@ if changed then
   if tonumber(newest_ms) > newest then redis.call('HSET', meta_key, 'newest', newest_ms) end
   version = redis.call('HINCRBY', meta_key, 'version', 1)
 end
-return {'ok', tostring(version)}
+return {'ok', tostring(version), due()}

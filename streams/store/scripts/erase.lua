@@ -7,9 +7,9 @@
 -- after it in a rebuild), the owner epoch, when it was erased, and the last erasure applied
 -- (its re-delivery changes nothing; an earlier one's is refused as stale, and a rebuild, which
 -- begins the thread at its last erasure, keeps the same).
--- KEYS: rows_key order_key meta_key saved_key recent_key superseded_key tokens_key
+-- KEYS: rows_key order_key meta_key saved_key recent_key superseded_key tokens_key waiting_key
 -- ARGV: epoch seen_version identity erased_ms
-local rows_key, order_key, meta_key, saved_key, recent_key, superseded_key, tokens_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local rows_key, order_key, meta_key, saved_key, recent_key, superseded_key, tokens_key, waiting_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local epoch, seen_version, identity, erased_ms = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local stored = tonumber(redis.call('HGET', meta_key, 'epoch') or '0')
 local mine = tonumber(epoch)
@@ -23,7 +23,7 @@ for at = 1, #erasures, 8 do
 end
 -- a thread with no meta at all is one a rebuild starts at its erasure (memfilter.audit.recorded)
 if version ~= tonumber(seen_version) and redis.call('EXISTS', meta_key) == 1 then return {'stale', tostring(version)} end
-redis.call('DEL', rows_key, order_key, saved_key, recent_key, superseded_key, tokens_key, meta_key)
+redis.call('DEL', rows_key, order_key, saved_key, recent_key, superseded_key, tokens_key, waiting_key, meta_key)
 version = tonumber(seen_version) + 1
 redis.call('HSET', meta_key, 'version', version, 'epoch', math.max(mine, stored), 'erased', erased_ms, 'erasures', identity)
 return {'ok', tostring(version)}
