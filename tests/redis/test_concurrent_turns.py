@@ -22,11 +22,10 @@ from factories import SECRET, T0, msg
 
 from memfilter.audit.recorded import Recorded
 from memfilter.audit.replay import replay_log
-from memfilter.core import replies
+from memfilter.core import origin, replies
 from memfilter.core.filter import Policy
-from memfilter.runtime.persister import Persister
-from memfilter.core import origin
 from memfilter.metrics import Metrics
+from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import Processor
 from memfilter.runtime.records import Out, Record
 from memfilter.runtime.turns import Turns
@@ -239,7 +238,13 @@ class TestEnqueue:
             wakes = as_records((await processor.turns.wake({"t": 0}, T0 + 5_000))[0], 10, T0 + 5_000)
             first = await processor.process(wakes)
             again = await processor.process(wakes)  # its transaction aborted: consumed again
-            other = await processor.process(as_records((await processor.turns.wake({"t": 0}, T0 + 5_000)).get(0, []) or [Out(TOPICS.requests, b"t", wakes[0].value, None, wakes[0].headers)], 11, T0 + 5_001))
+            other = await processor.process(
+                as_records(
+                    (await processor.turns.wake({"t": 0}, T0 + 5_000)).get(0, []) or [Out(TOPICS.requests, b"t", wakes[0].value, None, wakes[0].headers)],
+                    11,
+                    T0 + 5_001,
+                )
+            )
             return first, again, other, (await reads.meta(store, "t")).version
 
         first, again, other, version = turns(ENQUEUE, go)
@@ -259,7 +264,9 @@ class TestEnqueue:
     def test_another_thread_is_never_held_by_a_waiting_one(self, turns):
         async def go(processor, persister, store):
             await processor.process([request(0, FIRST)])
-            other = Record(TOPICS.requests, 0, 2, T0, b"t2", json.dumps({"requestId": "x", "threadId": "t2", "resourceId": "r1", "messages": [msg("v0")]}).encode())
+            other = Record(
+                TOPICS.requests, 0, 2, T0, b"t2", json.dumps({"requestId": "x", "threadId": "t2", "resourceId": "r1", "messages": [msg("v0")]}).encode()
+            )
             return await processor.process([request(1, SECOND), other])
 
         assert [f.threadId for f in filtered(turns(ENQUEUE, go))] == ["t2"]

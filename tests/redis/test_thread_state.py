@@ -101,7 +101,20 @@ async def run(redis_url: str, sequence: list) -> None:
                 continue
             entry = WINDOW_ENTRY.pack(step["key"], 0, step["n"], step["n"])
             if step["turn"] == "wait":  # only while a reply is being made or others wait: else decided again
-                write = Write("t", before.version - 1 if step["moved"] else before.version, b"", step["owner"], -1, [], Recorded(), [], entry, [], f"q{step['n']}", wait=b"w%d" % step["n"])
+                write = Write(
+                    "t",
+                    before.version - 1 if step["moved"] else before.version,
+                    b"",
+                    step["owner"],
+                    -1,
+                    [],
+                    Recorded(),
+                    [],
+                    entry,
+                    [],
+                    f"q{step['n']}",
+                    wait=b"w%d" % step["n"],
+                )
                 refused = step["moved"] or (before.replying is None and not before.waiting)
             else:
                 write = Write(
@@ -141,7 +154,10 @@ def test_after_commit_leaves_the_thread_as_commit_lua_leaves_it_in_redis(redis_u
 def test_a_commit_that_saves_nothing_keeps_its_record_and_moves_only_the_window(redis_url):
     key = KEYS[0]
     sequence = [
-        ("commit", {"owner": "A", "rows": [], "superseded": [], "newest_ms": -1, "counts": [], "key": key, "moved": False, "answered": False, "turn": "", "n": 0})
+        (
+            "commit",
+            {"owner": "A", "rows": [], "superseded": [], "newest_ms": -1, "counts": [], "key": key, "moved": False, "answered": False, "turn": "", "n": 0},
+        )
     ]
     asyncio.run(run(redis_url, sequence))
     state = after_commit(ThreadState(None, 0, None, 0, {}, {}), Write("t", 0, b"", "A", -1, [], Recorded(), [], key + bytes(24), [], "q", []), 32)
