@@ -88,6 +88,43 @@ test("a second tab's message while the first's reply streams is refused busy-thr
   assert.equal(text(body[1]), Array.from({ length: 10 }, (_, i) => `t${i} `).join("")); // the first reply, whole, before the second message
 });
 
+test("under enqueue, a second tab's message while the first's reply streams waits for it, and its model sees that reply", async () => {
+  const user = `eve-${RUN}`;
+  const id = `queue-${RUN}`;
+  const first = new Chat({ id, user, gateway: MODEL });
+  const sending = first.sendMessage({ text: "slow 10" });
+  await until(() => first.messages.length, (n) => n === 2); // the reply is streaming
+  // the second tab has not seen the reply: it sends its message after the first question alone
+  const second = new Chat({ id, user, gateway: MODEL_2, messages: (await stored(MODEL_2, id, user)).body });
+  const queued = second.sendMessage({ text: "and another thing" }, { body: { concurrentTurns: "enqueue" } });
+  await sending;
+  await queued;
+  assert.equal(first.status, "ready", first.error?.message);
+  assert.equal(second.status, "ready", second.error?.message);
+  const { body } = await stored(MODEL, id, user);
+  assert.deepEqual(body.map((m) => m.role), ["user", "assistant", "user", "assistant"]);
+  assert.equal(text(body[1]), Array.from({ length: 10 }, (_, i) => `t${i} `).join("")); // the first reply, whole, before the second message
+  assert.equal(text(body[3]).trim(), "model says 3"); // its model saw the question, the first reply and the new message
+  assert.equal(text(second.messages.at(-1)), text(body[3]));
+});
+
+test("under interrupt, a second tab's message stops the reply streaming, which is saved interrupted and is in its model's input", async () => {
+  const user = `fay-${RUN}`;
+  const id = `interrupt-${RUN}`;
+  const first = new Chat({ id, user, gateway: MODEL });
+  const sending = first.sendMessage({ text: "slow 60" });
+  await until(() => first.messages.length, (n) => n === 2 && text(first.messages[1]).length > 0);
+  const second = new Chat({ id, user, gateway: MODEL_2, messages: (await stored(MODEL_2, id, user)).body });
+  await second.sendMessage({ text: "stop, I meant this" }, { body: { concurrentTurns: "interrupt" } });
+  await sending;
+  assert.equal(second.status, "ready", second.error?.message);
+  const { body } = await stored(MODEL, id, user);
+  assert.deepEqual(body.map((m) => m.role), ["user", "assistant", "user", "assistant"]);
+  assert.equal(body[1].metadata.finishReason, "interrupted");
+  assert.ok(text(body[1]).split(" ").length < 60, `the first reply was not cut: ${text(body[1])}`);
+  assert.equal(text(body[3]).trim(), "model says 3");
+});
+
 test("another user can neither resume nor stop a reply in a thread not theirs", async () => {
   const chat = new Chat({ id: `mine-${RUN}`, user: `cat-${RUN}`, gateway: MODEL });
   const sending = chat.sendMessage({ text: "slow 8" });
