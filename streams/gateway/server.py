@@ -15,7 +15,11 @@
   (MEMFILTER_GATEWAY_OUTCOME_S, MEMFILTER_GATEWAY_REPLY_S) and a timeout says what it waited
   for (504, or an `error` chunk once the stream has begun); at most
   MEMFILTER_GATEWAY_MAX_IN_FLIGHT requests wait at once (more: 503). A client that
-  disconnects does not stop the reply: it is made and saved, and a resume finds it.
+  disconnects does not stop the reply: it is made and saved, and a resume finds it. A request
+  that may wait for its turn (MEMFILTER_CONCURRENT_TURNS `enqueue` or `interrupt`, the
+  deployment's or its own `concurrentTurns`) is waited for MEMFILTER_TURN_WAIT_S longer, and
+  once it has waited WAITING_AFTER_S its stream begins with a transient `data-turn` part
+  saying it waits: what comes after (the reply, or a refusal) follows in the same stream.
 - `GET /api/chat/{id}/stream` (the AI SDK's `resumeStream`): the reply being made in the
   thread, replayed from its first chunk and followed to its end, from any gateway; 204 when
   none is (what the AI SDK's transport takes for "nothing to resume"). The thread's owner only.
@@ -116,6 +120,18 @@ STATUS = {
 
 def error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+# A request that may wait for its turn (MEMFILTER_CONCURRENT_TURNS enqueue, interrupt) and is not
+# decided within WAITING_AFTER_S is told so: its stream starts with WAITING_PART, a transient
+# data part (the AI SDK hands it to `onData` and keeps it out of the message), and goes on with
+# its decision; a refusal then is the stream's error, its text the JSON of an error answer.
+WAITING_AFTER_S = 0.5
+WAITING_PART = {"type": "data-turn", "data": {"waiting": True}, "transient": True}
+
+
+def _error_text(code: str, message: str) -> str:
+    return json.dumps({"error": {"code": code, "message": message}})
 
 
 def stream(reply: dict[str, Any] | None) -> web.Response:
@@ -316,18 +332,40 @@ class Gateway:
                     503, "unavailable", f"Kafka at {self.settings.kafka.bootstrap} did not take the request ({type(e).__name__}); try again"
                 ), "unavailable"
             self.outcomes.landed(waiting, at)
-            within = g.outcome_s + self._turn_wait_s(body.get("concurrentTurns"))
+            turn_wait = self._turn_wait_s(body.get("concurrentTurns"))
+            within = g.outcome_s + turn_wait
+            started_stream: web.StreamResponse | None = None
             try:
-                decided = await asyncio.wait_for(asyncio.shield(waiting.decided), within)
+                decided = await asyncio.wait_for(asyncio.shield(waiting.decided), min(within, WAITING_AFTER_S) if turn_wait else within)
             except TimeoutError:
-                message = f"no decision on request {request_id} within {within:g} s (MEMFILTER_GATEWAY_OUTCOME_S): is a worker running on {self.settings.topics.requests}?"
-                return error(504, "timeout", message), "timeout"
+                if not turn_wait:
+                    return error(504, "timeout", self._undecided(request_id, within)), "timeout"
+                # It may be waiting for its turn (a reply being made in its thread): the stream
+                # starts now and says so (a transient data part: the page shows it queued), and
+                # goes on with the decision, a refusal then being the stream's error.
+                started_stream = web.StreamResponse(headers=HEADERS)
+                await started_stream.prepare(request)
+                await started_stream.write(event(WAITING_PART))
+                try:
+                    decided = await asyncio.wait_for(asyncio.shield(waiting.decided), within - WAITING_AFTER_S)
+                except TimeoutError:
+                    await started_stream.write(event({"type": "error", "errorText": _error_text("timeout", self._undecided(request_id, within))}) + DONE)
+                    return started_stream, "timeout"
             self.metrics.wait.labels("decision").observe(time.monotonic() - started)
             if isinstance(decided, Rejection):
+                if started_stream is not None:
+                    await started_stream.write(event({"type": "error", "errorText": _error_text(decided.type, decided.message)}) + DONE)
+                    return started_stream, decided.type
                 return error(STATUS.get(decided.type, 422), decided.type, decided.message), decided.type
             if not wants_reply(decided.context):
+                if started_stream is not None:
+                    await started_stream.write(stream(None).body)
+                    return started_stream, "no-reply"
                 return stream(None), "no-reply"
-            return await self._relay(request, waiting, started)
+            return await self._relay(request, waiting, started, started_stream)
+
+    def _undecided(self, request_id: str, within: float) -> str:
+        return f"no decision on request {request_id} within {within:g} s (MEMFILTER_GATEWAY_OUTCOME_S): is a worker running on {self.settings.topics.requests}?"
 
     def _turn_wait_s(self, asked: object) -> float:
         """How long a request may wait for its turn before the worker decides it: a reply being
@@ -337,27 +375,35 @@ class Gateway:
         turns = max((policy.turns, asked if asked in TURN_POLICIES else policy.turns), key=TURN_POLICIES.index)
         return policy.turn_wait_ms / 1000 if turns in ("enqueue", "interrupt") else 0.0
 
-    async def _relay(self, request: web.Request, w: Waiting, started: float) -> tuple[web.StreamResponse, str]:
-        """The reply to a decided request, relayed as it is made (see the module's header)."""
-        g, deadline = self.gateway, started + self.gateway.reply_s
+    async def _relay(self, request: web.Request, w: Waiting, started: float, response: web.StreamResponse | None = None) -> tuple[web.StreamResponse, str]:
+        """The reply to a decided request, relayed as it is made (see the module's header), on
+        `response` if it was started already (a request that waited for its turn)."""
+        # a request that waited for its turn has the reply's whole time from its decision on
+        g, deadline = self.gateway, (started if response is None else time.monotonic()) + self.gateway.reply_s
         first = await _first(w, deadline)
         waited_for = (
             f"request {w.request_id} was saved, but no reply within {g.reply_s:g} s (MEMFILTER_GATEWAY_REPLY_S): "
             f"is an agent runner running on {self.settings.topics.filtered}?"
         )
-        if first is None:
-            return error(504, "timeout", waited_for), "timeout"
+        if first is None or (isinstance(first, dict) and not await self._stored(first, w.thread, deadline)):
+            why = waited_for if first is None else self._not_stored(w)
+            if response is not None:
+                await response.write(event({"type": "error", "errorText": _error_text("timeout", why)}) + DONE)
+                return response, "timeout"
+            return error(504, "timeout", why), "timeout"
         if isinstance(first, dict):  # a runner that does not stream: the reply, whole, once stored
-            if not await self._stored(first, w.thread, deadline):
-                return error(504, "timeout", self._not_stored(w)), "timeout"
             self.metrics.wait.labels("reply").observe(time.monotonic() - started)
+            if response is not None:
+                await response.write(stream(first).body)
+                return response, "answered"
             return stream(first), "answered"
         so_far, more = [first.chunk], _chunks_of(w, first.attempt)
         live = self.outcomes.live(w.thread, w.resource)
         if first.chunk.get("type") != "start" and live is not None and (live.request_id, live.attempt) == (w.request_id, first.attempt):
             so_far, more = _following(live)  # joined mid-reply (a retry of a request being answered): from its start
-        response = web.StreamResponse(headers=HEADERS)
-        await response.prepare(request)
+        if response is None:
+            response = web.StreamResponse(headers=HEADERS)
+            await response.prepare(request)
         outcome = await self._follow(request, response, w.thread, so_far, more, lambda: _saved(w, deadline), deadline)
         if outcome == "answered":
             self.metrics.wait.labels("reply").observe(time.monotonic() - started)

@@ -13,11 +13,14 @@ worker and the echo agent runner behind it):
   client's copy equal to the stored one, a dropped connection resumed on another gateway, a
   stop that saves what was made and a next turn that sees it, a second tab's message refused
   `busy-thread` while the first's reply streams (the request asks for `concurrentTurns:
-  reject`) and taken after it, and a tool call, its client output and the model's
+  reject`) and taken after it, waiting for it (`enqueue`) or stopping it (`interrupt`), and a tool call, its client output and the model's
   continuation as one stored message, as the client keeps it;
 - `tests/node/page.test.mjs` opens the gateway's chat page in Debian's Chromium (puppeteer-core)
   on a gateway with header identity, as `deploy/run-local.sh` runs it: a typed message gets the
-  answer and a reload shows the stored history; its screenshot is kept at SCREENSHOT."""
+  answer and a reload shows the stored history; its screenshot is kept at SCREENSHOT; and two
+  tabs on the slow model's gateways, the second sending while the first's reply streams: shown
+  waiting then answered after it (`enqueue`), the first's reply shown interrupted
+  (`interrupt`), refused with the reason (`reject`)."""
 
 from __future__ import annotations
 
@@ -300,7 +303,9 @@ def test_the_chat_page_in_a_browser_answers_a_typed_message_and_shows_the_stored
     chromium = shutil.which("chromium")
     assert chromium, "Debian's chromium is not installed: deploy/test.sh installs it"
     SCREENSHOT.unlink(missing_ok=True)
-    result = node_test("page.test.mjs", GATEWAY_URL=f"http://127.0.0.1:{gateways['header']}", CHROMIUM=chromium, SCREENSHOT=str(SCREENSHOT), HOME="/tmp")
+    urls = {"GATEWAY_URL": gateways["header"], "MODEL_URL": gateways["model"], "MODEL_2_URL": gateways["model-2"]}
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in urls.items()}
+    result = node_test("page.test.mjs", **urls, JWT_KEY=JWT_KEY, CHROMIUM=chromium, SCREENSHOT=str(SCREENSHOT), HOME="/tmp")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert SCREENSHOT.stat().st_size > 10_000
 

@@ -7,7 +7,11 @@
 // demo: anyone on the page may name anyone), `?token=` carries a JWT in jwt mode; `?chat=`
 // names the thread (a new one otherwise, kept in the address so a reload shows it). A reload
 // while a reply is being made resumes it (`resumeStream`); "stop" stops it on the server
-// (`POST /api/chat/{id}/stop`: the reply is saved as it stands) as well as in the page.
+// (`POST /api/chat/{id}/stop`: the reply is saved as it stands) as well as in the page. "If a
+// reply is being made" picks what a message sent meanwhile (from another tab, say) does
+// (`concurrentTurns`: wait for it, interrupt it, be refused; the deployment's by default): one
+// that waits says so while it does (the gateway's transient `data-turn` part), a reply cut
+// by another's message says "interrupted", a refused one shows the gateway's reason.
 import { AbstractChat, DefaultChatTransport, lastAssistantMessageIsCompleteWithToolCalls } from "ai";
 
 const config = window.MEMFILTER;
@@ -43,6 +47,7 @@ const el = (tag, attrs = {}, ...children) => {
 };
 
 let chat;
+let waiting = false; // the last message sent waits for the reply being made (`data-turn`)
 
 function part(message, p) {
   if (p.type === "text") return el("div", { className: "text" }, p.text);
@@ -67,7 +72,9 @@ function render() {
   const list = document.getElementById("messages");
   list.replaceChildren(
     ...chat.messages.map((m, i) => {
-      const row = el("li", { className: m.role }, el("b", {}, m.role), ...m.parts.map((p) => part(m, p)).filter(Boolean));
+      const interrupted = m.metadata?.finishReason === "interrupted";
+      const label = el("b", {}, interrupted ? `${m.role} (interrupted)` : m.role);
+      const row = el("li", { className: interrupted ? `${m.role} interrupted` : m.role }, label, ...m.parts.map((p) => part(m, p)).filter(Boolean));
       if (m.role === "user") {
         const edit = el("button", { textContent: "edit", className: "edit" });
         edit.onclick = () => {
@@ -83,8 +90,20 @@ function render() {
       return row;
     }),
   );
-  document.getElementById("status").textContent = chat.status === "error" ? `error: ${chat.error?.message}` : chat.status;
+  if (chat.status !== "submitted") waiting = false;
+  const status = chat.status === "error" ? `error: ${refusal(chat.error?.message)}` : waiting ? "waiting for the reply being made to end" : chat.status;
+  document.getElementById("status").textContent = status;
   document.getElementById("stop").hidden = !["submitted", "streaming"].includes(chat.status);
+}
+
+// The gateway's reason for a refusal (its JSON error answer), else the error as it came.
+function refusal(message) {
+  try {
+    const { error } = JSON.parse(message);
+    return `${error.code}: ${error.message}`;
+  } catch {
+    return message;
+  }
 }
 
 // A stop the server hears: the fetch's abort alone cannot be told from a dropped connection.
@@ -104,11 +123,18 @@ async function start() {
     transport: new DefaultChatTransport({ api: `${gateway}/api/chat`, headers }),
     sendAutomaticallyWhen: lastAssistantMessageIsCompleteWithToolCalls,
     onError: render,
+    onData: (part) => {
+      if (part.type === "data-turn") {
+        waiting = Boolean(part.data?.waiting);
+        render();
+      }
+    },
   });
   document.getElementById("form").onsubmit = (e) => {
     e.preventDefault();
     const input = document.getElementById("input");
-    if (input.value.trim()) chat.sendMessage({ text: input.value });
+    const turns = document.getElementById("turns").value;
+    if (input.value.trim()) chat.sendMessage({ text: input.value }, turns ? { body: { concurrentTurns: turns } } : undefined);
     input.value = "";
   };
   document.getElementById("stop").onclick = stop;
