@@ -121,7 +121,9 @@ def test_double_texts_with_workers_killed_leave_every_thread_in_turn_order_each_
     assert all("-B" in k for k in waited) and len(waited) >= THREADS * PAIRS * 0.8, len(waited)
     if FULL:  # the figures of a run by hand
         longest = max(d["waited"]["ms"] for k in waited for d in decisions[k])
-        print(f"\n{THREADS * PAIRS} double texts over {THREADS} threads, 2 workers killed: {len(decisions)} decisions, {len(waited)} waited (longest {longest} ms)")
+        print(
+            f"\n{THREADS * PAIRS} double texts over {THREADS} threads, 2 workers killed: {len(decisions)} decisions, {len(waited)} waited (longest {longest} ms)"
+        )
     for value in decisions.values():
         msgspec.json.decode(json.dumps(value[0]), type=FilteredInput)  # every one a valid filtered input
     rows = asyncio.run(stored(pipeline, threads))
