@@ -136,8 +136,12 @@ def _error_text(code: str, message: str) -> str:
 
 def stream(reply: dict[str, Any] | None) -> web.Response:
     """The UI message stream of a saved reply (None: a request that asks for none)."""
-    body = b"".join(event(c) for c in (chunks(reply) if reply is not None else [{"type": "start"}, {"type": "finish"}]))
-    return web.Response(body=body + DONE, headers=HEADERS)
+    return web.Response(body=_whole(reply), headers=HEADERS)
+
+
+def _whole(reply: dict[str, Any] | None) -> bytes:
+    """`stream`'s body."""
+    return b"".join(event(c) for c in (chunks(reply) if reply is not None else [{"type": "start"}, {"type": "finish"}])) + DONE
 
 
 def _first(w: Waiting, deadline: float) -> Any:
@@ -359,7 +363,7 @@ class Gateway:
                 return error(STATUS.get(decided.type, 422), decided.type, decided.message), decided.type
             if not wants_reply(decided.context):
                 if started_stream is not None:
-                    await started_stream.write(stream(None).body)
+                    await started_stream.write(_whole(None))
                     return started_stream, "no-reply"
                 return stream(None), "no-reply"
             return await self._relay(request, waiting, started, started_stream)
@@ -394,7 +398,7 @@ class Gateway:
         if isinstance(first, dict):  # a runner that does not stream: the reply, whole, once stored
             self.metrics.wait.labels("reply").observe(time.monotonic() - started)
             if response is not None:
-                await response.write(stream(first).body)
+                await response.write(_whole(first))
                 return response, "answered"
             return stream(first), "answered"
         so_far, more = [first.chunk], _chunks_of(w, first.attempt)
