@@ -370,7 +370,12 @@ class Collector:
         await self.consumer.stop()
 
 
-WORKING_META = {b"epoch", b"replying", b"replying_ms"}  # a thread's meta that is not history: fencing, the reply being made
+WORKING_META = {
+    b"epoch",
+    b"replying",
+    b"replying_ms",
+    b"waiting",
+}  # a thread's meta that is not history: fencing, the reply being made, the requests waiting for it
 
 
 async def dump(pipeline: Pipeline, prefix: str, url: str | None = None) -> dict:

@@ -251,3 +251,43 @@ class TestTheModelsContext:
         view.tail = ["u2", "a3"]
         d = decide(request(*rows[:2], retainFullInput=True), view, T0, history=2)
         assert self.ids(d) == ["u2", "a3", "u0", "a1"]
+
+
+class TestTurns:
+    """A request while its thread's reply is being made (`view.replying`), or behind requests
+    waiting for their turn (`view.waiting`): what each policy makes of it."""
+
+    BUSY = {"replying": "q0", "replying_ms": T0}
+
+    def turn(self, turns, asked=None, at=T0 + 1_000, woken=False, **view):
+        r = request(user("u1"), **({"concurrentTurns": asked} if asked else {}))
+        return decide(r, view_of(**(self.BUSY | view)), at, turns=turns, turn_wait_ms=60_000, woken=woken)
+
+    def test_enqueue_and_interrupt_wait_while_a_reply_is_being_made(self):
+        assert [self.turn(t).wait for t in ("enqueue", "interrupt")] == ["enqueue", "interrupt"]
+        assert self.turn("enqueue").outcome == "waiting" and self.turn("enqueue").persist == []
+
+    def test_concurrent_never_waits_even_behind_waiting_requests(self):
+        assert self.turn("concurrent", waiting=2).wait is None and self.turn("concurrent", waiting=2).error is None
+
+    def test_a_request_behind_waiting_ones_waits_without_interrupting_their_reply(self):
+        assert self.turn("interrupt", waiting=1).wait == "enqueue"
+        assert self.turn("enqueue", replying=None, waiting=1).wait == "enqueue"  # the reply ended, its turn not come yet
+
+    def test_nothing_to_wait_for_decides_at_once(self):
+        assert self.turn("enqueue", replying=None).wait is None
+        assert self.turn("enqueue", at=T0 + 60_000).wait is None  # the reply lapsed
+
+    def test_a_woken_request_is_decided_whatever_the_thread_says(self):
+        decided = self.turn("reject", woken=True, waiting=3)
+        assert decided.wait is None and decided.error is None and decided.outcome != "waiting"
+
+    def test_reject_names_what_the_thread_is_busy_with(self):
+        assert "is answering request q0" in self.turn("reject").error.message
+        assert "has 2 requests waiting for their turn" in self.turn("reject", replying=None, waiting=2).error.message
+
+    def test_a_request_may_narrow_the_policy_never_widen_it(self):
+        assert self.turn("concurrent", asked="enqueue").wait == "enqueue"
+        assert self.turn("enqueue", asked="interrupt").wait == "enqueue"
+        assert self.turn("interrupt", asked="reject").error.type == "busy-thread"
+        assert self.turn("reject", asked="concurrent").error.type == "busy-thread"
