@@ -230,6 +230,21 @@ class TestEnqueue:
         [decided] = filtered(after)
         assert before == [] and decided.waited.lapsed and decided.waited.ms == 59_000 and context_ids(after) == ["u0", "u1"]
 
+    def test_the_metrics_count_waits_interruptions_lapses_and_refusals(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST, at_ms=T0)])
+            await processor.process([request(1, SECOND, at_ms=T0 + 1_000)])
+            await wake(processor, {"t": 0}, T0 + 60_000, offset=10)  # lapsed: q1 answered now
+            await processor.process([request(2, [*SECOND, msg("u2")], at_ms=T0 + 60_001, concurrentTurns="interrupt")])
+            await processor.process([request(3, [*SECOND, msg("u3")], at_ms=T0 + 60_002, concurrentTurns="reject")])
+            m = processor.metrics
+            return {how: m.value("memfilter_turns_total", how=how) for how in ("waited", "interrupted", "lapsed", "rejected")}, m.value(
+                "memfilter_turn_waited_seconds_sum"
+            )
+
+        counts, waited = turns(ENQUEUE, go)
+        assert counts == {"waited": 2, "interrupted": 0, "lapsed": 1, "rejected": 1} and waited == 59.0
+
     def test_a_wake_consumed_again_emits_the_same_bytes_and_another_wake_nothing(self, turns):
         async def go(processor, persister, store):
             await processor.process([request(0, FIRST)])
