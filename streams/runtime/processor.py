@@ -282,6 +282,7 @@ class Processor:
                 decided.outs[i] = outs
             decided.recorded += result.recorded
             decided.windows |= result.windows
+            decided.waits |= result.waits
         return decided
 
     def _decode(self, i: int, record: Record, outs: list[list[Out]]) -> Request | None:
