@@ -286,6 +286,19 @@ class TestEnqueue:
 
         assert [f.threadId for f in filtered(turns(ENQUEUE, go))] == ["t2"]
 
+    def test_a_batch_of_many_lanes_indexes_every_thread_that_waits(self, turns):
+        async def go(processor, persister, store):
+            records = []
+            for i in range(150):  # 300 records: several lanes
+                for n, messages in ((0, [msg(f"x{i}")]), (1, [msg(f"x{i}"), msg(f"y{i}")])):
+                    value = {"requestId": f"q{n}", "threadId": f"t{i}", "resourceId": "r1", "messages": messages}
+                    records.append(Record(TOPICS.requests, 0, len(records), T0 + n, f"t{i}".encode(), json.dumps(value).encode()))
+            return await processor.decide_batch(records)
+
+        decided = turns(ENQUEUE, go)
+        assert len({o.value for outs in decided.outs for o in outs if o.topic == TOPICS.filtered}) == 150  # the first of each thread
+        assert decided.waits == {f"t{i}": (0, T0 + 60_000) for i in range(150)}
+
     def test_an_erasure_drops_what_waits_with_the_thread(self, turns):
         async def go(processor, persister, store):
             await processor.process([request(0, FIRST)])
