@@ -393,6 +393,11 @@ def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[st
             )
 
 
+# Requests one thread keeps waiting for their turn at most: one more is refused `busy-thread`,
+# so that a client sending on and on while a reply streams cannot grow its thread without bound.
+MAX_WAITING = 16
+
+
 def _check_turn(request: Request, view: StoredView, timestamp_ms: int, turns: TurnPolicy, wait_ms: int) -> TurnPolicy | None:
     """What a request does that arrives while the reply to an earlier request of its thread is
     being made (`view.replying`: decided, asked for an answer, its reply not saved yet, and
@@ -403,16 +408,16 @@ def _check_turn(request: Request, view: StoredView, timestamp_ms: int, turns: Tu
     (the caller stops it); `reject`, refused (`busy-thread`), to send again once the reply ends.
     The request may ask for a stricter policy than the deployment's, never a looser one. A
     request that arrives behind waiting ones waits behind them, so that the thread's turns
-    keep their order."""
+    keep their order; behind MAX_WAITING of them, it is refused."""
     asked = request.shape.concurrentTurns
     if asked is not UNSET and TURN_POLICIES.index(asked) > TURN_POLICIES.index(turns):
         turns = asked
     busy = view.replying is not None and timestamp_ms - view.replying_ms < wait_ms
     if turns == "concurrent" or not (busy or view.waiting):
         return None
-    if turns != "reject":
+    if turns != "reject" and view.waiting < MAX_WAITING:
         return turns if busy and not view.waiting else "enqueue"  # behind others: the reply being made is theirs to stop
-    behind = f"is answering request {view.replying}" if busy else f"has {view.waiting} requests waiting for their turn"
+    behind = f"is answering request {view.replying}" if turns == "reject" and busy else f"has {view.waiting} requests waiting for their turn"
     raise Rejected(
         "busy-thread",
         f"thread {request.shape.threadId} {behind}; request {request.request_id} refused (concurrent turns: {turns}): send it again once that reply ends",

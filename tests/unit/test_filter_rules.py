@@ -4,7 +4,7 @@ import msgspec
 import pytest
 from factories import T0
 
-from memfilter.core.filter import Limits, Rejected, StoredView, advances, check_key, decide, decode_request, iso_ms, parse_ms
+from memfilter.core.filter import MAX_WAITING, Limits, Rejected, StoredView, advances, check_key, decide, decode_request, iso_ms, parse_ms
 from memfilter.core.ui import to_ui
 
 
@@ -285,6 +285,11 @@ class TestTurns:
     def test_reject_names_what_the_thread_is_busy_with(self):
         assert "is answering request q0" in self.turn("reject").error.message
         assert "has 2 requests waiting for their turn" in self.turn("reject", replying=None, waiting=2).error.message
+
+    def test_a_thread_keeps_a_bounded_number_waiting_and_refuses_one_more(self):
+        assert self.turn("enqueue", waiting=MAX_WAITING - 1).wait == "enqueue"
+        refused = self.turn("interrupt", waiting=MAX_WAITING).error
+        assert refused.type == "busy-thread" and f"has {MAX_WAITING} requests waiting for their turn" in refused.message
 
     def test_a_request_may_narrow_the_policy_never_widen_it(self):
         assert self.turn("concurrent", asked="enqueue").wait == "enqueue"
