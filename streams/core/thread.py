@@ -31,6 +31,7 @@ class Recorded(msgspec.Struct, omit_defaults=True):
     persist: msgspec.Raw | UnsetType = UNSET  # the PersistMessages value, as sent
     error: Rejection | UnsetType = UNSET
     woken: int = -1  # decided on a wake (a request that waited for its turn): the wake's offset
+    seen: dict[str, str] = {}  # a refusal's headers of what it saw (the processor's `seen`), to send the same again
 
 
 class ThreadState(msgspec.Struct):

@@ -495,7 +495,7 @@ class Processor:
                     planned.append((p, None, rec))
                     continue
                 # refused once woken: it leaves the waiting requests all the same, and a wake again emits this
-                rec = Recorded(error=rec.error, woken=p.wake[0])
+                rec = Recorded(error=rec.error, woken=p.wake[0], seen={k: v.decode() for k, v in p.seen})
                 entry = WINDOW_ENTRY.pack(p.key, p.record.partition, p.record.offset, p.record.timestamp_ms)
                 write = Write(thread, state.version, after, request.shape.resourceId, -1, [], rec, [], entry, [], request.request_id, woken=True)
             planned.append((p, write, rec))
@@ -667,7 +667,8 @@ class Processor:
     def _emit(self, p: _Pending, rec: Recorded) -> list[Out]:
         key, ts = p.record.key, p.record.timestamp_ms
         if rec.error is not msgspec.UNSET:
-            return [dead_letter(p.record, self.topics.dlq, rec.error, p.seen)]
+            seen = p.seen or tuple((k, v.encode()) for k, v in rec.seen.items())  # consumed again: as recorded
+            return [dead_letter(p.record, self.topics.dlq, rec.error, seen)]
         if rec.filtered is msgspec.UNSET:  # committed before (`_decide_thread`), or waiting for its turn
             return [p.stop] if p.stop is not None else []
         outs = [Out(self.topics.filtered, key, bytes(rec.filtered), ts)]

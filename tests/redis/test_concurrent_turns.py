@@ -265,6 +265,22 @@ class TestEnqueue:
         first, again, other, version = turns(ENQUEUE, go)
         assert first and [o.value for o in again] == [o.value for o in first] and other == [] and version == 3
 
+    def test_a_request_refused_once_woken_leaves_the_queue_and_its_dead_letter_comes_again_the_same(self, turns):
+        async def go(processor, persister, store):
+            await processor.process([request(0, FIRST)])
+            await processor.process([request(1, [*FIRST, msg("shared")]), request(2, [*FIRST, msg("u2")])])
+            other = {"requestId": "x", "threadId": "t2", "resourceId": "r1", "messages": [msg("shared")]}
+            await processor.process([Record(TOPICS.requests, 0, 3, T0 + 3_000, b"t2", json.dumps(other).encode())])  # takes the id meanwhile
+            await save_reply(processor, persister, 0, "a0")
+            wakes = as_records((await processor.turns.wake({"t": 0}, T0 + 5_000))[0], 10, T0 + 5_000)
+            first, again = await processor.process(wakes), await processor.process(wakes)
+            return first, again, await processor.turns.wake({"t": 0}, T0 + 5_001)
+
+        first, again, next_wake = turns(ENQUEUE, go)
+        assert refusals(first) == ["foreign-message-id"] and [(o.value, o.headers) for o in again] == [(o.value, o.headers) for o in first]
+        assert "memfilter.waited" in dict(first[0].headers) and "memfilter.history-version" in dict(first[0].headers)
+        assert next_wake  # q2's turn: it no longer waits behind the refused one
+
     def test_a_forged_wake_is_refused_and_wakes_nothing(self, turns):
         async def go(processor, persister, store):
             await processor.process([request(0, FIRST)])
