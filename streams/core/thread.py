@@ -10,7 +10,8 @@ thread is written here and in the script, nowhere else, and a property test
 and holds them equal after every step.
 
 It promises: `after_commit` changes nothing it is given (it returns a new state); the state
-it returns is the one Redis holds once COMMIT answered `ok`, in every field the read fills,
+it returns is the one Redis holds once COMMIT answered `ok`, in every field the read fills
+(but `head`, which it only ever forgets),
 provided the state's `rows` hold every id the write takes out of the conversation (the
 processor reads them so: `window_reach`). No I/O.
 """
@@ -55,7 +56,8 @@ class ThreadState(msgspec.Struct):
     replying_ms: int = 0  # that request's record time, epoch ms
     waiting: int = 0  # requests that wait for their turn (`Write.wait`), oldest first in the thread's `waiting` list
     # The (partition, offset) of the first of them, where a batch asked for it (a wake of the
-    # thread: `HistoryStore.read`'s `heads`), else None.
+    # thread: `HistoryStore.read`'s `heads`); None when not asked for, or not known since a
+    # decision on a wake took the first out (a second wake in the batch then decides nothing).
     head: tuple[int, int] | None = None
     unavailable: str = ""  # why the thread, cold (in PostgreSQL only), could not be loaded back: its requests are refused with it
 
