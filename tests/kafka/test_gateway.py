@@ -17,10 +17,10 @@ worker and the echo agent runner behind it):
   continuation as one stored message, as the client keeps it;
 - `tests/node/page.test.mjs` opens the gateway's chat page in Debian's Chromium (puppeteer-core)
   on a gateway with header identity, as `deploy/run-local.sh` runs it: a typed message gets the
-  answer and a reload shows the stored history; its screenshot is kept at SCREENSHOT; and two
-  tabs on the slow model's gateways, the second sending while the first's reply streams: shown
-  waiting then answered after it (`enqueue`), the first's reply shown interrupted
-  (`interrupt`), refused with the reason (`reject`)."""
+  answer and a reload shows the stored history; its screenshot is kept at SCREENSHOT;
+- `tests/node/page-turns.test.mjs` opens two tabs of it on the slow model's gateways, the second
+  sending while the first's reply streams: shown waiting then answered after it (`enqueue`),
+  the first's reply shown interrupted (`interrupt`), refused with the reason (`reject`)."""
 
 from __future__ import annotations
 
@@ -303,11 +303,17 @@ def test_the_chat_page_in_a_browser_answers_a_typed_message_and_shows_the_stored
     chromium = shutil.which("chromium")
     assert chromium, "Debian's chromium is not installed: deploy/test.sh installs it"
     SCREENSHOT.unlink(missing_ok=True)
-    urls = {"GATEWAY_URL": gateways["header"], "MODEL_URL": gateways["model"], "MODEL_2_URL": gateways["model-2"]}
-    urls = {name: f"http://127.0.0.1:{port}" for name, port in urls.items()}
-    result = node_test("page.test.mjs", **urls, JWT_KEY=JWT_KEY, CHROMIUM=chromium, SCREENSHOT=str(SCREENSHOT), HOME="/tmp")
+    result = node_test("page.test.mjs", GATEWAY_URL=f"http://127.0.0.1:{gateways['header']}", CHROMIUM=chromium, SCREENSHOT=str(SCREENSHOT), HOME="/tmp")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+def test_two_tabs_of_the_chat_page_show_a_message_sent_while_a_reply_streams_waiting_interrupting_it_or_refused(gateways):
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is not installed: deploy/test.sh installs it"
+    urls = {name: f"http://127.0.0.1:{gateways[gateway]}" for name, gateway in (("MODEL_URL", "model"), ("MODEL_2_URL", "model-2"))}
+    result = node_test("page-turns.test.mjs", **urls, JWT_KEY=JWT_KEY, CHROMIUM=chromium, HOME="/tmp")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
 
 def test_a_reply_whose_runner_dies_ends_its_stream_saying_so_and_the_next_owners_reply_is_resumed_and_saved_once(gateways, pipelines, model_agent):

@@ -351,12 +351,12 @@ class TestRedisTrouble:
         async def go(store):
             read, commit, committed = store.read, store.commit, []
 
-            async def first_read_fails(wanted, tail=0):
+            async def first_read_fails(wanted, tail=0, **more):
                 if not committed and not getattr(first_read_fails, "failed", False):
                     first_read_fails.failed = True
                     raise RedisConnectionError("Connection closed by server.")
                 await asyncio.sleep(0.3)
-                return await read(wanted, tail)
+                return await read(wanted, tail, **more)
 
             async def recorded_commit(writes):
                 committed.append(writes)
