@@ -254,6 +254,49 @@ class TestWaitForAReplica:
         assert dropped.returncode == 0 and "keys deleted" in dropped.stdout, dropped.stderr
         assert f"{pipeline.prefix}-rebuilt  " not in pipeline.memfilter("history", "prefixes").stdout
 
+    def test_a_request_waiting_for_its_turn_survives_its_masters_failover_and_is_decided_once_after_the_reply(self, cluster_services):
+        """MEMFILTER_CONCURRENT_TURNS=enqueue: the second request waits, kept on the thread's master
+        and, before its offset is committed, on its replica; the master is killed, the replica
+        takes over (the old master back as its replica); the first reply's save then wakes it, and
+        it is decided once, after the reply."""
+        pipeline, cluster = self.start(cluster_services, MEMFILTER_REDIS_REPLICAS="1", MEMFILTER_CONCURRENT_TURNS="enqueue")
+        thread = f"queued-{uuid.uuid4().hex[:6]}"
+        now = int(time.time() * 1000)  # the reply being made lapses MEMFILTER_TURN_WAIT_S after its request's record time
+        text = {"format": 2, "parts": [{"type": "text", "text": "an answer"}]}
+        try:
+
+            async def run() -> tuple[list, list]:
+                async with Collector(pipeline.bootstrap, [pipeline.topics.filtered, pipeline.topics.persist], isolation_level="read_committed") as got:
+                    for k in (0, 1):  # the first asks for an answer; the second comes before it
+                        key, value, _ = request(thread, k)
+                        await publish(pipeline.bootstrap, pipeline.topics.requests, [(key, value, now + k)])
+                        if k == 0:
+                            assert await got.wait_for(lambda rs: filtered_of(rs, thread), timeout=120)
+                    await asyncio.sleep(3)  # the second's wait committed, on the replica too
+                    assert len(filtered_of(got.records, thread)) == 1
+                    master, replica = cluster.shard_of(f"{pipeline.prefix}:t:{{{thread}}}:meta")
+                    cluster.kill(f"redis-{master}")
+                    cluster.take_over(replica)
+                    await asyncio.to_thread(cluster.up)  # the old master rejoins as the replica: writes are replicated again
+                    reply = {
+                        "requestId": f"{thread}-r0/reply",
+                        "threadId": thread,
+                        "resourceId": "r",
+                        "messages": [{"id": f"{thread}-a0", "role": "assistant", "content": text}],
+                    }
+                    await publish(pipeline.bootstrap, pipeline.topics.persist, [(thread.encode(), json.dumps(reply).encode(), now + 2)])
+                    assert await got.wait_for(lambda rs: len(filtered_of(rs, thread)) == 2, timeout=120)
+                    await asyncio.sleep(1)  # a second decision would be here by now
+                    return filtered_of(got.records, thread), await rows_of(pipeline, thread)
+
+            decided, stored = asyncio.run(run())
+        finally:
+            pipeline.stop_all()
+            cluster.up()
+        assert [d["requestId"] for d in decided] == [f"{thread}-r0", f"{thread}-r1"]
+        assert [m["id"] for m in decided[1]["context"]] == [f"{thread}-u0", f"{thread}-a0", f"{thread}-u1"] and not decided[1]["waited"].get("lapsed")
+        assert stored == [f"{thread}-u0", f"{thread}-a0", f"{thread}-u1"]
+
 
 THREADS, TURNS = 1000, 20
 
