@@ -6,7 +6,8 @@ second its message B without having seen A (a second tab, a phone). Under `enque
 worker decides A, keeps B waiting until the runner's reply to A is saved, then decides B. Every
 thread must end stored as `A, reply to A, B, reply to B, ...`, each request decided once, each
 decision's context the whole stored thread before it (so each reply's model saw everything
-before it), every B saying it waited; and a replay of the log decides everything again the same.
+before it), each B that came while the reply was made (nearly all) saying it waited; a replay of the log decides everything again the same,
+and a rebuild from `persist-messages` gives the same history.
 
 Sized for the suite (THREADS x PAIRS double texts); `MEMFILTER_DOUBLE_TEXTS=1000` runs the
 issue's size (100 threads of 10) once, by hand.
@@ -22,7 +23,7 @@ import time
 import msgspec
 from aiokafka import AIOKafkaProducer
 from factories import msg
-from pipeline import Collector, Pipeline
+from pipeline import Collector, Pipeline, dump
 
 from memfilter.schemas.wire import FilteredInput
 from memfilter.store import reads
@@ -131,6 +132,9 @@ def test_double_texts_with_workers_killed_leave_every_thread_in_turn_order_each_
         assert rows[thread] == seen, thread
     replayed = pipeline.memfilter("replay", timeout=600, **SETTINGS)
     assert replayed.returncode == 0 and "identical, 0 different" in replayed.stdout, replayed.stdout + replayed.stderr
+    rebuilt = pipeline.memfilter("history", "rebuild", "--prefix", f"{pipeline.prefix}-rebuilt", timeout=600)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert asyncio.run(dump(pipeline, f"{pipeline.prefix}-rebuilt")) == asyncio.run(dump(pipeline, pipeline.prefix))  # the same history from the log
 
 
 async def stored(pipeline: Pipeline, threads: list[str]) -> dict[str, list[str]]:
