@@ -6,8 +6,9 @@ second its message B without having seen A (a second tab, a phone). Under `enque
 worker decides A, keeps B waiting until the runner's reply to A is saved, then decides B. Every
 thread must end stored as `A, reply to A, B, reply to B, ...`, each request decided once, each
 decision's context the whole stored thread before it (so each reply's model saw everything
-before it), each B that came while the reply was made (nearly all) saying it waited; a replay of the log decides everything again the same,
-and a rebuild from `persist-messages` gives the same history.
+before it), each B that came while the reply was made (nearly all) saying it waited; a replay
+of the log decides everything again the same, and a rebuild from `persist-messages` gives
+the same history.
 
 Sized for the suite (THREADS x PAIRS double texts); `MEMFILTER_DOUBLE_TEXTS=1000` runs the
 issue's size (100 threads of 10) once, by hand.
