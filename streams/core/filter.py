@@ -393,6 +393,14 @@ def _check_storage(shape: ChatRequestOf[Message], view: StoredView, ids: list[st
             )
 
 
+def reply_pending(replying_ms: int | None, now_ms: int, wait_ms: int) -> bool:
+    """Is a reply being made at `now_ms` (epoch ms): asked for by a request of record time
+    `replying_ms` (None: no reply asked for and not saved yet) less than `wait_ms` before, so
+    that a runner that died holds no thread for ever? The one rule of the turn check, the
+    processor's wakes and the worker's sweep."""
+    return replying_ms is not None and now_ms - replying_ms < wait_ms
+
+
 # Requests one thread keeps waiting for their turn at most: one more is refused `busy-thread`,
 # so that a client sending on and on while a reply streams cannot grow its thread without bound.
 MAX_WAITING = 16
@@ -412,7 +420,7 @@ def _check_turn(request: Request, view: StoredView, timestamp_ms: int, turns: Tu
     asked = request.shape.concurrentTurns
     if asked is not UNSET and TURN_POLICIES.index(asked) > TURN_POLICIES.index(turns):
         turns = asked
-    busy = view.replying is not None and timestamp_ms - view.replying_ms < wait_ms
+    busy = reply_pending(view.replying_ms if view.replying is not None else None, timestamp_ms, wait_ms)
     if turns == "concurrent" or not (busy or view.waiting):
         return None
     if turns != "reject" and view.waiting < MAX_WAITING:

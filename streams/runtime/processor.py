@@ -68,6 +68,7 @@ from memfilter.core.filter import (
     decode_request,
     lookup_ids,
     parse_ms,
+    reply_pending,
     window_reach,
 )
 from memfilter.core.filtered import FORMAT, compact
@@ -518,7 +519,7 @@ class Processor:
     def _due(self, state: ThreadState, now_ms: int) -> bool:
         """Has the turn of the thread's first waiting request come: no reply being made, or the
         one being made not saved within MEMFILTER_TURN_WAIT_S?"""
-        return state.replying is None or now_ms - state.replying_ms >= self.policy.turn_wait_ms
+        return not reply_pending(state.replying_ms if state.replying is not None else None, now_ms, self.policy.turn_wait_ms)
 
     def _waited(self, p: _Pending, state: ThreadState) -> Waited | None:
         """How a request decided on its wake waited: from its record time to the wake's, and

@@ -32,6 +32,7 @@ from __future__ import annotations
 import msgspec
 
 from memfilter.core import origin
+from memfilter.core.filter import reply_pending
 from memfilter.metrics import Metrics
 from memfilter.runtime.processor import STOP_AGAIN_MS
 from memfilter.runtime.records import Out
@@ -84,8 +85,9 @@ class Turns:
                 index[thread] = (partition, None)
                 continue
             key = thread.encode()
-            lapses = int(replying_ms or 0) + self.wait_ms
-            if replying is None or now_ms >= lapses:
+            since = int(replying_ms or 0) if replying is not None else None
+            lapses = (since or 0) + self.wait_ms
+            if not reply_pending(since, now_ms, self.wait_ms):
                 outs.setdefault(partition, []).append(Out(self.topics.requests, key, head, None, origin.wake_headers(key, head, self.secret)))
                 index[thread] = (partition, now_ms + WAKE_AGAIN_MS)
                 continue

@@ -33,18 +33,27 @@ const rows = (page) => page.$$eval("#messages li", (rs) => rs.map((r) => [r.quer
 const streaming = (page) => page.waitForFunction(() => document.querySelector("#messages li.assistant .text")?.innerText.split(" ").length > 2, { timeout: 30_000, polling: 100 });
 const answered = (page, n, timeout = 60_000) =>
   page.waitForFunction((n) => document.querySelectorAll("#messages li.assistant").length === n && document.querySelector("#status").innerText === "ready", { timeout, polling: 100 }, n);
+// Two tabs of one user on one conversation, each on its own gateway; no page error in either.
+const twoTabs = async (name, run) => {
+  const browser = await puppeteer.launch({ executablePath: process.env.CHROMIUM, headless: true, args: ["--no-sandbox"] });
+  try {
+    const [user, chat] = [`${name}-${RUN}`, `${name}-page-${RUN}`];
+    const first = await tab(browser, process.env.MODEL_URL, user, chat);
+    const second = await tab(browser, process.env.MODEL_2_URL, user, chat);
+    await run(first, second);
+    assert.deepEqual([...first.errors, ...second.errors], []);
+  } finally {
+    await browser.close();
+  }
+};
 const stored = async (page) => {
   await page.reload();
   await page.waitForSelector("#messages li");
   return rows(page);
 };
 
-test("a second tab's message waits for the reply being made, says so, and is answered after it", async () => {
-  const browser = await puppeteer.launch({ executablePath: process.env.CHROMIUM, headless: true, args: ["--no-sandbox"] });
-  try {
-    const [user, chat] = [`queue-${RUN}`, `queue-page-${RUN}`];
-    const first = await tab(browser, process.env.MODEL_URL, user, chat);
-    const second = await tab(browser, process.env.MODEL_2_URL, user, chat);
+test("a second tab's message waits for the reply being made, says so, and is answered after it", () =>
+  twoTabs("queue", async (first, second) => {
     await send(first, "slow 40");
     await streaming(first);
     await send(second, "and another thing", "enqueue");
@@ -55,18 +64,10 @@ test("a second tab's message waits for the reply being made, says so, and is ans
     const shown = await stored(second);
     assert.deepEqual(shown.map(([role]) => role), ["user", "assistant", "user", "assistant"]);
     assert.equal(shown[1][1], Array.from({ length: 40 }, (_, i) => `t${i}`).join(" ")); // the first reply, whole, before the second message
-    assert.deepEqual([...first.errors, ...second.errors], []);
-  } finally {
-    await browser.close();
-  }
-});
+  }));
 
-test("a second tab's message interrupts the reply being made, which shows interrupted in the first, or is refused saying why", async () => {
-  const browser = await puppeteer.launch({ executablePath: process.env.CHROMIUM, headless: true, args: ["--no-sandbox"] });
-  try {
-    const [user, chat] = [`cut-${RUN}`, `cut-page-${RUN}`];
-    const first = await tab(browser, process.env.MODEL_URL, user, chat);
-    const second = await tab(browser, process.env.MODEL_2_URL, user, chat);
+test("a second tab's message interrupts the reply being made, which shows interrupted in the first, or is refused saying why", () =>
+  twoTabs("cut", async (first, second) => {
     await send(first, "slow 200");
     await streaming(first);
     await send(second, "stop, I meant this", "interrupt");
@@ -83,8 +84,4 @@ test("a second tab's message interrupts the reply being made, which shows interr
     await send(second, "me too", "reject");
     await second.waitForFunction(() => document.querySelector("#status").innerText.startsWith("error: busy-thread: thread "), { timeout: 10_000, polling: 100 });
     assert.match(await status(second), /is answering request .*send it again once that reply ends/);
-    assert.deepEqual([...first.errors, ...second.errors], []);
-  } finally {
-    await browser.close();
-  }
-});
+  }));
