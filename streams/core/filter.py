@@ -420,8 +420,10 @@ def _check_turn(request: Request, view: StoredView, timestamp_ms: int, turns: Tu
     asked = request.shape.concurrentTurns
     if asked is not UNSET and TURN_POLICIES.index(asked) > TURN_POLICIES.index(turns):
         turns = asked
+    if turns == "concurrent":  # the usual case: nothing to look at
+        return None
     busy = reply_pending(view.replying_ms if view.replying is not None else None, timestamp_ms, wait_ms)
-    if turns == "concurrent" or not (busy or view.waiting):
+    if not (busy or view.waiting):
         return None
     if turns != "reject" and view.waiting < MAX_WAITING:
         return turns if busy and not view.waiting else "enqueue"  # behind others: the reply being made is theirs to stop
