@@ -126,6 +126,10 @@ class GatewayMetrics(_Registry):
         self.wait = Histogram("memfilter_gateway_wait_seconds", "Publish to decision, and to saved reply", ["for"], buckets=_LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("memfilter_gateway_in_flight", "Chat requests waiting now", registry=r)
         self.jwks_fetches = Counter("memfilter_gateway_jwks_fetches", "Fetches of the identity provider's keys", registry=r)
+        self.partitions = Gauge(
+            "memfilter_gateway_partitions", "Partitions of the outcome topics read now: the gateway's share, and those it holds requests on", registry=r
+        )
+        self.forwarded = Counter("memfilter_gateway_forwarded", "Requests and resumes forwarded to the gateway whose share their thread is in", registry=r)
 
 
 class SinkMetrics(_Registry):

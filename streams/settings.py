@@ -286,6 +286,7 @@ class Gateway(
         "caller_rate": "MEMFILTER_GATEWAY_CALLER_RATE",
         "caller_burst": "MEMFILTER_GATEWAY_CALLER_BURST",
         "caller_in_flight": "MEMFILTER_GATEWAY_CALLER_IN_FLIGHT",
+        "address": "MEMFILTER_GATEWAY_ADDRESS",
     },
 ):
     """`memfilter gateway`, the HTTP backend of `useChat`."""
@@ -319,6 +320,10 @@ class Gateway(
     caller_rate: Annotated[float, Meta(gt=0)] = 0.5
     caller_burst: Positive = 10
     caller_in_flight: Positive = 8
+    # the URL the other gateways reach this one at (http://10.1.2.3:6068): the gateways with one
+    # share the outcome topics' partitions among themselves, and forward a request to the one
+    # whose share its thread is in (`memfilter.gateway.shards`); none: this gateway reads them all
+    address: str = ""
 
     def origins(self) -> list[str]:
         """MEMFILTER_GATEWAY_CORS_ORIGINS, one origin each."""
@@ -401,6 +406,10 @@ class Settings(msgspec.Struct, frozen=True):
             raise SettingError("MEMFILTER_TOKEN_COUNTER=o200k needs the bpe-openai package (the o200k_base encoding, offline): pip install 'memfilter[tokens]'")
         if parts["gateway"].jwks_url and not parts["gateway"].jwks_url.startswith(("http://", "https://")):
             raise SettingError(f"MEMFILTER_GATEWAY_JWKS_URL={parts['gateway'].jwks_url!r} is not valid: expected an http:// or https:// URL")
+        if parts["gateway"].address and not parts["gateway"].address.startswith(("http://", "https://")):
+            raise SettingError(
+                f"MEMFILTER_GATEWAY_ADDRESS={parts['gateway'].address!r} is not valid: expected the http:// URL the other gateways reach this one at"
+            )
         for origin in parts["gateway"].origins():
             if not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise SettingError(f"MEMFILTER_GATEWAY_CORS_ORIGINS names {origin!r}: expected origins, scheme://host[:port] each, no path, comma-separated")

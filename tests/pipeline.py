@@ -198,10 +198,13 @@ class Pipeline:
         wait_for_line(worker.log_path, "memfilter worker ready", timeout=90)
         return worker
 
-    def start_gateway(self, name: str, **extra_env: str) -> int:
+    def start_gateway(self, name: str, shared: bool = False, **extra_env: str) -> int:
         """A gateway process (`memfilter gateway`) on the pipeline, named `name` in its log's
-        name, once ready; its port. Stopped with the workers."""
+        name, once ready; its port. Stopped with the workers. `shared`: it shares the partitions
+        with the pipeline's other shared gateways (MEMFILTER_GATEWAY_ADDRESS, its own URL)."""
         port = free_port()
+        if shared:
+            extra_env["MEMFILTER_GATEWAY_ADDRESS"] = f"http://127.0.0.1:{port}"
         log = WORKER_LOGS / f"memfilter-test-{self.name}-gateway-{name}.log"
         gateway = subprocess.Popen(
             [sys.executable, "-m", "memfilter", "gateway", "--port", str(port)],

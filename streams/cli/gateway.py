@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
     from aiohttp import web
 
-    from memfilter.gateway.outcomes import MissingTopics
+    from memfilter.gateway.outcomes import BadTopics
     from memfilter.gateway.server import Gateway as Server
 
     settings = Settings.from_env()
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("memfilter gateway on http://%s:%d (Kafka %s, auth %s)", g.bind, g.port, settings.kafka.bootstrap, g.auth)
     try:
         web.run_app(Server(settings).app(), host=g.bind, port=g.port, print=None, shutdown_timeout=settings.worker.shutdown_s)
-    except MissingTopics as e:
+    except BadTopics as e:
         print(f"memfilter gateway: {e}", file=sys.stderr)
         return 1
     except OSError as e:

@@ -47,7 +47,8 @@ from aiokafka.structs import ConsumerRecord
 from memfilter.client import Client, outcome_of
 from memfilter.core import origin
 from memfilter.core.filter import Rejection
-from memfilter.runtime.loop import ASSIGNED_ONCE_FETCH_MAX_WAIT_MS
+from memfilter.gateway.shards import Peers, owners
+from memfilter.runtime.loop import ASSIGNED_ONCE_FETCH_MAX_WAIT_MS, key_hash
 from memfilter.schemas.wire import FilteredInput, ReplyChunk
 from memfilter.settings import Topics
 from memfilter.store import reads
@@ -55,6 +56,11 @@ from memfilter.store.history import HistoryStore
 
 log = logging.getLogger("memfilter")
 _CHUNK = msgspec.json.Decoder(ReplyChunk)
+# How long the reader waits for records before it looks again at what to read: a request on a
+# partition not read here yet waits for it at most this long, beside the seek.
+FETCH_WAIT_MS = 100
+# How long a resume waits for a gateway to read the replies begun before it took their partition.
+RESUME_CATCH_UP_S = 10.0
 ENDS = frozenset({"finish", "error", "abort"})  # the chunks that end a stream
 
 
@@ -84,8 +90,12 @@ async def stored(store: HistoryStore, reply: dict[str, Any], thread: str, deadli
         pause = min(pause * 2, 0.1)
 
 
-class MissingTopics(Exception):
-    """A topic the gateway reads does not exist; the message names them and the fix."""
+class NotTaken(Exception):
+    """A thread's partition, or the replies being made on it, not read within RESUME_CATCH_UP_S (`Outcomes.waiting`)."""
+
+
+class BadTopics(Exception):
+    """A topic the gateway reads does not exist, or they cannot be shared; the message names them and the fix."""
 
 
 @dataclass(eq=False)
@@ -123,53 +133,115 @@ class Live:
 
 
 class Outcomes:
-    def __init__(self, bootstrap: str, topics: Topics, since_s: float, secret: bytes, store: HistoryStore):
+    def __init__(self, bootstrap: str, topics: Topics, since_s: float, secret: bytes, store: HistoryStore, peers: Peers | None = None):
         self.store = store  # where a reply in flight is looked for, to know when it is stored
         self.bootstrap = bootstrap
         self.topics = topics
         self.since_s = since_s
         self.secret = secret  # MEMFILTER_SECRET, which verifies a reply's attempt (`memfilter.core.origin`)
+        self.peers = peers  # the gateways this one shares the partitions with (None: it reads them all)
+        self._topics = (topics.filtered, topics.dlq, topics.persist, topics.streams)
         self._waiting: dict[bytes, list[Waiting]] = {}  # thread (record key) -> its requests waiting here
         self._live: dict[bytes, Live] = {}  # thread -> the reply being made in it
         self._forgetting: set[asyncio.Task] = set()  # replies ended, waited for in Redis
         self._consumer: AIOKafkaConsumer | None = None
         self._task: asyncio.Task | None = None
-        self._behind: dict[TopicPartition, int] = {}  # a `reply-streams` partition read from back -> its end at the start
-        self.caught_up = asyncio.Event()  # every reply begun before the start is known (`live`)
+        self._counts: dict[str, int] = {}  # topic -> its partitions
+        self._partitions = 1  # of `filtered-inputs`: what a thread's partition is taken modulo
+        self._owners: list[str] = []  # partition -> its gateway's address, when shared
+        self._mine: set[int] = set()  # the partitions of this gateway's share (all, when not shared)
+        self._held: dict[int, int] = {}  # partition -> requests held here on its threads
+        self._assigned: set[TopicPartition] = set()
+        self.reading: set[int] = set()  # the partitions read now: this gateway's, and those it holds requests on
+        self._dirty = False  # the partitions to read have changed
+        self._progress = asyncio.Event()  # set, then replaced, each time `reading` or `_behind` changes
+        self._behind: dict[TopicPartition, int] = {}  # a `reply-streams` partition read from back -> its end when it was taken
+        self.caught_up = asyncio.Event()  # every reply begun before the start, on this gateway's partitions, is known (`live`)
 
     async def start(self, client: Client) -> None:
-        """Read from the topics' ends as of now (`client` says what partitions they have)."""
-        topics = (self.topics.filtered, self.topics.dlq, self.topics.persist, self.topics.streams)
+        """Read from the topics' ends as of now (`client` says what partitions they have): every
+        partition, or this gateway's share of them (`memfilter.gateway.shards`) once `share`d."""
         consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap,
             enable_auto_commit=False,
             isolation_level="read_committed",
-            fetch_max_wait_ms=ASSIGNED_ONCE_FETCH_MAX_WAIT_MS,  # assigned once, below, and never sought after the start
+            fetch_max_wait_ms=ASSIGNED_ONCE_FETCH_MAX_WAIT_MS,  # a change of assignment cancels the fetch in flight: it waits for nothing else
             group_id=None,
         )
         await consumer.start()
         deadline = time.monotonic() + 10  # topics made a moment ago may not be in the brokers' metadata yet
-        while (missing := sorted(set(topics) - await consumer.topics())) and time.monotonic() < deadline:
+        while (missing := sorted(set(self._topics) - await consumer.topics())) and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         if missing:
             await consumer.stop()
-            raise MissingTopics(
-                f"topics {', '.join(missing)} do not exist on {self.bootstrap}: `memfilter stack up` makes them (docs/operations.md: Upgrading)"
+            raise BadTopics(f"topics {', '.join(missing)} do not exist on {self.bootstrap}: `memfilter stack up` makes them (docs/operations.md: Upgrading)")
+        counts = {t: len(await client.partitions(t)) for t in self._topics}
+        self._partitions = counts[self.topics.filtered]
+        if self.peers is not None and len(set(counts.values())) > 1:
+            await consumer.stop()
+            raise BadTopics(
+                "gateways share partitions by number (MEMFILTER_GATEWAY_ADDRESS), but the topics have "
+                + ", ".join(f"{t} {n}" for t, n in counts.items())
+                + ": give them one count (docs/operations.md: Partitions), or leave MEMFILTER_GATEWAY_ADDRESS unset"
             )
-        tps = [TopicPartition(t, p) for t in topics for p in await client.partitions(t)]
-        consumer.assign(tps)
-        await consumer.seek_to_end(*tps)
-        ends = {tp: await consumer.position(tp) for tp in tps}  # the ends as of now: every record after is read
-        streams = [tp for tp in tps if tp.topic == self.topics.streams]
-        since = int((time.time() - self.since_s) * 1000)
-        for tp, found in (await consumer.offsets_for_times({tp: since for tp in streams})).items():
-            if found is not None:  # replies begun in the last `since_s` seconds: resumable here too
-                self._behind[tp] = ends[tp]
-                consumer.seek(tp, found.offset)
-        if not self._behind:
-            self.caught_up.set()
+        self._counts = counts
         self._consumer = consumer
+        await self._reassign()
         self._task = asyncio.create_task(self._run())
+
+    def share(self) -> None:
+        """The live gateways changed (`memfilter.gateway.shards.Peers`): this one's partitions are read again."""
+        self._dirty = True
+
+    def partition_of(self, thread: str) -> int:
+        """The partition of `thread`'s records on the topics read here (they are keyed by it)."""
+        return key_hash(thread.encode()) % self._partitions
+
+    def owner(self, thread: str) -> str | None:
+        """The address of the gateway whose share `thread` is in, if not this one's."""
+        if self.peers is None:
+            return None
+        owner = self._owners[self.partition_of(thread)] if self._owners else self.peers.address
+        return None if owner == self.peers.address else owner
+
+    def _owned(self) -> set[int]:
+        if self.peers is None:
+            self._mine = set(range(self._partitions))
+        else:
+            self._owners = owners(self._partitions, self.peers.live)
+            self._mine = {p for p, a in enumerate(self._owners) if a == self.peers.address}
+        return self._mine
+
+    async def _reassign(self) -> None:
+        """Read this gateway's partitions and those it holds requests for: those kept from where
+        they were, those new from their ends (`reply-streams` from `since_s` back, so that the
+        replies being made there are known: `caught_up`)."""
+        assert self._consumer is not None
+        consumer, self._dirty = self._consumer, False
+        wanted = self._owned() | {p for p, n in self._held.items() if n}
+        tps = {TopicPartition(t, p) for t in self._topics for p in wanted if p < self._counts[t]}
+        if tps == self._assigned:
+            return
+        kept = {tp: await consumer.position(tp) for tp in self._assigned & tps}
+        new = sorted(tps - self._assigned)
+        consumer.assign(sorted(tps))
+        for tp, at in kept.items():
+            consumer.seek(tp, at)
+        if new:
+            await consumer.seek_to_end(*new)
+            ends = {tp: await consumer.position(tp) for tp in new}  # the ends as of now: every record after is read
+            since = int((time.time() - self.since_s) * 1000)
+            streams = {tp: since for tp in new if tp.topic == self.topics.streams}
+            for tp, found in (await consumer.offsets_for_times(streams)).items() if streams else ():
+                if found is not None:  # replies begun in the last `since_s` seconds: resumable here too
+                    self._behind[tp] = ends[tp]
+                    consumer.seek(tp, found.offset)
+        self._behind = {tp: end for tp, end in self._behind.items() if tp in tps}
+        if dropped := {tp.partition for tp in self._assigned - tps}:
+            for thread in [t for t in self._live if self.partition_of(t.decode()) in dropped]:
+                del self._live[thread]  # no longer followed here: a resume of it goes to its gateway
+        self._assigned, self.reading = tps, wanted
+        self._progressed()
 
     async def stop(self) -> None:
         for task in list(self._forgetting):
@@ -185,19 +257,34 @@ class Outcomes:
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    @contextlib.contextmanager
-    def waiting(self, thread: str, resource: str, request_id: str):
-        """A request's wait, registered for as long as the block runs."""
+    @contextlib.asynccontextmanager
+    async def waiting(self, thread: str, resource: str, request_id: str, replies: bool = False):
+        """A request's wait, registered for as long as the block runs, once its thread's partition
+        is read (from before now: what is published after is seen), and, with `replies`, once the
+        replies being made there are known (`live`); NotTaken if not within RESUME_CATCH_UP_S."""
         w = Waiting(thread, resource, request_id)
-        key = thread.encode()
+        key, partition = thread.encode(), self.partition_of(thread)
+        self._held[partition] = self._held.get(partition, 0) + 1
         self._waiting.setdefault(key, []).append(w)
         try:
+            deadline = time.monotonic() + RESUME_CATCH_UP_S
+            while partition not in self.reading or (replies and self._behind_in(partition)):
+                if partition not in self.reading:
+                    self._dirty = True
+                try:
+                    await asyncio.wait_for(self._progress.wait(), deadline - time.monotonic())
+                except TimeoutError:
+                    raise NotTaken(f"partition {partition} of thread {thread}") from None
             yield w
         finally:
             waiting = self._waiting[key]
             waiting.remove(w)
             if not waiting:
                 del self._waiting[key]
+            self._held[partition] -= 1
+            if not self._held[partition]:
+                del self._held[partition]
+                self._dirty = self._dirty or partition not in self._mine
 
     def landed(self, w: Waiting, at: tuple[int, int]) -> None:
         """Where the request landed: its decision is the record naming that position."""
@@ -210,12 +297,20 @@ class Outcomes:
         assert self._consumer is not None
         pruned = time.monotonic()
         while True:
+            if self._dirty:
+                try:
+                    await self._reassign()
+                except Exception:
+                    log.exception("memfilter gateway: taking its partitions failed; trying again")
+                    self._dirty = True
+                    await asyncio.sleep(1)
+                    continue
             if time.monotonic() - pruned > self.since_s:  # replies that never ended (no runner left to end them)
                 pruned = time.monotonic()
                 for thread in [t for t, live in self._live.items() if pruned - live.began > self.since_s]:
                     del self._live[thread]
             try:
-                batch = await self._consumer.getmany(timeout_ms=500)
+                batch = await self._consumer.getmany(timeout_ms=FETCH_WAIT_MS)
             except Exception:
                 log.exception("memfilter gateway: reading outcomes failed; trying again")
                 await asyncio.sleep(1)
@@ -235,9 +330,20 @@ class Outcomes:
                         else:
                             self._decision(w, record)
             if self._behind:
-                self._behind = {tp: end for tp, end in self._behind.items() if await self._consumer.position(tp) < end}
-                if not self._behind:
-                    self.caught_up.set()
+                behind = {tp: end for tp, end in self._behind.items() if await self._consumer.position(tp) < end}
+                if behind != self._behind:
+                    self._behind = behind
+                    self._progressed()
+
+    def _progressed(self) -> None:
+        self._progress.set()
+        self._progress = asyncio.Event()
+        if not self._behind:
+            self.caught_up.set()
+
+    def _behind_in(self, partition: int) -> bool:
+        """Whether the replies begun on `partition` before it was taken are still being read."""
+        return TopicPartition(self.topics.streams, partition) in self._behind
 
     def live(self, thread: str, resource: str) -> Live | None:
         """The reply being made in `thread` for `resource`, if any."""

@@ -54,6 +54,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import aiohttp_cors
 import msgspec
 from aiohttp import web
@@ -66,7 +67,8 @@ from memfilter.core.ui import to_ui
 from memfilter.core.ui_stream import DONE, HEADERS, chunks, event
 from memfilter.gateway.identity import Unauthenticated, resource_of
 from memfilter.gateway.limits import Fairness
-from memfilter.gateway.outcomes import ENDS, Live, Outcomes, Waiting, stored
+from memfilter.gateway.outcomes import ENDS, Live, NotTaken, Outcomes, Waiting, stored
+from memfilter.gateway.shards import FORWARDED, Peers, forward
 from memfilter.metrics import GatewayMetrics
 from memfilter.runtime.records import MAX_RECORD_BYTES
 from memfilter.schemas.wire import TURN_POLICIES, id_problem
@@ -94,8 +96,6 @@ def cors(resource_header: str) -> aiohttp_cors.ResourceOptions:
 
 
 _ANY = msgspec.json.Decoder()  # a body is read whole, then checked key by key (`Gateway._chat`)
-# How long a resume waits for a gateway just started to read the replies begun before it.
-RESUME_CATCH_UP_S = 10.0
 # How long one write to a client may wait for it to read (its socket's buffers full) before the
 # stream is cut: a client that stops reading holds the chunks sent meanwhile, no more.
 WRITE_STALL_S = 10.0
@@ -128,6 +128,12 @@ def error(status: int, code: str, message: str) -> web.Response:
 # its decision; a refusal then is the stream's error, its text the JSON of an error answer.
 WAITING_AFTER_S = 0.5
 WAITING_PART = {"type": "data-turn", "data": {"waiting": True}, "transient": True}
+
+
+def _not_taken(e: NotTaken) -> web.Response:
+    answer = error(503, "starting", f"this gateway has not read {e} yet (it is taking it over from another); try again")
+    answer.headers["Retry-After"] = "1"
+    return answer
 
 
 def _error_text(code: str, message: str) -> str:
@@ -222,7 +228,14 @@ class Gateway:
         self.client = Client(settings.kafka.bootstrap, settings.topics, settings.policy.limits)
         self.redis = connect(settings.redis.url, waits=True)  # every request in flight may read at once
         self.store = HistoryStore(self.redis, settings.redis.prefix, warmer=Warmer.of(settings))
-        self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics, settings.gateway.reply_s, settings.secret, self.store)
+        # with an address of its own, a share of the outcome topics' partitions (`memfilter.gateway.shards`), else them all
+        self.peers = (
+            Peers(self.redis, self.store.gateways_key(settings.topics.filtered), settings.gateway.address, lambda: self.outcomes.share())
+            if settings.gateway.address
+            else None
+        )
+        self.outcomes = Outcomes(settings.kafka.bootstrap, settings.topics, settings.gateway.reply_s, settings.secret, self.store, self.peers)
+        self.metrics.partitions.set_function(lambda: len(self.outcomes.reading))
         self.in_flight = 0
         g = settings.gateway
         self.fair = Fairness(g.caller_rate, g.caller_burst, g.caller_in_flight, time.monotonic)
@@ -251,6 +264,9 @@ class Gateway:
 
     async def _start(self, _: web.Application) -> None:
         self.cut: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # done when a stopping gateway's drain is over
+        self.http = aiohttp.ClientSession()  # to the other gateways, for requests forwarded to them
+        if self.peers is not None:
+            await self.peers.start()
         await self.outcomes.start(self.client)
 
     async def _draining(self, _: web.Application) -> None:
@@ -259,8 +275,11 @@ class Gateway:
         grace = max(0.0, self.settings.worker.shutdown_s - CUT_MARGIN_S)
         log.info("memfilter gateway: stopping; the replies being relayed have %g s to end", grace)
         asyncio.get_running_loop().call_later(grace, self.cut.set_result, None)
+        if self.peers is not None:  # its partitions go to the others now; it reads those of what it still relays
+            await self.peers.stop()
 
     async def _stop(self, _: web.Application) -> None:
+        await self.http.close()
         await self.outcomes.stop()
         await self.client.__aexit__()
         await self.redis.aclose()
@@ -309,8 +328,9 @@ class Gateway:
         return answer
 
     async def _chat(self, request: web.Request, resource: str) -> tuple[web.StreamResponse, str]:
+        raw = await request.read()
         try:  # as the worker decodes a record: UTF-8, nested no deeper than a record may be
-            body = decode_json(_ANY, await request.read(), "the body", "a chat request")
+            body = decode_json(_ANY, raw, "the body", "a chat request")
         except Rejected as e:
             return error(400, e.type, e.message), e.type
         if not isinstance(body, dict) or not isinstance(body.get("id"), str) or not body["id"] or not isinstance(body.get("messages"), list):
@@ -321,52 +341,72 @@ class Gateway:
                 403, "ownership", f"the body names resource {named!r}, but the caller is {resource!r}; a request acts for its caller only"
             ), "ownership"
         thread, request_id = body["id"], request.headers.get("Idempotency-Key") or str(uuid.uuid4())
+        if forwarded := await self._forwarded(request, thread, raw):
+            return forwarded, "forwarded"
         chat_request = {"requestId": request_id, "threadId": thread, "resourceId": resource, "messages": body["messages"]}
         # what the AI SDK's transport sends beside the messages, and a stricter turn policy the page may ask for (`busy-thread`)
         chat_request |= {k: body[k] for k in ("trigger", "messageId", "concurrentTurns") if body.get(k) is not None}
-        g = self.gateway
-        with self.outcomes.waiting(thread, resource, request_id) as waiting:
-            started = time.monotonic()
+        try:
+            async with self.outcomes.waiting(thread, resource, request_id) as waiting:
+                return await self._turn(request, body, chat_request, waiting)
+        except NotTaken as e:
+            return _not_taken(e), "starting"
+
+    async def _forwarded(self, request: web.Request, thread: str, body: bytes = b"") -> web.StreamResponse | None:
+        """The answer of the gateway whose share `thread` is in, streamed back (`memfilter.gateway.shards`),
+        or None if this one serves it: its own, forwarded here already, or its owner not taking it."""
+        owner = self.outcomes.owner(thread)
+        if owner is None or FORWARDED in request.headers:
+            return None
+        response = await forward(self.http, request, owner, body, self.gateway.resource_header, WRITE_STALL_S)
+        if response is not None:
+            self.metrics.forwarded.inc()
+        return response
+
+    async def _turn(self, request: web.Request, body: dict[str, Any], chat_request: dict[str, Any], waiting: Waiting) -> tuple[web.StreamResponse, str]:
+        """A chat request published, its decision waited for and its reply relayed (see the module's header)."""
+        g, request_id = self.gateway, chat_request["requestId"]
+        started = time.monotonic()
+        try:
+            [(_, at)] = await self.client.publish_at([chat_request])
+        except InvalidRequest as e:
+            return error(STATUS.get(e.type, 400), e.type, str(e).split(": ", 1)[-1]), e.type
+        except KafkaError as e:
+            return error(
+                503, "unavailable", f"Kafka at {self.settings.kafka.bootstrap} did not take the request ({type(e).__name__}); try again"
+            ), "unavailable"
+        self.outcomes.landed(waiting, at)
+        turn_wait = self._turn_wait_s(body.get("concurrentTurns"))
+        within = g.outcome_s + turn_wait
+        started_stream: web.StreamResponse | None = None
+        try:
+            decided = await asyncio.wait_for(asyncio.shield(waiting.decided), min(within, WAITING_AFTER_S) if turn_wait else within)
+        except TimeoutError:
+            if not turn_wait:
+                return error(504, "timeout", self._undecided(request_id, within)), "timeout"
+            # It may be waiting for its turn (a reply being made in its thread): the stream
+            # starts now and says so (a transient data part: the page shows it queued), and
+            # goes on with the decision, a refusal then being the stream's error.
+            started_stream = web.StreamResponse(headers=HEADERS)
+            await started_stream.prepare(request)
+            await started_stream.write(event(WAITING_PART))
             try:
-                [(_, at)] = await self.client.publish_at([chat_request])
-            except InvalidRequest as e:
-                return error(STATUS.get(e.type, 400), e.type, str(e).split(": ", 1)[-1]), e.type
-            except KafkaError as e:
-                return error(
-                    503, "unavailable", f"Kafka at {self.settings.kafka.bootstrap} did not take the request ({type(e).__name__}); try again"
-                ), "unavailable"
-            self.outcomes.landed(waiting, at)
-            turn_wait = self._turn_wait_s(body.get("concurrentTurns"))
-            within = g.outcome_s + turn_wait
-            started_stream: web.StreamResponse | None = None
-            try:
-                decided = await asyncio.wait_for(asyncio.shield(waiting.decided), min(within, WAITING_AFTER_S) if turn_wait else within)
+                decided = await asyncio.wait_for(asyncio.shield(waiting.decided), within - WAITING_AFTER_S)
             except TimeoutError:
-                if not turn_wait:
-                    return error(504, "timeout", self._undecided(request_id, within)), "timeout"
-                # It may be waiting for its turn (a reply being made in its thread): the stream
-                # starts now and says so (a transient data part: the page shows it queued), and
-                # goes on with the decision, a refusal then being the stream's error.
-                started_stream = web.StreamResponse(headers=HEADERS)
-                await started_stream.prepare(request)
-                await started_stream.write(event(WAITING_PART))
-                try:
-                    decided = await asyncio.wait_for(asyncio.shield(waiting.decided), within - WAITING_AFTER_S)
-                except TimeoutError:
-                    await started_stream.write(event({"type": "error", "errorText": _error_text("timeout", self._undecided(request_id, within))}) + DONE)
-                    return started_stream, "timeout"
-            self.metrics.wait.labels("decision").observe(time.monotonic() - started)
-            if isinstance(decided, Rejection):
-                if started_stream is not None:
-                    await started_stream.write(event({"type": "error", "errorText": _error_text(decided.type, decided.message)}) + DONE)
-                    return started_stream, decided.type
-                return error(STATUS.get(decided.type, 422), decided.type, decided.message), decided.type
-            if not wants_reply(decided.context):
-                if started_stream is not None:
-                    await started_stream.write(_whole(None))
-                    return started_stream, "no-reply"
-                return stream(None), "no-reply"
-            return await self._relay(request, waiting, started, started_stream)
+                await started_stream.write(event({"type": "error", "errorText": _error_text("timeout", self._undecided(request_id, within))}) + DONE)
+                return started_stream, "timeout"
+        self.metrics.wait.labels("decision").observe(time.monotonic() - started)
+        if isinstance(decided, Rejection):
+            if started_stream is not None:
+                await started_stream.write(event({"type": "error", "errorText": _error_text(decided.type, decided.message)}) + DONE)
+                return started_stream, decided.type
+            return error(STATUS.get(decided.type, 422), decided.type, decided.message), decided.type
+        if not wants_reply(decided.context):
+            if started_stream is not None:
+                await started_stream.write(_whole(None))
+                return started_stream, "no-reply"
+            return stream(None), "no-reply"
+        return await self._relay(request, waiting, started, started_stream)
 
     def _undecided(self, request_id: str, within: float) -> str:
         return f"no decision on request {request_id} within {within:g} s (MEMFILTER_GATEWAY_OUTCOME_S): is a worker running on {self.settings.topics.requests}?"
@@ -504,31 +544,39 @@ class Gateway:
             self.fair.release(resource)
 
     async def _resume(self, request: web.Request, resource: str, thread: str) -> web.StreamResponse:
-        try:  # until then, a reply being made may not be known here yet: no 204 that is not so
-            await asyncio.wait_for(self.outcomes.caught_up.wait(), RESUME_CATCH_UP_S)
-        except TimeoutError:
-            return error(503, "starting", "this gateway is still reading the replies being made; try again")
-        live = self.outcomes.live(thread, resource)
-        if live is None:
-            return web.Response(status=204)
-        self.metrics.requests.labels("resumed").inc()
+        if forwarded := await self._forwarded(request, thread):
+            return forwarded
         deadline = time.monotonic() + self.gateway.reply_s
-        with self.outcomes.waiting(thread, resource, live.request_id) as w:
-            so_far, more = _following(live)
-            response = web.StreamResponse(headers=HEADERS)
-            await response.prepare(request)
-            # its save may have been read before this resume began waiting for it
-            outcome = await self._follow(request, response, thread, so_far, more, lambda: _saved(w, deadline, live.saved), deadline)
+        try:  # once the replies begun on its partition are read: no 204 for a reply not read yet
+            async with self.outcomes.waiting(thread, resource, "", replies=True) as w:
+                live = self.outcomes.live(thread, resource)
+                if live is None:
+                    return web.Response(status=204)
+                self.metrics.requests.labels("resumed").inc()
+                w.request_id = live.request_id
+                so_far, more = _following(live)
+                response = web.StreamResponse(headers=HEADERS)
+                await response.prepare(request)
+                # its save may have been read before this resume began waiting for it
+                outcome = await self._follow(request, response, thread, so_far, more, lambda: _saved(w, deadline, live.saved), deadline)
+        except NotTaken as e:
+            return _not_taken(e)
         if outcome in ("stalled", "stopping"):  # a resume's end the operator watches (a turn's every end is counted in `chat`)
             self.metrics.requests.labels(outcome).inc()
         return response
 
-    async def stop(self, request: web.Request) -> web.Response:
+    async def stop(self, request: web.Request) -> web.StreamResponse:
         owned = await self._owned(request, holds=False)
         if isinstance(owned, web.Response):
             return owned
         resource, thread = owned
-        live = self.outcomes.live(thread, resource)
+        if forwarded := await self._forwarded(request, thread):
+            return forwarded
+        try:  # the reply being made, to name it
+            async with self.outcomes.waiting(thread, resource, "", replies=True):
+                live = self.outcomes.live(thread, resource)
+        except NotTaken as e:
+            return _not_taken(e)
         request_id = live.request_id if live is not None else ""
         try:
             await self.client.stop_reply(thread, resource, request_id)

@@ -75,8 +75,9 @@ log = logging.getLogger("memfilter")
 # A consumer's fetches wait at most this long for data (Kafka answers one at once when data comes):
 # a quiet partition is fetched again that often. Kafka's default; each empty fetch costs the broker ~1 ms.
 FETCH_MAX_WAIT_MS = 500
-# The same for a consumer assigned its partitions once and never sought after its start (the
-# gateway's, the relay's stops): nothing waits on its fetch but data, so only idle polling changes.
+# The same for a consumer that assigns its partitions itself and seeks only right after it does
+# (the gateway's, the relay's stops): a new assignment cancels the fetch in flight, so nothing
+# waits on a fetch but data, and only idle polling changes.
 ASSIGNED_ONCE_FETCH_MAX_WAIT_MS = 5000
 # A task's offsets with no output to commit them with wait this long for its next transaction,
 # then are committed alone (`TaskLoop._handle`): what reads the workers' committed offsets (the
@@ -511,7 +512,7 @@ async def _all(awaitables: Sequence[Awaitable[Any]]) -> list[Any]:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _key_hash(key: bytes) -> int:
+def key_hash(key: bytes) -> int:
     """murmur2 of a record key, as Kafka's default partitioner takes it: aiokafka's is pure
     Python, ~2 µs for a thread id, and a thread's key recurs from batch to batch."""
     return murmur2(key) & 0x7FFFFFFF
@@ -526,7 +527,7 @@ async def _send(producer: AIOKafkaProducer, outs: list[Out]) -> list[tuple[Topic
     by_partition: dict[tuple[str, int], list[Out]] = {}
     for out in outs:
         candidates = partitions[out.topic]
-        partition = random.choice(candidates) if out.key is None else candidates[_key_hash(out.key) % len(candidates)]
+        partition = random.choice(candidates) if out.key is None else candidates[key_hash(out.key) % len(candidates)]
         by_partition.setdefault((out.topic, partition), []).append(out)
     sends = []
     for (topic, partition), group in by_partition.items():

@@ -18,6 +18,8 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:t:{T}:pending:<K>` | string | what was emitted for processed request K (`window_key`, hex), as `Recorded` JSON, until its batch's Kafka transaction commits |
 | `mf:idx:{B}` | hash | message id digest -> digest of the thread that owns it (`id_key`, `thread_tag`), in 4,096 buckets |
 | `mf:waits:<P>` | sorted set | thread id -> when to look at it again (epoch ms), for the threads of partition P with requests waiting: the worker's sweep (`memfilter.runtime.turns`) wakes them once due |
+| `mf:gateways:{F}` | set | the addresses of the gateways sharing the partitions of topic F (`filtered-inputs`) among themselves (MEMFILTER_GATEWAY_ADDRESS, `memfilter.gateway.shards`) |
+| `mf:gateways:{F}:<address>` | string | that gateway's lease: gone LEASE_S after its last heartbeat, by Redis's clock |
 | `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
 | `mf:sync:{S}` | string | a marker `replicate` writes before WAIT, one per cluster node (`mf:sync` on one Redis); expires after a minute |
 
@@ -165,6 +167,10 @@ class Keys:
     def waits_key(self, partition: int) -> str:
         """The threads of a partition with requests waiting for their turn (the sweep's index)."""
         return f"{self.prefix}:waits:{partition}"
+
+    def gateways_key(self, topic: str) -> str:
+        """The gateways that share the partitions of `topic` (and the leases beside it, in its slot)."""
+        return f"{self.prefix}:gateways:{{{topic}}}"
 
     def pending_key(self, thread: str, key: bytes) -> str:
         """Where the record of a processed request (`window_key`) waits for its batch's Kafka commit."""

@@ -25,6 +25,7 @@ worker and the echo agent runner behind it):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import secrets
 import shutil
@@ -43,7 +44,9 @@ from pipeline import WORKER_LOGS, node_test, publish, wait_for_line
 
 from memfilter.client import Client
 from memfilter.core import origin
+from memfilter.gateway import shards
 from memfilter.gateway.outcomes import Outcomes
+from memfilter.runtime.loop import key_hash
 from memfilter.schemas.wire import ReplyChunk
 from memfilter.store.history import HistoryStore
 
@@ -81,19 +84,21 @@ def gateways(pipelines, model_agent):
     workers = [pipeline.start_worker(), model.start_worker()]
     pipeline.start_agent()
     model.start_agent(**model_agent)
-    for worker in workers:
-        wait_for_line(worker.log_path, "memfilter worker ready", timeout=60)
     # each test user sends dozens of requests a second, past a person's share (tests/kafka/test_gateway_limits.py tests the limits)
     reply = {"MEMFILTER_GATEWAY_REPLY_S": "30", "MEMFILTER_GATEWAY_CALLER_RATE": "1000", "MEMFILTER_GATEWAY_CALLER_BURST": "10000"}
     jwt = {"MEMFILTER_GATEWAY_AUTH": "jwt", "MEMFILTER_GATEWAY_JWT_KEY": JWT_KEY}
-    yield {
-        "jwt": pipeline.start_gateway("jwt", **jwt, **reply),
-        "jwt-2": pipeline.start_gateway("jwt-2", **jwt, **reply),
-        "header": pipeline.start_gateway("header", MEMFILTER_GATEWAY_AUTH="header", **reply),
-        "unserved": unserved.start_gateway("unserved", **jwt, MEMFILTER_GATEWAY_OUTCOME_S="5", MEMFILTER_GATEWAY_MAX_IN_FLIGHT="1"),
-        "model": model.start_gateway("model", **jwt, **reply),
-        "model-2": model.start_gateway("model-2", **jwt, **reply),
-    }
+    with concurrent.futures.ThreadPoolExecutor(6) as starting:  # all at once, while the workers take their partitions
+        started = {
+            "jwt": starting.submit(pipeline.start_gateway, "jwt", shared=True, **jwt, **reply),
+            "jwt-2": starting.submit(pipeline.start_gateway, "jwt-2", shared=True, **jwt, **reply),
+            "header": starting.submit(pipeline.start_gateway, "header", MEMFILTER_GATEWAY_AUTH="header", **reply),
+            "unserved": starting.submit(unserved.start_gateway, "unserved", **jwt, MEMFILTER_GATEWAY_OUTCOME_S="5", MEMFILTER_GATEWAY_MAX_IN_FLIGHT="1"),
+            "model": starting.submit(model.start_gateway, "model", shared=True, **jwt, **reply),
+            "model-2": starting.submit(model.start_gateway, "model-2", shared=True, **jwt, **reply),
+        }
+        for worker in workers:
+            wait_for_line(worker.log_path, "memfilter worker ready", timeout=60)
+        yield {name: future.result() for name, future in started.items()}
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +118,11 @@ def test_the_ai_sdks_client_gets_answers_tool_round_trips_regenerations_edits_an
     result = node_test("gateway.test.mjs", GATEWAY_URL=urls["JWT_URL"], JWT_KEY=JWT_KEY, **urls)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     metrics = {name: scrape(port) for name, port in gateways.items()}
-    for outcome in ("answered", "no-reply", "ownership", "foreign-message-id", "duplicate", "schema", "too-large", "unauthenticated"):
-        assert f'memfilter_gateway_requests_total{{outcome="{outcome}"}}' in metrics["jwt"], outcome
-    assert 'memfilter_gateway_wait_seconds_count{for="reply"}' in metrics["jwt"] and "memfilter_gateway_in_flight 0.0" in metrics["jwt"]
-    assert 'memfilter_gateway_requests_total{outcome="answered"}' in metrics["jwt-2"]  # the conversation's second half
+    shared = metrics["jwt"] + metrics["jwt-2"]  # a turn's outcome is counted where it is served: on the gateway whose share its thread is in
+    for outcome in ("answered", "no-reply", "ownership", "foreign-message-id", "duplicate", "schema", "too-large", "unauthenticated", "forwarded"):
+        assert f'memfilter_gateway_requests_total{{outcome="{outcome}"}}' in shared, outcome
+    assert 'memfilter_gateway_wait_seconds_count{for="reply"}' in shared
+    assert "memfilter_gateway_in_flight 0.0" in metrics["jwt"] and "memfilter_gateway_in_flight 0.0" in metrics["jwt-2"]
     for outcome in ("timeout", "busy"):
         assert f'memfilter_gateway_requests_total{{outcome="{outcome}"}} 1.0' in metrics["unserved"], outcome
 
@@ -126,8 +132,9 @@ def test_the_ai_sdks_client_sees_tokens_as_they_come_resumes_on_another_gateway_
     result = node_test("streaming.test.mjs", JWT_KEY=JWT_KEY, **urls)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     metrics = {name: scrape(gateways[name]) for name in ("model", "model-2")}
-    assert 'memfilter_gateway_requests_total{outcome="resumed"} 1.0' in metrics["model-2"]
-    assert 'memfilter_gateway_requests_total{outcome="stopped"}' in metrics["model"]
+    # resumed on the gateway whose share the thread is in (the other forwards it there)
+    assert sum('memfilter_gateway_requests_total{outcome="resumed"} 1.0' in m for m in metrics.values()) == 1
+    assert 'memfilter_gateway_requests_total{outcome="stopped"}' in metrics["model"] + metrics["model-2"]
 
 
 def test_a_gateway_started_while_a_reply_is_being_made_resumes_it_from_its_first_chunk_and_relays_no_forged_chunk(gateways, pipelines):
@@ -281,6 +288,67 @@ def test_a_stopping_gateway_takes_no_new_request_and_cuts_its_streams_saying_so_
     assert process.wait(10) == 0
     assert replayed[: len(relayed) - 1] == relayed[:-1] and replayed[-1]["type"] == "finish"
     assert "".join(c["delta"] for c in replayed if c["type"] == "text-delta") == "".join(f"t{i} " for i in range(40))
+
+
+def test_shared_gateways_read_their_share_forward_the_rest_and_take_back_a_lost_ones(gateways, pipelines):
+    """Gateways with an address (MEMFILTER_GATEWAY_ADDRESS) share the outcome topics' 8
+    partitions (`memfilter.gateway.shards`): each reads its own, and a turn sent to one whose
+    share its thread is not in is forwarded to the one it is in and answered there. A third
+    joins and takes some of them. Killed (its lease not given back), a turn on its share sent
+    before the others know is served where it lands (the owner does not answer); once its lease
+    has expired its partitions are the others' again."""
+    echo, names = pipelines["echo"], ["jwt", "jwt-2"]
+    user = f"shared-{secrets.token_hex(4)}"
+    auth = {"Authorization": f"Bearer {jwt.encode({'sub': user, 'exp': int(time.time()) + 600}, JWT_KEY, algorithm='HS256')}"}
+    ports = {name: gateways[name] for name in names}
+
+    def gauge(port: int, name: str) -> float:
+        return sum(float(line.split()[-1]) for line in scrape(port).splitlines() if line.startswith(f"memfilter_gateway_{name} "))
+
+    def shares_settle(ports: dict[str, int]) -> dict[str, float]:
+        deadline = time.monotonic() + 15
+        while True:
+            read = {name: gauge(port, "partitions") for name, port in ports.items()}
+            if sum(read.values()) == 8 and all(read.values()):
+                return read
+            assert time.monotonic() < deadline, read
+            time.sleep(0.2)
+
+    def thread_of(owner: str, ports: dict[str, int]) -> str:
+        addresses = sorted(f"http://127.0.0.1:{port}" for port in ports.values())
+        owned = shards.owners(8, addresses)
+        while True:
+            thread = f"shared-{secrets.token_hex(4)}"
+            if owned[key_hash(thread.encode()) % 8] == f"http://127.0.0.1:{ports[owner]}":
+                return thread
+
+    async def turn(port: int, thread: str) -> tuple[int, list[dict]]:
+        async with aiohttp.ClientSession() as http:
+            body = {"id": thread, "messages": [{"id": f"{thread}-{secrets.token_hex(2)}", "role": "user", "parts": [{"type": "text", "text": "hi"}]}]}
+            posted = await http.post(f"http://127.0.0.1:{port}/api/chat", json=body, headers=auth)
+            chunks = [await _chunk(posted)] if posted.status == 200 else [None]
+            while chunks[-1] is not None:
+                chunks.append(await _chunk(posted))
+            return posted.status, chunks[:-1]
+
+    shares_settle(ports)
+    for front, owner in (("jwt", "jwt-2"), ("jwt-2", "jwt")):
+        before = gauge(ports[front], "forwarded_total")
+        status, chunks = asyncio.run(turn(ports[front], thread_of(owner, ports)))
+        assert status == 200 and chunks[-1]["type"] == "finish", chunks
+        assert gauge(ports[front], "forwarded_total") == before + 1
+
+    third = echo.start_gateway("jwt-3", shared=True, MEMFILTER_GATEWAY_AUTH="jwt", MEMFILTER_GATEWAY_JWT_KEY=JWT_KEY)
+    [process] = [w for w in echo.workers if getattr(w, "web_port", None) == third]
+    three = ports | {"jwt-3": third}
+    shares_settle(three)
+    lost = thread_of("jwt-3", three)
+    echo.kill(process)
+    status, chunks = asyncio.run(turn(ports["jwt"], lost))  # forwarded to a gateway gone: served here
+    assert status == 200 and chunks[-1]["type"] == "finish", chunks
+    shares_settle(ports)  # its lease expired: its partitions are the others' again
+    status, chunks = asyncio.run(turn(ports["jwt-2"], lost))
+    assert status == 200 and chunks[-1]["type"] == "finish", chunks
 
 
 async def _chunk(response) -> dict | None:

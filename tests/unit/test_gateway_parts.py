@@ -7,12 +7,14 @@ import hashlib
 import hmac
 import re
 import time
+from collections import Counter
 
 import jwt
 import pytest
 
 from memfilter.core.ui_stream import DONE, chunks, event
 from memfilter.gateway.identity import Unauthenticated, resource_of
+from memfilter.gateway.shards import owners
 from memfilter.settings import Gateway
 
 
@@ -187,3 +189,27 @@ class TestEachCallerHasItsShare:
         self.now = 10.0  # every bucket full again
         fair.admit("new", holds=False)
         assert set(fair.callers) == {"c0", "new"}
+
+
+class TestGatewaysShareThePartitions:
+    """`memfilter.gateway.shards.owners`: rendezvous hashing over the live gateways."""
+
+    GATEWAYS = [f"http://10.0.0.{i}:6068" for i in range(1, 6)]
+
+    def test_every_gateway_computes_the_same_owners_from_the_same_leases_in_any_order(self):
+        assert owners(64, self.GATEWAYS) == owners(64, list(reversed(self.GATEWAYS)))
+
+    def test_each_gateway_gets_a_share_of_the_partitions(self):
+        shares = Counter(owners(64, self.GATEWAYS))
+        assert set(shares) == set(self.GATEWAYS) and min(shares.values()) >= 4  # 12.8 each on average
+
+    def test_a_gateway_leaving_moves_only_the_partitions_it_held(self):
+        before, after = owners(64, self.GATEWAYS), owners(64, self.GATEWAYS[1:])
+        assert [p for p in range(64) if before[p] != after[p]] == [p for p in range(64) if before[p] == self.GATEWAYS[0]]
+
+    def test_a_gateway_joining_takes_partitions_from_the_others_and_moves_no_other(self):
+        before, after = owners(64, self.GATEWAYS[1:]), owners(64, self.GATEWAYS)
+        assert {after[p] for p in range(64) if before[p] != after[p]} == {self.GATEWAYS[0]}
+
+    def test_one_gateway_alone_owns_every_partition(self):
+        assert owners(8, self.GATEWAYS[:1]) == self.GATEWAYS[:1] * 8
