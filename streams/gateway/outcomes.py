@@ -20,14 +20,15 @@ It also keeps, for a resume (`GET /api/chat/{id}/stream`), every reply still bei
 chunks of each thread's latest stream, from its `start` to its end (`error` or `abort`; or
 `finish` and its reply stored in Redis, so a page reloaded in between resumes it rather
 than find it nowhere), when it is dropped (or `since_s` after its start, when no
-runner is left to end it). So that a gateway started while replies are being made can resume them, `reply-streams`
-is read from `since_s` seconds back (the longest a reply is waited for); the other topics
-from their ends. Until it has read `reply-streams` up to where its ends were at the start
-(`caught_up`), it cannot tell that no reply is being made in a thread: the gateway is not
-ready meanwhile, and a resume waits for it.
+runner is left to end it). So that a gateway can resume the replies begun before it took a
+partition (at its start, or when the partition moved to it), `reply-streams` is read from
+`since_s` seconds back (the longest a reply is waited for); the other topics from their ends.
+Until it has read a partition of `reply-streams` up to where its end was when it was taken, it
+cannot tell that no reply is being made in a thread there: a resume on that partition waits
+for it, and the gateway is not ready until its first partitions are read so (`caught_up`).
 
-Nothing is shared between gateways: each reads the topics whole, so any gateway can serve any
-request and resume any reply.
+Any gateway can serve any request and resume any reply: it reads the partition of what it
+holds for as long as it holds it.
 """
 
 from __future__ import annotations

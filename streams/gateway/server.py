@@ -23,8 +23,9 @@
 - `GET /api/chat/{id}/stream` (the AI SDK's `resumeStream`): the reply being made in the
   thread, replayed from its first chunk and followed to its end, from any gateway; 204 when
   none is (what the AI SDK's transport takes for "nothing to resume"). The thread's owner only.
-  A gateway just started first reads the replies begun before it (up to RESUME_CATCH_UP_S; 503
-  if it has not by then), so that its 204 is never a reply it has not read yet.
+  A gateway first reads the replies begun on the thread's partition before it took it (up to
+  RESUME_CATCH_UP_S; 503 `starting` if it has not by then), so that its 204 is never a reply it
+  has not read yet.
 - `POST /api/chat/{id}/stop`: stops the reply being made in the thread (a StopReply on
   `reply-stops`): the runner ends the model call and saves what was made, finish reason
   `interrupted`. An abort of the fetch cannot be told from a dropped connection, so it stops
@@ -37,6 +38,10 @@
   the loop in a browser;
 - `/healthz`, `/readyz` (the outcomes reader runs, has read the replies begun before the
   start, and Redis answers), `/metrics`.
+
+Gateways with an address (MEMFILTER_GATEWAY_ADDRESS) share the outcome topics' partitions: a
+turn, a resume or a stop for a thread in another's share is forwarded there, once its caller
+is identified and within its limits, and the answer streamed back (`memfilter.gateway.shards`).
 
 The caller's resource is the only one a request acts for: a body naming another is refused
 (403) before anything is published, and the worker refuses a thread or a message id of
@@ -264,7 +269,8 @@ class Gateway:
 
     async def _start(self, _: web.Application) -> None:
         self.cut: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # done when a stopping gateway's drain is over
-        self.http = aiohttp.ClientSession()  # to the other gateways, for requests forwarded to them
+        # to the other gateways, for requests forwarded to them: as many connections as requests held (MEMFILTER_GATEWAY_MAX_IN_FLIGHT bounds them)
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         if self.peers is not None:
             await self.peers.start()
         await self.outcomes.start(self.client)

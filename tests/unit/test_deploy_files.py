@@ -101,11 +101,20 @@ class TestKubernetes:
         for name, deployment in self.deployments.items():
             [container] = deployment["spec"]["template"]["spec"]["containers"]
             for e in container.get("env", []):
+                if e["name"] in ("POD_IP", "MEMFILTER_GATEWAY_ADDRESS"):
+                    continue  # the pod's own address (test_the_gateways_share_the_partitions_each_reached_at_its_pod)
                 assert e["name"] in names_the_settings_read() and e["name"] not in self.config["data"], (name, e["name"])
                 assert e["valueFrom"]["secretKeyRef"]["key"] in self.secret_keys, (name, e)
             taken = {e["name"] for e in container.get("env", [])}
             wanted = {"MEMFILTER_SECRET"} if name != "sink" else set()  # the sink signs and verifies nothing
             assert wanted | ({"POSTGRES_URL"} if name != "agent" else set()) <= taken, name
+
+    def test_the_gateways_share_the_partitions_each_reached_at_its_pod(self):
+        [container] = self.deployments["gateway"]["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["MEMFILTER_GATEWAY_ADDRESS"]["value"] == f"http://$(POD_IP):{self.config['data']['MEMFILTER_GATEWAY_PORT']}"
+        assert "MEMFILTER_GATEWAY_ADDRESS" in names_the_settings_read()
 
     def test_each_part_listens_where_its_probes_and_scrapes_look(self):
         data = self.config["data"]
