@@ -16,5 +16,5 @@ cd "$(dirname "$0")/.."
 npm ci --prefix tests/node --no-audit --no-fund --loglevel=error  # the AI SDK's client and puppeteer-core, for the gateway's tests
 command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null  # the browser the chat page is tested in
 .venv/bin/python -m pytest tests/unit -n 2 --dist worksteal "$@"
-.venv/bin/python -m pytest tests/redis tests/postgres tests/kafka tests/system -n 2 --dist loadgroup "$@"
+.venv/bin/python -m pytest tests/redis tests/postgres tests/kafka tests/system -n 2 --dist loadgroup --durations=25 "$@"  # the slowest printed: the suite keeps within 15 minutes
 MEMFILTER_TEST_BACKEND=containers .venv/bin/python -m pytest "$@"

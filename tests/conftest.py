@@ -12,6 +12,8 @@ does `pytest tests/redis`):
 - `kafka`: workers, the agent runner, the sink and the command line against a real Kafka,
   Redis and PostgreSQL.
 - `system`: the replicated stack, Compose, the installed wheel, the soaks.
+- `jepsen`: hosts in network namespaces the harness makes (`tests/jepsen/net.py`), and the
+  faults between them; as root. Run by `pytest tests/jepsen`, not by the default paths.
 
 If `KAFKA_BOOTSTRAP_SERVERS` and `REDIS_URL` are both set, the Kafka tier uses those services.
 Otherwise the session starts the project's own stack (`memfilter stack up`) in
@@ -58,6 +60,7 @@ TIERS = {
     "postgres": "the history's PostgreSQL tier against a real PostgreSQL and Redis the session starts",
     "kafka": "against a real Kafka, Redis and PostgreSQL (the session's stack)",
     "system": "replicated stack, Compose, the installed wheel, soaks",
+    "jepsen": "hosts in network namespaces of the harness's own, and faults between them; as root",
 }
 
 

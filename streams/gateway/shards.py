@@ -12,9 +12,10 @@ partitions among themselves:
   after its last renewal (by Redis's clock: the gateways' clocks need not agree), and is listed
   under the topic's key (`memfilter.store.layout`, `gateways_key`); one stopping gives its lease
   back at once;
-- partition P belongs to the live gateway of highest `weight(address, P)` (rendezvous hashing):
-  every gateway computes the same owners from the same leases, and a gateway joining or leaving
-  moves only the partitions it takes or held;
+- partition P belongs to the live gateway of highest `weight(address, P)` among those not
+  holding their even share yet (`owners`: rendezvous hashing, bounded): every gateway computes
+  the same owners from the same leases, none reads more than its share, and a gateway joining
+  or leaving moves about the partitions it takes or held;
 - a request or a resume for a thread on another gateway's partition is forwarded there
   (`forward`), once, the caller's headers and body as they came, and the answer streamed back as
   it comes. A forwarded request is served where it arrives, whoever owns its partition then; so
@@ -59,8 +60,17 @@ def weight(address: str, partition: int) -> int:
 
 
 def owners(partitions: int, live: list[str]) -> list[str]:
-    """Each partition's gateway, by rendezvous hashing over the live ones."""
-    return [max(live, key=lambda a: weight(a, p)) for p in range(partitions)]
+    """Each partition's gateway, by rendezvous hashing over the live ones, bounded: a partition
+    goes to the gateway of highest weight that holds fewer than its even share (rounded up), so
+    that no gateway reads more than that (plain rendezvous hashing gives one of four gateways
+    three of eight partitions as often as not)."""
+    share, held = -(-partitions // len(live)), dict.fromkeys(live, 0)
+    chosen = []
+    for p in range(partitions):
+        owner = next(a for a in sorted(live, key=lambda a: weight(a, p), reverse=True) if held[a] < share)
+        held[owner] += 1
+        chosen.append(owner)
+    return chosen
 
 
 class Peers:

@@ -192,24 +192,34 @@ class TestEachCallerHasItsShare:
 
 
 class TestGatewaysShareThePartitions:
-    """`memfilter.gateway.shards.owners`: rendezvous hashing over the live gateways."""
+    """`memfilter.gateway.shards.owners`: rendezvous hashing over the live gateways, bounded by an even share."""
 
-    GATEWAYS = [f"http://10.0.0.{i}:6068" for i in range(1, 6)]
+    GATEWAYS = [f"http://10.0.0.{i}:6068" for i in range(1, 7)]
+    CASES = [(partitions, gateways) for partitions in (8, 16, 64) for gateways in range(2, 6)]
 
     def test_every_gateway_computes_the_same_owners_from_the_same_leases_in_any_order(self):
         assert owners(64, self.GATEWAYS) == owners(64, list(reversed(self.GATEWAYS)))
 
-    def test_each_gateway_gets_a_share_of_the_partitions(self):
-        shares = Counter(owners(64, self.GATEWAYS))
-        assert set(shares) == set(self.GATEWAYS) and min(shares.values()) >= 4  # 12.8 each on average
+    @pytest.mark.parametrize(("partitions", "gateways"), CASES)
+    def test_no_gateway_reads_more_than_its_even_share_and_each_reads_some(self, partitions, gateways):
+        shares = Counter(owners(partitions, self.GATEWAYS[:gateways]))
+        assert set(shares) == set(self.GATEWAYS[:gateways]) and max(shares.values()) == -(-partitions // gateways)
 
-    def test_a_gateway_leaving_moves_only_the_partitions_it_held(self):
-        before, after = owners(64, self.GATEWAYS), owners(64, self.GATEWAYS[1:])
-        assert [p for p in range(64) if before[p] != after[p]] == [p for p in range(64) if before[p] == self.GATEWAYS[0]]
+    @pytest.mark.parametrize(("partitions", "gateways"), CASES)
+    def test_a_gateway_leaving_moves_its_partitions_and_at_most_as_many_others(self, partitions, gateways):
+        live = self.GATEWAYS[:gateways]
+        before, after = owners(partitions, live), owners(partitions, live[1:])
+        moved = {p for p in range(partitions) if before[p] != after[p]}
+        held = {p for p in range(partitions) if before[p] == live[0]}
+        assert held <= moved and len(moved - held) <= len(held)
 
-    def test_a_gateway_joining_takes_partitions_from_the_others_and_moves_no_other(self):
-        before, after = owners(64, self.GATEWAYS[1:]), owners(64, self.GATEWAYS)
-        assert {after[p] for p in range(64) if before[p] != after[p]} == {self.GATEWAYS[0]}
+    @pytest.mark.parametrize(("partitions", "gateways"), CASES)
+    def test_a_gateway_joining_takes_its_share_moving_at_most_as_many_others(self, partitions, gateways):
+        live, joining = self.GATEWAYS[:gateways], self.GATEWAYS[gateways]
+        before, after = owners(partitions, live), owners(partitions, [*live, joining])
+        moved = {p for p in range(partitions) if before[p] != after[p]}
+        taken = {p for p in range(partitions) if after[p] == joining}
+        assert taken and taken <= moved and len(moved - taken) <= len(taken)
 
     def test_one_gateway_alone_owns_every_partition(self):
         assert owners(8, self.GATEWAYS[:1]) == self.GATEWAYS[:1] * 8

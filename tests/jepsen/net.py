@@ -1,0 +1,167 @@
+"""The Jepsen tier's network: hosts in network namespaces of the harness's own, joined by a
+bridge it makes, and the faults it puts between them.
+
+Every name it makes starts with `mfj` and the run's tag: a namespace per host, a hub namespace
+holding the bridge, a veth pair per host (one end in the host's namespace, the other on the
+bridge) and one for the test process (one end in the machine's namespace). Addresses are
+link-local, 169.254.<subnet>.<n>/24: the test process's end takes .1 (so it reaches every
+host, and no host reaches anything else: no route leaves the subnet), hosts .2 on. Leaving the block (`with Net(...)`) removes all of it, even
+when a test fails; `sweep()` removes what a run that was killed left.
+
+Faults, each undone by `heal()`:
+- `cut(a, b)`: no packet from a reaches b, nor from b reaches a (`one_way=True`: a's to b only),
+  by nft rules in the hosts' own namespaces (table `mfj`); `isolate(a)`: a cut from every other
+  host and from the test process;
+- `loss(a, percent)`: a drops that share of the packets it sends and receives (nft `numgen`);
+- `slow(a, kbit)`: a's link sends at most that rate (tc `tbf`). This machine's kernel has no
+  `netem` (nor `fq_codel`): delay and reordering are not made here.
+Pauses (SIGSTOP) and clocks (faketime) are the processes', not the network's: `Host.popen`
+starts a process in a host.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFIX = "mfj"
+
+
+def _ip(*argv: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    command = ["ip", *(["-n", ns] if ns else []), *argv]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(command)}` failed: {done.stderr.strip()}")
+    return done
+
+
+def _nft(ns: str, rules: str) -> None:
+    done = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"nft in {ns} failed: {done.stderr.strip()}\n{rules}")
+
+
+def sweep() -> None:
+    """Remove every namespace and link a run of the harness left (their names start with PREFIX)."""
+    for line in _ip("netns", "list").stdout.splitlines():
+        if line.startswith(PREFIX):
+            _ip("netns", "del", line.split()[0], check=False)
+    for line in _ip("-o", "link", "show").stdout.splitlines():
+        name = line.split(": ")[1].split("@")[0]
+        if name.startswith(PREFIX):
+            _ip("link", "del", name, check=False)
+
+
+@dataclass
+class Host:
+    name: str
+    ns: str
+    address: str
+    link: str  # its end of the veth pair, in its namespace
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    def popen(self, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None, **kwargs) -> subprocess.Popen:
+        """A process in this host's namespace (stopped when the network is removed)."""
+        out = open(log, "ab") if log is not None else subprocess.DEVNULL
+        process = subprocess.Popen(["ip", "netns", "exec", self.ns, *argv], env=env, stdout=out, stderr=subprocess.STDOUT, **kwargs)
+        self.processes.append(process)
+        return process
+
+    def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", "netns", "exec", self.ns, *argv], capture_output=True, text=True, **kwargs)
+
+
+class Net:
+    """Hosts by name, on a bridge of their own; the faults between them."""
+
+    def __init__(self, names: list[str], subnet: int | None = None):
+        if os.geteuid() != 0:
+            raise PermissionError("the Jepsen tier makes network namespaces: run it as root")
+        self.tag = f"{PREFIX}{secrets.token_hex(2)}"
+        self.subnet = subnet if subnet is not None else 100 + secrets.randbelow(100)
+        self.hub, self.bridge = f"{self.tag}-hub", f"{self.tag}br"
+        self.gateway = f"169.254.{self.subnet}.1"  # the test process's address on the subnet
+        self.names = names
+        self.hosts: dict[str, Host] = {}
+
+    def __enter__(self) -> Net:
+        try:
+            # The bridge is in a namespace of its own (the hub): frames crossing a bridge go
+            # through its namespace's iptables, and the machine's own may drop forwarded
+            # packets (Docker's FORWARD policy does). The test process reaches it by a veth pair.
+            _ip("netns", "add", self.hub)
+            _ip("link", "add", self.bridge, "type", "bridge", ns=self.hub)
+            _ip("link", "set", self.bridge, "up", ns=self.hub)
+            _ip("link", "add", f"{self.tag}r", "type", "veth", "peer", "name", f"{self.tag}rb", "netns", self.hub)
+            _ip("link", "set", f"{self.tag}rb", "master", self.bridge, "up", ns=self.hub)
+            _ip("addr", "add", f"{self.gateway}/24", "dev", f"{self.tag}r")
+            _ip("link", "set", f"{self.tag}r", "up")
+            for n, name in enumerate(self.names, start=2):
+                host = Host(name, f"{self.tag}-{name}", f"169.254.{self.subnet}.{n}", f"{self.tag}h{n}")
+                _ip("netns", "add", host.ns)
+                _ip("link", "set", "lo", "up", ns=host.ns)
+                _ip("link", "add", host.link, "netns", host.ns, "type", "veth", "peer", "name", f"{self.tag}b{n}", "netns", self.hub)
+                _ip("link", "set", f"{self.tag}b{n}", "master", self.bridge, "up", ns=self.hub)
+                _ip("addr", "add", f"{host.address}/24", "dev", host.link, ns=host.ns)
+                _ip("link", "set", host.link, "up", ns=host.ns)
+                _nft(host.ns, _TABLE)
+                self.hosts[name] = host
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *_) -> None:
+        for host in self.hosts.values():
+            for process in host.processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(10)
+        for host in self.hosts.values():
+            _ip("netns", "del", host.ns, check=False)  # its veth pair with it
+        _ip("netns", "del", self.hub, check=False)  # the bridge, and the test process's veth pair
+        _ip("link", "del", f"{self.tag}r", check=False)
+
+    def __getitem__(self, name: str) -> Host:
+        return self.hosts[name]
+
+    def cut(self, a: str, b: str, one_way: bool = False) -> None:
+        """No packet from a to b (and, unless `one_way`, from b to a): each host drops what it
+        would send to the other and what it receives from it."""
+        ha, hb = self.hosts[a], self.hosts[b]
+        _nft(ha.ns, f"add rule inet mfj out ip daddr {hb.address} drop\n")
+        _nft(hb.ns, f"add rule inet mfj in ip saddr {ha.address} drop\n")
+        if not one_way:
+            self.cut(b, a, one_way=True)
+
+    def isolate(self, a: str) -> None:
+        """a hears from no one, the test process included, and reaches no one."""
+        _nft(self.hosts[a].ns, f"add rule inet mfj out ip daddr 169.254.{self.subnet}.0/24 drop\nadd rule inet mfj in ip saddr 169.254.{self.subnet}.0/24 drop\n")
+
+    def loss(self, a: str, percent: int) -> None:
+        """a drops `percent` of the packets it sends and of those it receives, at random."""
+        _nft(self.hosts[a].ns, f"add rule inet mfj out numgen random mod 100 < {percent} drop\nadd rule inet mfj in numgen random mod 100 < {percent} drop\n")
+
+    def slow(self, a: str, kbit: int) -> None:
+        """a's link sends at most `kbit` kilobits a second (a token bucket; what waits longer than 1 s is dropped)."""
+        host = self.hosts[a]
+        done = host.run(["tc", "qdisc", "replace", "dev", host.link, "root", "tbf", "rate", f"{kbit}kbit", "burst", "16kb", "latency", "1s"])
+        if done.returncode != 0:
+            raise RuntimeError(f"tc in {host.ns} failed: {done.stderr.strip()}")
+
+    def heal(self) -> None:
+        """Every fault above undone: the rules flushed, the links' rates back."""
+        for host in self.hosts.values():
+            _nft(host.ns, "flush chain inet mfj in\nflush chain inet mfj out\n")
+            host.run(["tc", "qdisc", "del", "dev", host.link, "root"])
+
+
+# A host's own table: the faults' rules go in these chains (loopback is never touched).
+_TABLE = """table inet mfj {
+  chain in { type filter hook input priority 0; policy accept; iif "lo" accept; }
+  chain out { type filter hook output priority 0; policy accept; oif "lo" accept; }
+}
+"""

@@ -1,0 +1,108 @@
+"""The harness's network (`net.py`) does what the faults say, and leaves nothing behind: hosts
+reach each other through the bridge, a cut stops packets both ways or one way, an isolated
+host reaches no one, loss drops a share, heal undoes it all, and leaving the block removes
+every namespace and link it made."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from net import PREFIX, Net
+
+# A TCP echo server on port 7000 of its host, printing "up" once it listens.
+SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], 7000)); s.listen(64)
+print("up", flush=True)
+while True:
+    c, _ = s.accept(); c.sendall(c.recv(64)); c.close()
+"""
+# Connect to each address given, print one line each: "ok" if the echo came back, else "no".
+CLIENT = """
+import socket, sys
+for address in sys.argv[1:]:
+    try:
+        c = socket.create_connection((address, 7000), timeout=1.0); c.sendall(b"x"); print("ok" if c.recv(1) == b"x" else "no")
+    except OSError:
+        print("no")
+"""
+
+
+def reach(net: Net, source: str, *targets: str) -> list[bool]:
+    """Whether `source` gets an echo from each of `targets`."""
+    done = net[source].run([sys.executable, "-c", CLIENT, *(net[t].address for t in targets)], timeout=30)
+    return [line == "ok" for line in done.stdout.split()]
+
+
+def from_here(address: str) -> bool:
+    """Whether the test process, in the machine's own namespace, gets an echo from `address`."""
+    try:
+        with socket.create_connection((address, 7000), timeout=1.0) as c:
+            c.sendall(b"x")
+            return c.recv(1) == b"x"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def net():
+    with Net(["a", "b", "c"]) as made:
+        for host in made.hosts.values():
+            server = subprocess.Popen(["ip", "netns", "exec", host.ns, sys.executable, "-c", SERVER, host.address], stdout=subprocess.PIPE, text=True)
+            host.processes.append(server)
+            assert server.stdout.readline().strip() == "up"
+        yield made
+
+
+def leftovers() -> list[str]:
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = [line.split(": ")[1] for line in subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines()]
+    return [n for n in [*names, *links] if n.startswith(PREFIX)]
+
+
+class TestTheFaultsDoWhatTheySay:
+    def test_hosts_reach_each_other_and_the_test_process_reaches_them(self, net):
+        assert reach(net, "a", "b", "c") == [True, True]
+        assert from_here(net["a"].address)
+
+    def test_a_cut_stops_packets_both_ways_and_leaves_the_other_links(self, net):
+        net.cut("a", "b")
+        assert reach(net, "a", "b", "c") == [False, True]
+        assert reach(net, "b", "a", "c") == [False, True]
+
+    def test_a_one_way_cut_stops_only_what_goes_that_way(self, net):
+        net.cut("a", "b", one_way=True)  # a's packets never reach b: no connection either way (TCP needs both)
+        assert reach(net, "a", "b") == [False] and reach(net, "b", "a") == [False]
+        assert reach(net, "c", "a", "b") == [True, True]
+
+    def test_an_isolated_host_reaches_no_one_and_no_one_reaches_it(self, net):
+        net.isolate("c")
+        assert reach(net, "c", "a", "b") == [False, False]
+        assert reach(net, "a", "b", "c") == [True, False]
+        assert not from_here(net["c"].address) and from_here(net["a"].address)
+
+    def test_a_lossy_link_drops_some_connections_and_not_all(self, net):
+        net.loss("a", 50)
+        got = [reach(net, "b", "a")[0] for _ in range(12)]
+        assert 0 < sum(got) < 12
+
+    def test_heal_undoes_every_fault(self, net):
+        net.cut("a", "b")
+        net.isolate("c")
+        net.slow("a", 64)
+        net.heal()
+        assert reach(net, "a", "b", "c") == [True, True] and reach(net, "c", "a") == [True]
+
+
+class TestNothingIsLeftBehind:
+    def test_leaving_the_block_removes_every_namespace_and_link_even_when_a_test_fails(self):
+        with pytest.raises(RuntimeError, match="a test failing"), Net(["a", "b"]) as made:
+            assert leftovers()
+            made["a"].popen(["sleep", "60"])
+            started = time.monotonic()
+            raise RuntimeError("a test failing")
+        assert leftovers() == [] and time.monotonic() - started < 20
