@@ -139,7 +139,9 @@ class Net:
 
     def isolate(self, a: str) -> None:
         """a hears from no one, the test process included, and reaches no one."""
-        _nft(self.hosts[a].ns, f"add rule inet mfj out ip daddr 169.254.{self.subnet}.0/24 drop\nadd rule inet mfj in ip saddr 169.254.{self.subnet}.0/24 drop\n")
+        _nft(
+            self.hosts[a].ns, f"add rule inet mfj out ip daddr 169.254.{self.subnet}.0/24 drop\nadd rule inet mfj in ip saddr 169.254.{self.subnet}.0/24 drop\n"
+        )
 
     def loss(self, a: str, percent: int) -> None:
         """a drops `percent` of the packets it sends and of those it receives, at random."""
