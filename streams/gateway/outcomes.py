@@ -3,9 +3,11 @@
 A request published by the gateway is answered by two other services: the worker (a filtered
 input on `filtered-inputs`, or a dead letter) and the agent runner (its reply as it is made,
 chunk by chunk on `reply-streams`, then saved through `persist-messages` as the event
-`<requestId>/reply`). One consumer per gateway, in no group, reads every partition of those
-four topics (read_committed), and hands each record to the requests of the gateway waiting on
-its thread (the record key):
+`<requestId>/reply`). One consumer per gateway, in no group, reads those four topics
+(read_committed): every partition, or, for gateways that share them
+(`memfilter.gateway.shards`), this gateway's share and the partitions of the requests it holds
+(`waiting` takes a request's partition before it is published). It hands each record to the
+requests of the gateway waiting on its thread (the record key):
 
 - a decision is matched by where the request landed on `chat-requests` (partition, offset),
   which no other client can claim (`memfilter.client.outcome_of`); a request waits from
