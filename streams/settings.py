@@ -341,6 +341,7 @@ class Stack(
         "postgres_port": "MEMFILTER_POSTGRES_PORT",
         "partitions": "MEMFILTER_PARTITIONS",
         "maven_settings": "MEMFILTER_MAVEN_SETTINGS",
+        "host": "MEMFILTER_STACK_HOST",
     },
 ):
     """`memfilter stack`: the local Kafka, Redis and PostgreSQL."""
@@ -352,6 +353,9 @@ class Stack(
     postgres_port: Port = 5432
     partitions: Positive | None = None  # None: 8 for topics `stack up` makes, existing ones as they are
     maven_settings: str = ""
+    # the address the services listen on and are reached at: loopback, or a host's own address
+    # where the stack runs in a network namespace (the Jepsen tier's hosts)
+    host: str = "127.0.0.1"
 
 
 PARTS: dict[str, type[msgspec.Struct]] = {

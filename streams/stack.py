@@ -73,6 +73,7 @@ class Settings:
     redis_cluster: bool = False
     topics: tuple[str, ...] = product_settings.Topics().all()  # the product's topics, as the settings name them
     retention: tuple[tuple[str, int], ...] = tuple(product_settings.Topics().retention_ms().items())  # each topic's retention.ms
+    host: str = "127.0.0.1"  # the address every service listens on, and is reached at
 
     @classmethod
     def of(cls, s: product_settings.Settings, partitions: int | None = None, brokers: int = 1, redis_cluster: bool = False) -> Settings:
@@ -89,6 +90,7 @@ class Settings:
             redis_cluster,
             s.topics.all(),
             tuple(s.topics.retention_ms().items()),
+            st.host,
         )
 
     @property
@@ -105,17 +107,17 @@ class Settings:
 
     @property
     def bootstrap(self) -> str:
-        return ",".join(f"127.0.0.1:{port}" for port in self.kafka_ports)
+        return ",".join(f"{self.host}:{port}" for port in self.kafka_ports)
 
     @property
     def redis_url(self) -> str:
         if self.redis_cluster:
-            return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.redis_ports)
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+            return "redis+cluster://" + ",".join(f"{self.host}:{port}" for port in self.redis_ports)
+        return f"redis://{self.host}:{self.redis_port}/0"
 
     @property
     def postgres_url(self) -> str:
-        return f"postgresql://{POSTGRES_USER}@127.0.0.1:{self.postgres_port}/postgres"
+        return f"postgresql://{POSTGRES_USER}@{self.host}:{self.postgres_port}/postgres"
 
     def names(self) -> list[str]:
         """The stack's processes: `kafka` (or `kafka-1`...), then `redis` (or `redis-<port>`...), then `postgres`."""
@@ -307,7 +309,7 @@ def _check_ports(s: Settings, names: list[str]) -> None:
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                sock.bind(("127.0.0.1", port))
+                sock.bind((s.host, port))
                 continue
             except OSError:
                 pass
@@ -346,8 +348,8 @@ def _kafka_libs(s: Settings) -> Path:
 SERVER_PROPERTIES = """\
 process.roles=broker,controller
 node.id={node_id}
-listeners=PLAINTEXT://127.0.0.1:{kafka_port},CONTROLLER://127.0.0.1:{controller_port}
-advertised.listeners=PLAINTEXT://127.0.0.1:{kafka_port}
+listeners=PLAINTEXT://{host}:{kafka_port},CONTROLLER://{host}:{controller_port}
+advertised.listeners=PLAINTEXT://{host}:{kafka_port}
 controller.listener.names=CONTROLLER
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
 {quorum}
@@ -373,7 +375,7 @@ log.retention.ms=-1
 """
 
 REDIS_CONF = """\
-bind 127.0.0.1
+bind {host}
 port {port}
 dir {data}
 logfile {log}
@@ -404,7 +406,7 @@ def _start_redis(s: Settings, name: str, server: str) -> subprocess.Popen:
     home.mkdir(parents=True, exist_ok=True)
     conf = home / "redis.conf"
     port = _ports(s, name)[0][1]
-    text = REDIS_CONF.format(port=port, data=home, log=home / "redis.log")
+    text = REDIS_CONF.format(host=s.host, port=port, data=home, log=home / "redis.log")
     if s.redis_cluster:
         text += REDIS_CLUSTER_CONF.format(timeout=CLUSTER_NODE_TIMEOUT_MS)
     conf.write_text(text)
@@ -431,11 +433,11 @@ def _reachable_by_postgres(folder: Path) -> bool:
 
 
 def _start_postgres(s: Settings, bin_dir: Path) -> subprocess.Popen:
-    return start_postgres(_postgres_home(s), s.postgres_port, bin_dir)
+    return start_postgres(_postgres_home(s), s.postgres_port, bin_dir, s.host)
 
 
-def start_postgres(home: Path, port: int, bin_dir: Path) -> subprocess.Popen:
-    """PostgreSQL on `home`/data (made by initdb on first start), on loopback TCP alone, logging
+def start_postgres(home: Path, port: int, bin_dir: Path, host: str = "127.0.0.1") -> subprocess.Popen:
+    """PostgreSQL on `home`/data (made by initdb on first start), on TCP at `host` alone, logging
     to `home`/postgres.log; as the `postgres` user when started as root (PostgreSQL refuses
     root), in a session of its own (its process group is its server's pid)."""
     data = home / "data"
@@ -448,14 +450,14 @@ def start_postgres(home: Path, port: int, bin_dir: Path) -> subprocess.Popen:
         done = subprocess.run(init, capture_output=True, text=True, user=user)
         if done.returncode != 0:
             raise StackError(f"initdb of PostgreSQL's data in {data} failed: {(done.stderr or done.stdout).strip()[-200:]}")
-    server = [str(bin_dir / "postgres"), "-D", str(data), "-p", str(port), "-c", "listen_addresses=127.0.0.1", "-c", "unix_socket_directories="]
+    server = [str(bin_dir / "postgres"), "-D", str(data), "-p", str(port), "-c", f"listen_addresses={host}", "-c", "unix_socket_directories="]
     with open(home / "postgres.log", "ab") as out:
         return subprocess.Popen(server, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, user=user)
 
 
-def postgres_answers(port: int) -> bool:
-    """Does the PostgreSQL on this loopback port accept connections (pg_isready)?"""
-    done = subprocess.run([str(postgres_bin() / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port)], capture_output=True)
+def postgres_answers(port: int, host: str = "127.0.0.1") -> bool:
+    """Does the PostgreSQL on this port accept connections (pg_isready)?"""
+    done = subprocess.run([str(postgres_bin() / "pg_isready"), "-q", "-h", host, "-p", str(port)], capture_output=True)
     return done.returncode == 0
 
 
@@ -463,10 +465,11 @@ def _kafka_properties(s: Settings, n: int, data: Path) -> str:
     """Broker n's (from 0) server.properties: one broker, its own quorum; or one of a replicated
     cluster, a voter of a static quorum of all of them."""
     if s.brokers == 1:
-        quorum = f"controller.quorum.bootstrap.servers=127.0.0.1:{s.controller_ports[n]}"
+        quorum = f"controller.quorum.bootstrap.servers={s.host}:{s.controller_ports[n]}"
     else:
-        quorum = "controller.quorum.voters=" + ",".join(f"{i + 1}@127.0.0.1:{port}" for i, port in enumerate(s.controller_ports))
+        quorum = "controller.quorum.voters=" + ",".join(f"{i + 1}@{s.host}:{port}" for i, port in enumerate(s.controller_ports))
     return SERVER_PROPERTIES.format(
+        host=s.host,
         node_id=n + 1,
         kafka_port=s.kafka_ports[n],
         controller_port=s.controller_ports[n],
@@ -509,17 +512,17 @@ def _cluster_id(s: Settings, java: str, libs: Path) -> str:
     return path.read_text().strip()
 
 
-def _port_open(port: int) -> bool:
+def _port_open(port: int, host: str) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
+        with socket.create_connection((host, port), timeout=1):
             return True
     except OSError:
         return False
 
 
-def _redis_answers(port: int) -> bool:
+def _redis_answers(port: int, host: str) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+        with socket.create_connection((host, port), timeout=1) as sock:
             sock.sendall(b"PING\r\n")
             return sock.recv(16).startswith(b"+PONG")
     except OSError:
@@ -608,17 +611,17 @@ async def _keep_retention(admin: Any, topics: list[str], retention: dict[str, in
                 raise StackError(f"Kafka refused the retention of topic {topic} (error {code}: {message}); set it with kafka-configs.sh --alter")
 
 
-def _redis_cli(port: int, *args: str) -> str:
-    done = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=60)
+def _redis_cli(host: str, port: int, *args: str) -> str:
+    done = subprocess.run(["redis-cli", "-h", host, "-p", str(port), *args], capture_output=True, text=True, timeout=60)
     return done.stdout + done.stderr
 
 
-def _cluster_ok(ports: list[int]) -> bool:
+def _cluster_ok(host: str, ports: list[int]) -> bool:
     """Every node of the Redis Cluster sees all the slots served, and every replica has its
     master's data (a node started again syncs with its master first)."""
     for port in ports:
-        replication = _redis_cli(port, "info", "replication")
-        if "cluster_state:ok" not in _redis_cli(port, "cluster", "info") or ("role:slave" in replication and "master_link_status:up" not in replication):
+        replication = _redis_cli(host, port, "info", "replication")
+        if "cluster_state:ok" not in _redis_cli(host, port, "cluster", "info") or ("role:slave" in replication and "master_link_status:up" not in replication):
             return False
     return True
 
@@ -627,11 +630,11 @@ def _create_cluster(s: Settings, deadline: float) -> None:
     """Join the nodes into a cluster of three masters with a replica each, once; then wait until
     it is whole (`_cluster_ok`: after a restart too, while a node takes its place again)."""
     ports = s.redis_ports
-    if "cluster_known_nodes:1\n" in _redis_cli(ports[0], "cluster", "info"):
-        out = _redis_cli(ports[0], "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "1", "--cluster-yes")
+    if "cluster_known_nodes:1\n" in _redis_cli(s.host, ports[0], "cluster", "info"):
+        out = _redis_cli(s.host, ports[0], "--cluster", "create", *(f"{s.host}:{p}" for p in ports), "--cluster-replicas", "1", "--cluster-yes")
         if "[OK] All 16384 slots covered" not in out:
             raise StackError(f"`redis-cli --cluster create` failed: {out.strip().splitlines()[-1:]}")
-    while not _cluster_ok(ports):
+    while not _cluster_ok(s.host, ports):
         if time.monotonic() > deadline:
             raise StackError(f"the Redis Cluster on ports {ports[0]}-{ports[-1]} did not reach cluster_state:ok in time")
         time.sleep(0.2)
@@ -644,7 +647,7 @@ def _wait(s: Settings, started: dict[str, subprocess.Popen], timeout: float) -> 
         port = _ports(s, name)[0][1]
         log = _postgres_home(s) / "postgres.log" if name == "postgres" else _home(s, name) / ("redis.log" if name.startswith("redis") else "kafka.log")
         answers = {"r": _redis_answers, "k": _port_open, "p": postgres_answers}[name[0]]
-        while not answers(port):
+        while not answers(port, s.host):
             if process.poll() is not None:
                 raise StackError(f"{name} exited at start: see {log}")
             if time.monotonic() > deadline:
@@ -762,9 +765,9 @@ def status(s: Settings) -> tuple[str, bool]:
         state = "running" if is_up[name] else "stopped"
         ports = _ports(s, name)
         if name.startswith("kafka"):
-            where = f"127.0.0.1:{ports[0][1]} (controller {ports[1][1]})"
+            where = f"{s.host}:{ports[0][1]} (controller {ports[1][1]})"
         else:
-            where = s.postgres_url if name == "postgres" else f"redis://127.0.0.1:{ports[0][1]}"
+            where = s.postgres_url if name == "postgres" else f"redis://{s.host}:{ports[0][1]}"
         pid = r.pids.get(name, "-")
         lines.append(f"  {name}  {state}  pid {pid}  {where}")
     return "\n".join(lines), all(is_up.values())

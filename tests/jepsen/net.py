@@ -9,8 +9,9 @@ host, and no host reaches anything else: no route leaves the subnet), hosts .2 o
 when a test fails; `sweep()` removes what a run that was killed left.
 
 Faults, each undone by `heal()`:
-- `cut(a, b)`: no packet from a reaches b, nor from b reaches a (`one_way=True`: a's to b only),
-  by nft rules in the hosts' own namespaces (table `mfj`); `isolate(a)`: a cut from every other
+- `cut(a, b)`: no packet from a reaches b, nor from b reaches a (`one_way=True`: a's to b only;
+  `port`: only a's connections to that port of b), by nft rules in the hosts' own namespaces
+  (table `mfj`); `isolate(a)`: a cut from every other
   host and from the test process;
 - `loss(a, percent)`: a drops that share of the packets it sends and receives (nft `numgen`);
 - `slow(a, kbit)`: a's link sends at most that rate (tc `tbf`). This machine's kernel has no
@@ -21,8 +22,10 @@ starts a process in a host.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import signal
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,6 +123,10 @@ class Net:
                 if process.poll() is None:
                     process.kill()
                     process.wait(10)
+            # and what they left running there (daemons, a stack's services): a namespace lives on while a process holds it
+            for pid in _ip("netns", "pids", host.ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
         for host in self.hosts.values():
             _ip("netns", "del", host.ns, check=False)  # its veth pair with it
         _ip("netns", "del", self.hub, check=False)  # the bridge, and the test process's veth pair
@@ -128,14 +135,17 @@ class Net:
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]
 
-    def cut(self, a: str, b: str, one_way: bool = False) -> None:
+    def cut(self, a: str, b: str, one_way: bool = False, port: int | None = None) -> None:
         """No packet from a to b (and, unless `one_way`, from b to a): each host drops what it
-        would send to the other and what it receives from it."""
+        would send to the other and what it receives from it. With `port`, only a's connections
+        to that TCP port of b (a worker cut from the brokers, not from Redis on the same host)."""
         ha, hb = self.hosts[a], self.hosts[b]
-        _nft(ha.ns, f"add rule inet mfj out ip daddr {hb.address} drop\n")
-        _nft(hb.ns, f"add rule inet mfj in ip saddr {ha.address} drop\n")
+        to, back = ("", "") if port is None else (f" tcp dport {port}", f" tcp sport {port}")
+        _nft(ha.ns, f"add rule inet mfj out ip daddr {hb.address}{to} drop\n")
+        _nft(hb.ns, f"add rule inet mfj in ip saddr {ha.address}{to} drop\n")
         if not one_way:
-            self.cut(b, a, one_way=True)
+            _nft(hb.ns, f"add rule inet mfj out ip daddr {ha.address}{back} drop\n")
+            _nft(ha.ns, f"add rule inet mfj in ip saddr {hb.address}{back} drop\n")
 
     def isolate(self, a: str) -> None:
         """a hears from no one, the test process included, and reaches no one."""

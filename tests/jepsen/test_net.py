@@ -79,6 +79,10 @@ class TestTheFaultsDoWhatTheySay:
         assert reach(net, "a", "b") == [False] and reach(net, "b", "a") == [False]
         assert reach(net, "c", "a", "b") == [True, True]
 
+    def test_a_cut_of_one_port_leaves_the_hosts_other_ports(self, net):
+        net.cut("a", "b", port=7000)
+        assert reach(net, "a", "b") == [False] and reach(net, "b", "a") == [True]  # b's connections to a are not a's to b's port
+
     def test_an_isolated_host_reaches_no_one_and_no_one_reaches_it(self, net):
         net.isolate("c")
         assert reach(net, "c", "a", "b") == [False, False]

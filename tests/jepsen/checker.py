@@ -1,0 +1,124 @@
+"""The independent checker: what the product promises (docs/delivery.md), as a model, held
+against what the clients were told and what the topics and Redis hold after. It imports none of
+the product's code: it reads the wire as JSON and Kafka headers, as any consumer would.
+
+The workload (`workload.py`) is full echoes: turn k of a thread publishes the thread's user
+messages u0..uk, as `useChat` sends the whole conversation. So the history a decision saw shows
+in what it contributed: the messages of its request not stored before it. A model of each
+thread, applied in the order the thread's outcomes are on their topics, says what that must be.
+
+Found, each a line of `Verdict.problems`:
+- `lost`: a request whose publish was acknowledged has no outcome (a filtered input or a dead
+  letter naming its position);
+- `twice`: a request with two outcomes, or a message saved by two events;
+- `order`: a thread's outcomes not in the order its requests were published;
+- `stale`: a decision that contributed a message stored before it (it saw history that a later
+  state contradicts: a write lost, or read from a replica behind), or left out one that was not;
+- `stored`: a thread's stored order in Redis not the messages its outcomes contributed, in order;
+- `dead letter`: a dead letter without its reason (`error.type`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sent:
+    """One request as its client saw it: where its publish landed (None: not acknowledged)."""
+
+    thread: str
+    turn: int
+    request_id: str
+    messages: list[str]  # the message ids it carried, in order
+    at: tuple[int, int] | None  # (partition, offset) on the requests topic, once acknowledged
+    sent_ms: int = 0  # when it was published (epoch ms)
+
+
+@dataclass
+class Outcome:
+    """A record of `filtered-inputs` or the dead-letter topic naming a request's position."""
+
+    at: tuple[int, int]  # the request's position
+    where: tuple[int, int]  # the outcome's own (partition, offset)
+    thread: str
+    contributed: list[str] | None  # message ids; None: a dead letter
+    reason: str = ""
+    ts_ms: int = 0  # the outcome record's time (epoch ms)
+
+
+@dataclass
+class Verdict:
+    problems: list[str] = field(default_factory=list)
+    outcomes: int = 0
+    dead_letters: int = 0
+    unacknowledged: int = 0
+    longest_unanswered_s: float = 0.0  # the longest any acknowledged request waited for its outcome
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def outcome_of(topic_kind: str, partition: int, offset: int, key: bytes | None, value: bytes, headers: dict[str, str], ts_ms: int = 0) -> Outcome | None:
+    """An outcome from a record's bytes: a filtered input (JSON: `source`, `messages`, which
+    refer into `context` by `{"$ref": "#/context/<i>"}`) or a dead letter (headers `source.*`)."""
+    if topic_kind == "filtered":
+        event = json.loads(value)
+        context = event.get("context", [])
+        ids = []
+        for m in event["messages"]:
+            if "$ref" in m:
+                m = context[int(m["$ref"].rsplit("/", 1)[1])]
+            ids.append(m["id"])
+        src = event["source"]
+        return Outcome((src["partition"], src["offset"]), (partition, offset), event["threadId"], ids, ts_ms=ts_ms)
+    if "source.partition" not in headers:
+        return None
+    at = (int(headers["source.partition"]), int(headers["source.offset"]))
+    return Outcome(at, (partition, offset), (key or b"").decode(errors="replace"), None, headers.get("error.type", ""), ts_ms)
+
+
+def check(sent: list[Sent], outcomes: list[Outcome], saved: dict[str, list[list[str]]], stored: dict[str, list[str]]) -> Verdict:
+    """`saved`: each thread's `persist-messages` events, as the message ids each saves, in log
+    order; `stored`: each thread's stored order in Redis."""
+    verdict = Verdict(outcomes=len(outcomes), dead_letters=sum(o.contributed is None for o in outcomes))
+    by_at: dict[tuple[int, int], list[Outcome]] = defaultdict(list)
+    for o in outcomes:
+        by_at[o.at].append(o)
+        if o.contributed is None and not o.reason:
+            verdict.problems.append(f"dead letter: the outcome at {o.where} of request {o.at} has no error.type")
+    threads: dict[str, list[Sent]] = defaultdict(list)
+    for s in sent:
+        threads[s.thread].append(s)
+        if s.at is None:
+            verdict.unacknowledged += 1
+        elif not by_at.get(s.at):
+            verdict.problems.append(f"lost: request {s.request_id} (acknowledged at {s.at}) has no outcome")
+        if s.at is not None and by_at.get(s.at):
+            verdict.longest_unanswered_s = max(verdict.longest_unanswered_s, (by_at[s.at][0].ts_ms - s.sent_ms) / 1000)
+        if s.at is not None and len(by_at.get(s.at, ())) > 1:
+            verdict.problems.append(f"twice: request {s.request_id} has {len(by_at[s.at])} outcomes")
+    for thread, requests in threads.items():
+        decided = sorted(((by_at[s.at][0], s) for s in requests if s.at is not None and by_at.get(s.at)), key=lambda p: p[0].where)
+        if [s.turn for _, s in decided] != sorted(s.turn for _, s in decided):
+            verdict.problems.append(f"order: thread {thread}'s outcomes are for turns {[s.turn for _, s in decided]}")
+        model: list[str] = []  # the thread's stored order, as the outcomes so far make it
+        for o, s in decided:
+            if o.contributed is None:
+                continue
+            expected = [m for m in s.messages if m not in model]
+            if o.contributed != expected:
+                verdict.problems.append(f"stale: request {s.request_id} contributed {o.contributed}, but {expected} were not stored before it")
+            model.extend(m for m in o.contributed if m not in model)
+        if stored.get(thread, []) != model:
+            verdict.problems.append(f"stored: thread {thread} holds {stored.get(thread, [])}, its outcomes contributed {model}")
+        seen: set[str] = set()
+        for event in saved.get(thread, []):
+            for m in event:
+                if m in seen:
+                    verdict.problems.append(f"twice: message {m} of thread {thread} saved by two events")
+                seen.add(m)
+    return verdict
