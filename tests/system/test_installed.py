@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -117,10 +118,14 @@ def config_map() -> dict[str, str]:
 def manifest_env(container: dict, secrets: dict[str, str], test_env: dict[str, str]) -> dict[str, str]:
     """A container's environment as Kubernetes gives it (its ConfigMap, its Secret's keys), with
     the test pipeline's settings on top (its services, topics, group and prefix)."""
-    env = dict(config_map())
+    env = dict(config_map()) | test_env
     for e in container.get("env", []):
-        ref = e["valueFrom"]["secretKeyRef"]
-        if ref["key"] in secrets:
+        if "value" in e:  # `$(NAME)` expanded from what is defined before, as Kubernetes does
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+        elif "fieldRef" in e["valueFrom"]:
+            assert e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", e
+            env[e["name"]] = "127.0.0.1"  # the pod's address: here, the machine's loopback
+        elif (ref := e["valueFrom"]["secretKeyRef"])["key"] in secrets:
             env[e["name"]] = secrets[ref["key"]]
         else:
             assert ref.get("optional"), f"{container['name']} needs the Secret's key {ref['key']}"
