@@ -136,9 +136,10 @@ class Running:
     brokers: int = 1
     redis_cluster: bool = False
     postgres_port: int = 0  # 0: a stack recorded before PostgreSQL was part of it
+    host: str = "127.0.0.1"  # where its services listen (MEMFILTER_STACK_HOST)
 
     def settings(self, s: Settings) -> Settings:
-        """`s` with this stack's ports and shape."""
+        """`s` with this stack's ports, address and shape."""
         return Settings(
             s.dir,
             self.kafka_port,
@@ -151,6 +152,7 @@ class Running:
             self.redis_cluster,
             s.topics,
             s.retention,
+            self.host,
         )
 
     def exports(self, s: Settings, secret: str) -> str:
@@ -382,7 +384,7 @@ logfile {log}
 appendonly yes
 appendfsync everysec
 save ""
-protected-mode yes
+protected-mode {protected}
 """
 
 REDIS_CLUSTER_CONF = """\
@@ -406,7 +408,10 @@ def _start_redis(s: Settings, name: str, server: str) -> subprocess.Popen:
     home.mkdir(parents=True, exist_ok=True)
     conf = home / "redis.conf"
     port = _ports(s, name)[0][1]
-    text = REDIS_CONF.format(host=s.host, port=port, data=home, log=home / "redis.log")
+    # protected mode answers only loopback's clients: a stack on a host's own address
+    # (MEMFILTER_STACK_HOST, a network namespace of the Jepsen tier's) serves the other hosts there
+    protected = "yes" if s.host.startswith("127.") else "no"
+    text = REDIS_CONF.format(host=s.host, port=port, data=home, log=home / "redis.log", protected=protected)
     if s.redis_cluster:
         text += REDIS_CLUSTER_CONF.format(timeout=CLUSTER_NODE_TIMEOUT_MS)
     conf.write_text(text)
@@ -726,7 +731,7 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
         raise
     running = {**(before.pids if before is not None else {}), **{name: process.pid for name, process in started.items()}}
     pids = {name: running[name] for name in s.names()}
-    record = Running(pids, s.kafka_port, s.controller_port, s.redis_port, s.brokers, s.redis_cluster, s.postgres_port)
+    record = Running(pids, s.kafka_port, s.controller_port, s.redis_port, s.brokers, s.redis_cluster, s.postgres_port, s.host)
     _state_file(s).write_text(json.dumps(asdict(record)))
     if before is not None:
         _say(f"started {' and '.join(missing)} again; the stack runs from {s.dir}")

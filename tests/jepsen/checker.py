@@ -4,17 +4,19 @@ the product's code: it reads the wire as JSON and Kafka headers, as any consumer
 
 The workload (`workload.py`) is full echoes: turn k of a thread publishes the thread's user
 messages u0..uk, as `useChat` sends the whole conversation. So the history a decision saw shows
-in what it contributed: the messages of its request not stored before it. A model of each
-thread, applied in the order the thread's outcomes are on their topics, says what that must be.
+in what it saved (its event on `persist-messages`, by its `requestId`): the messages of its
+request not stored before it, and only those (docs: the spec's "What is saved"). A model of
+each thread, applied in the order the thread's outcomes are on their topics, says what that
+must be.
 
 Found, each a line of `Verdict.problems`:
 - `lost`: a request whose publish was acknowledged has no outcome (a filtered input or a dead
   letter naming its position);
 - `twice`: a request with two outcomes, or a message saved by two events;
 - `order`: a thread's outcomes not in the order its requests were published;
-- `stale`: a decision that contributed a message stored before it (it saw history that a later
-  state contradicts: a write lost, or read from a replica behind), or left out one that was not;
-- `stored`: a thread's stored order in Redis not the messages its outcomes contributed, in order;
+- `stale`: a decision that saved a message stored before it (it saw history that a later state
+  contradicts: a write lost, or read from a replica behind), or left out one that was not;
+- `stored`: a thread's stored order in Redis not the messages its decisions saved, in order;
 - `dead letter`: a dead letter without its reason (`error.type`).
 """
 
@@ -46,7 +48,6 @@ class Outcome:
     thread: str
     contributed: list[str] | None  # message ids; None: a dead letter
     reason: str = ""
-    ts_ms: int = 0  # the outcome record's time (epoch ms)
 
 
 @dataclass
@@ -55,14 +56,13 @@ class Verdict:
     outcomes: int = 0
     dead_letters: int = 0
     unacknowledged: int = 0
-    longest_unanswered_s: float = 0.0  # the longest any acknowledged request waited for its outcome
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def outcome_of(topic_kind: str, partition: int, offset: int, key: bytes | None, value: bytes, headers: dict[str, str], ts_ms: int = 0) -> Outcome | None:
+def outcome_of(topic_kind: str, partition: int, offset: int, key: bytes | None, value: bytes, headers: dict[str, str]) -> Outcome | None:
     """An outcome from a record's bytes: a filtered input (JSON: `source`, `messages`, which
     refer into `context` by `{"$ref": "#/context/<i>"}`) or a dead letter (headers `source.*`)."""
     if topic_kind == "filtered":
@@ -74,16 +74,16 @@ def outcome_of(topic_kind: str, partition: int, offset: int, key: bytes | None, 
                 m = context[int(m["$ref"].rsplit("/", 1)[1])]
             ids.append(m["id"])
         src = event["source"]
-        return Outcome((src["partition"], src["offset"]), (partition, offset), event["threadId"], ids, ts_ms=ts_ms)
+        return Outcome((src["partition"], src["offset"]), (partition, offset), event["threadId"], ids)
     if "source.partition" not in headers:
         return None
     at = (int(headers["source.partition"]), int(headers["source.offset"]))
-    return Outcome(at, (partition, offset), (key or b"").decode(errors="replace"), None, headers.get("error.type", ""), ts_ms)
+    return Outcome(at, (partition, offset), (key or b"").decode(errors="replace"), None, headers.get("error.type", ""))
 
 
-def check(sent: list[Sent], outcomes: list[Outcome], saved: dict[str, list[list[str]]], stored: dict[str, list[str]]) -> Verdict:
-    """`saved`: each thread's `persist-messages` events, as the message ids each saves, in log
-    order; `stored`: each thread's stored order in Redis."""
+def check(sent: list[Sent], outcomes: list[Outcome], saved: dict[str, list[tuple[str, list[str]]]], stored: dict[str, list[str]]) -> Verdict:
+    """`saved`: each thread's `persist-messages` events, as (its requestId, the message ids it
+    saves), in log order; `stored`: each thread's stored order in Redis."""
     verdict = Verdict(outcomes=len(outcomes), dead_letters=sum(o.contributed is None for o in outcomes))
     by_at: dict[tuple[int, int], list[Outcome]] = defaultdict(list)
     for o in outcomes:
@@ -97,26 +97,25 @@ def check(sent: list[Sent], outcomes: list[Outcome], saved: dict[str, list[list[
             verdict.unacknowledged += 1
         elif not by_at.get(s.at):
             verdict.problems.append(f"lost: request {s.request_id} (acknowledged at {s.at}) has no outcome")
-        if s.at is not None and by_at.get(s.at):
-            verdict.longest_unanswered_s = max(verdict.longest_unanswered_s, (by_at[s.at][0].ts_ms - s.sent_ms) / 1000)
         if s.at is not None and len(by_at.get(s.at, ())) > 1:
             verdict.problems.append(f"twice: request {s.request_id} has {len(by_at[s.at])} outcomes")
     for thread, requests in threads.items():
         decided = sorted(((by_at[s.at][0], s) for s in requests if s.at is not None and by_at.get(s.at)), key=lambda p: p[0].where)
         if [s.turn for _, s in decided] != sorted(s.turn for _, s in decided):
             verdict.problems.append(f"order: thread {thread}'s outcomes are for turns {[s.turn for _, s in decided]}")
-        model: list[str] = []  # the thread's stored order, as the outcomes so far make it
+        saves = {request_id: ids for request_id, ids in saved.get(thread, [])}
+        model: list[str] = []  # the thread's stored order, as the decisions so far make it
         for o, s in decided:
             if o.contributed is None:
                 continue
             expected = [m for m in s.messages if m not in model]
-            if o.contributed != expected:
-                verdict.problems.append(f"stale: request {s.request_id} contributed {o.contributed}, but {expected} were not stored before it")
-            model.extend(m for m in o.contributed if m not in model)
+            if saves.get(s.request_id, []) != expected:
+                verdict.problems.append(f"stale: request {s.request_id} saved {saves.get(s.request_id, [])}, but {expected} were not stored before it")
+            model.extend(m for m in saves.get(s.request_id, []) if m not in model)
         if stored.get(thread, []) != model:
-            verdict.problems.append(f"stored: thread {thread} holds {stored.get(thread, [])}, its outcomes contributed {model}")
+            verdict.problems.append(f"stored: thread {thread} holds {stored.get(thread, [])}, its decisions saved {model}")
         seen: set[str] = set()
-        for event in saved.get(thread, []):
+        for _, event in saved.get(thread, []):
             for m in event:
                 if m in seen:
                     verdict.problems.append(f"twice: message {m} of thread {thread} saved by two events")

@@ -45,6 +45,8 @@ class Product:
         if done.returncode != 0:
             raise RuntimeError(f"memfilter stack up on {self.stack.address} failed: {done.stderr[-2000:]}")
         exports = dict(line.removeprefix("export ").split("=", 1) for line in done.stdout.splitlines() if line.startswith("export "))
+        # PostgreSQL answers loopback alone (its stack's trust rule): the workers keep history in Redis
+        exports.pop("POSTGRES_URL", None)
         self.env = {k: v.strip("'\"") for k, v in exports.items()} | {
             "MEMFILTER_SECRET": self.secret,
             "MEMFILTER_SESSION_TIMEOUT": str(SESSION_TIMEOUT_S),

@@ -1,10 +1,10 @@
 """The workload's clients, and what the checker reads after.
 
-`Clients.run` publishes turns straight onto `chat-requests` from the test process (a producer
+`Clients.watch` notes when each outcome arrives, while `Clients.run` publishes turns straight onto `chat-requests` from the test process (a producer
 with acks=all and idempotence, as a `useChat` backend publishes): `threads` threads, turn k of
 each the full echo of its user messages u0..uk, `rate` turns a second in all, and records what
 each publish was told (`checker.Sent`). `read` then takes every record of `filtered-inputs`, the
-dead-letter topic and `persist-messages` (read_committed, as downstream reads), and each
+dead-letter topic (`chat-requests-dlq`) and `persist-messages` (read_committed, as downstream reads), and each
 thread's stored order from Redis (`mf:t:{<thread>}:order`, docs: store/layout.py's table).
 """
 
@@ -17,6 +17,7 @@ import time
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from checker import Outcome, Sent, outcome_of
 
 PUBLISH_TIMEOUT_S = 10.0
@@ -29,6 +30,8 @@ class Clients:
         self.threads = [f"jt-{tag}-{i}" for i in range(threads)]
         self.turns = turns
         self.sent: list[Sent] = []
+        self.answered: dict[tuple[int, int], float] = {}  # a request's position -> when its outcome arrived (epoch s)
+        self.watching = asyncio.Event()
 
     def request(self, thread: str, k: int) -> tuple[str, list[str], bytes]:
         ids = [f"{thread}-u{i}" for i in range(k + 1)]
@@ -37,8 +40,29 @@ class Clients:
         body = {"requestId": request_id, "threadId": thread, "resourceId": f"res-{thread}", "messages": messages}
         return request_id, ids, json.dumps(body).encode()
 
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Until `stop`: when each outcome arrives (`answered`, by the request's position), read
+        as downstream reads, from the topics' ends at the start."""
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, isolation_level="read_committed", enable_auto_commit=False, group_id=None)
+        await consumer.start()
+        try:
+            kinds = {"filtered-inputs": "filtered", "chat-requests-dlq": "dlq"}
+            tps = [TopicPartition(t, p) for t, ps in (await _partitions(self.bootstrap, list(kinds))).items() for p in ps]
+            consumer.assign(tps)
+            await consumer.seek_to_end(*tps)
+            self.watching.set()
+            while not stop.is_set():
+                for tp, records in (await consumer.getmany(timeout_ms=200)).items():
+                    for r in records:
+                        headers = {k: v.decode(errors="replace") for k, v in r.headers or ()}
+                        if (o := outcome_of(kinds[tp.topic], r.partition, r.offset, r.key, r.value, headers)) is not None:
+                            self.answered.setdefault(o.at, time.time())
+        finally:
+            await consumer.stop()
+
     async def run(self, rate: float) -> None:
         """Every turn of every thread, in order within a thread, `rate` a second in all."""
+        await self.watching.wait()
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, request_timeout_ms=int(PUBLISH_TIMEOUT_S * 1000))
         await producer.start()
         try:
@@ -63,28 +87,29 @@ class Clients:
             sent.at = None
 
 
-async def read(bootstrap: str, redis_url: str, threads: list[str]) -> tuple[list[Outcome], dict[str, list[list[str]]], dict[str, list[str]]]:
-    """Every outcome, every thread's saves (message ids, in log order) and stored order."""
+async def read(bootstrap: str, redis_url: str, threads: list[str]) -> tuple[list[Outcome], dict[str, list[tuple[str, list[str]]]], dict[str, list[str]]]:
+    """Every outcome of `threads`, their saves (message ids, in log order) and stored orders."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False, group_id=None)
     await consumer.start()
     outcomes: list[Outcome] = []
-    saved: dict[str, list[list[str]]] = {}
+    ours = set(threads)  # the topics hold earlier runs' too
+    saved: dict[str, list[tuple[str, list[str]]]] = {}
     try:
-        kinds = {"filtered-inputs": "filtered", "dlq": "dlq", "persist-messages": "persist"}
-        tps = [TopicPartition(t, p) for t in kinds for p in sorted(consumer.partitions_for_topic(t) or await _partitions(consumer, t))]
+        kinds = {"filtered-inputs": "filtered", "chat-requests-dlq": "dlq", "persist-messages": "persist"}
+        tps = [TopicPartition(t, p) for t, ps in (await _partitions(bootstrap, list(kinds))).items() for p in ps]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)
-        while any(await consumer.position(tp) < ends[tp] for tp in tps):
+        while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
             for tp, records in (await consumer.getmany(timeout_ms=1000)).items():
                 for r in records:
                     kind = kinds[tp.topic]
                     if kind == "persist":
                         event = json.loads(r.value)
-                        saved.setdefault(event.get("threadId", ""), []).append([m.get("id") for m in event.get("messages", [])])
+                        saved.setdefault(event.get("threadId", ""), []).append((event.get("requestId", ""), [m.get("id") for m in event.get("messages", [])]))
                         continue
                     headers = {k: v.decode(errors="replace") for k, v in r.headers or ()}
-                    if (o := outcome_of(kind, r.partition, r.offset, r.key, r.value, headers, r.timestamp)) is not None:
+                    if (o := outcome_of(kind, r.partition, r.offset, r.key, r.value, headers)) is not None and o.thread in ours:
                         outcomes.append(o)
     finally:
         await consumer.stop()
@@ -96,6 +121,10 @@ async def read(bootstrap: str, redis_url: str, threads: list[str]) -> tuple[list
     return outcomes, saved, stored
 
 
-async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> set[int]:
-    await consumer.topics()
-    return consumer.partitions_for_topic(topic) or set()
+async def _partitions(bootstrap: str, topics: list[str]) -> dict[str, list[int]]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return {t["topic"]: sorted(p["partition"] for p in t["partitions"]) for t in await admin.describe_topics(topics)}
+    finally:
+        await admin.close()

@@ -1,0 +1,68 @@
+"""The checker (`checker.py`) finds each violation it names, on histories made by hand, and
+passes a history that keeps every promise: a checker that finds nothing proves nothing."""
+
+from __future__ import annotations
+
+from checker import Outcome, Sent, check
+
+
+def thread(turns: int, name: str = "t") -> list[Sent]:
+    """A thread's full echoes, turn k at (0, k) on the requests topic."""
+    return [Sent(name, k, f"{name}-r{k}", [f"{name}-u{i}" for i in range(k + 1)], (0, k)) for k in range(turns)]
+
+
+def answered(sent: list[Sent]) -> tuple[list[Outcome], dict, dict]:
+    """What a correct product makes of `sent`: an outcome each, in order; each turn saves its new message."""
+    outcomes = [Outcome(s.at, (0, n), s.thread, s.messages) for n, s in enumerate(sent)]
+    saved = {"t": [(s.request_id, [s.messages[-1]]) for s in sent]}
+    return outcomes, saved, {"t": [s.messages[-1] for s in sent]}
+
+
+class TestTheCheckerFindsWhatItNames:
+    def test_a_history_that_keeps_every_promise_passes(self):
+        sent = thread(4)
+        assert check(sent, *answered(sent)).ok
+
+    def test_an_acknowledged_request_without_an_outcome_is_lost(self):
+        sent = thread(4)
+        outcomes, saved, stored = answered(sent)
+        problems = check(sent, outcomes[:-1], saved, {"t": stored["t"][:-1]}).problems
+        assert any(p.startswith("lost: request t-r3") for p in problems)
+
+    def test_a_request_not_acknowledged_may_have_no_outcome(self):
+        sent = thread(4)
+        outcomes, saved, stored = answered(sent)
+        sent[-1].at = None
+        assert check(sent, outcomes[:-1], {"t": saved["t"][:-1]}, {"t": stored["t"][:-1]}).ok
+
+    def test_two_outcomes_of_one_request_and_a_message_saved_twice_are_found(self):
+        sent = thread(3)
+        outcomes, saved, stored = answered(sent)
+        outcomes.append(Outcome((0, 2), (0, 9), "t", sent[2].messages))
+        saved["t"].append(("t-r2", ["t-u2"]))
+        problems = check(sent, outcomes, saved, stored).problems
+        assert any(p.startswith("twice: request t-r2") for p in problems) and any(p.startswith("twice: message t-u2") for p in problems)
+
+    def test_outcomes_out_of_their_requests_order_are_found(self):
+        sent = thread(3)
+        outcomes, saved, stored = answered(sent)
+        outcomes[1].where, outcomes[2].where = outcomes[2].where, outcomes[1].where
+        assert any(p.startswith("order: thread t") for p in check(sent, outcomes, saved, stored).problems)
+
+    def test_a_decision_that_saves_a_stored_message_again_saw_stale_history(self):
+        sent = thread(3)
+        outcomes, saved, stored = answered(sent)
+        saved["t"][2] = ("t-r2", ["t-u1", "t-u2"])  # as if u1's save were lost before r2 was decided
+        assert any(p.startswith("stale: request t-r2") for p in check(sent, outcomes, saved, stored).problems)
+
+    def test_redis_holding_other_than_what_was_saved_is_found(self):
+        sent = thread(3)
+        outcomes, saved, stored = answered(sent)
+        assert any(p.startswith("stored: thread t") for p in check(sent, outcomes, saved, {"t": ["t-u0", "t-u2"]}).problems)
+
+    def test_a_dead_letter_without_its_reason_is_found(self):
+        sent = thread(2)
+        outcomes, saved, stored = answered(sent)
+        outcomes[1] = Outcome((0, 1), (1, 0), "t", None, "")
+        problems = check(sent, outcomes, {"t": saved["t"][:1]}, {"t": stored["t"][:1]}).problems
+        assert problems == ["dead letter: the outcome at (1, 0) of request (0, 1) has no error.type"]
