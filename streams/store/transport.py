@@ -10,7 +10,8 @@ Every call is one pipelined round trip for all the commands it is given: on a Re
 node's commands in order (every script touches one thread's keys, or one bucket's: one slot).
 A node that answers MOVED, ASK, TRYAGAIN or CLUSTERDOWN (slots moving, a failover) or does not
 answer has the caller handle its batch again on the cluster's new map, as after an outage:
-nothing is followed half-way. Scripts a node lacks (first use, a restart, a replica just
+nothing is followed half-way. A Redis that refuses writes for a reason of its own (a full disk,
+its memory, a failover: `Refusing`) is an outage too. Scripts a node lacks (first use, a restart, a replica just
 promoted) are loaded there and the commands that named them sent again.
 
 Redis replicates asynchronously: a master can acknowledge a write and fail over before its
@@ -29,7 +30,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import AskError, ClusterDownError, NoScriptError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, NoScriptError, OutOfMemoryError, ReadOnlyError, ResponseError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from memfilter.metrics import Metrics
@@ -39,6 +40,20 @@ from memfilter.store import redis_driver, scripts
 class NotReplicated(RedisConnectionError):
     """Writes not yet on MEMFILTER_REDIS_REPLICAS replicas: the batch is not committed to Kafka
     but handled again (`Transport.replicate`)."""
+
+
+class Refusing(RedisConnectionError):
+    """A Redis that takes no writes now, for a reason of its own: its disk (MISCONF: the
+    append-only file or a snapshot cannot be written), its memory (OOM, at maxmemory), or a
+    failover (READONLY: a master demoted; MASTERDOWN, NOREPLICAS). An outage to wait out, as a
+    connection lost is (a ConnectionError), never an error of the batch's data."""
+
+
+# Those answers: redis-py's classes of the codes it knows (MASTERDOWN is a ClusterDownError,
+# `Resharded`), and the codes it does not, of which only the code that begins the reply counts,
+# never a word in its text (which may quote a key, and so a client's thread id).
+REFUSING_CLASSES = (ReadOnlyError, OutOfMemoryError)
+REFUSING_CODES = ("MISCONF", "NOREPLICAS")
 
 
 class Resharded(RedisConnectionError):
@@ -83,6 +98,8 @@ class Transport:
             if isinstance(error, (AskError, TryAgainError, ClusterDownError)):  # MovedError is an AskError
                 self._stale_map = True
                 raise Resharded(f"{type(error).__name__}: {error}; reading the cluster's map again") from error
+            if isinstance(error, REFUSING_CLASSES) or (isinstance(error, ResponseError) and str(error).split(" ", 1)[0] in REFUSING_CODES):
+                raise Refusing(f"Redis refuses writes: {error}") from error
             raise error
 
     async def _routed(self, commands: list[tuple]) -> list[Any]:

@@ -3,7 +3,8 @@
 their own, as a deployment runs them on machines of their own.
 
 The stack's folder is STACK_DIR, its data made anew each run and the broker's jars kept (Maven
-collects them once). `down()` stops it; the network's removal kills whatever is left.
+collects them once); Redis's folder is a small tmpfs the harness mounts, so that a test can
+fill it. `down()` stops the stack and unmounts it; the network's removal kills whatever is left.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ REPO = Path(__file__).resolve().parents[2]
 STACK_DIR = REPO / ".stack" / "jepsen"
 LOGS = Path(os.environ.get("MEMFILTER_TEST_LOGS", "/tmp")) / "memfilter-jepsen"
 SESSION_TIMEOUT_S = 6  # a worker's Kafka session: what a cut or a pause must outlast to move its partitions
+# Debian's libfaketime: each worker's wall clock is the machine's plus the offset in its clock
+# file, read at every call (`clock`); its monotonic clock is left alone, as an NTP step leaves it.
+REDIS_DISK = STACK_DIR / "redis"  # the stack's Redis keeps its append-only file here: a tmpfs the harness mounts
+REDIS_DISK_MB = 256
+FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
 
 class Product:
@@ -36,11 +42,15 @@ class Product:
         return self.stack.run([sys.executable, "-m", "memfilter", "stack", *argv], env=env, cwd=REPO, timeout=600)
 
     def up(self) -> None:
-        """The stack, its data made anew; `env` then holds what a process needs to reach it."""
+        """The stack, its data made anew, Redis's on a small disk of its own (REDIS_DISK: `fill`
+        fills it); `env` then holds what a process needs to reach it."""
+        subprocess.run(["umount", str(REDIS_DISK)], capture_output=True)
         for kept in STACK_DIR.glob("*") if STACK_DIR.exists() else ():
             if kept.name != "kafka-libs":
                 shutil.rmtree(kept) if kept.is_dir() else kept.unlink()
         LOGS.mkdir(parents=True, exist_ok=True)
+        REDIS_DISK.mkdir(parents=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={REDIS_DISK_MB}m", "mfj-redis", str(REDIS_DISK)], check=True)
         done = self._stack("up")
         if done.returncode != 0:
             raise RuntimeError(f"memfilter stack up on {self.stack.address} failed: {done.stderr[-2000:]}")
@@ -54,14 +64,39 @@ class Product:
 
     def down(self) -> None:
         self._stack("down")
+        subprocess.run(["umount", str(REDIS_DISK)], capture_output=True)
+
+    def fill(self) -> None:
+        """Redis's disk full: a file takes what is left of it."""
+        chunk = b"\0" * (1 << 20)
+        with open(REDIS_DISK / "filler", "wb", buffering=0) as f:
+            while True:
+                try:
+                    f.write(chunk)
+                except OSError:  # no space left: full
+                    return
+
+    def free(self) -> None:
+        (REDIS_DISK / "filler").unlink(missing_ok=True)
 
     def worker(self, host: Host) -> subprocess.Popen:
-        """A worker on `host`, logging to LOGS."""
+        """A worker on `host`, logging to LOGS, its wall clock the machine's until `clock` moves it."""
+        if not FAKETIME.exists():
+            raise RuntimeError(f"no {FAKETIME}: the Jepsen tier moves workers' clocks with Debian's faketime (apt-get install faketime)")
+        self.clock(host.name, 0)
+        clock = {"LD_PRELOAD": str(FAKETIME), "FAKETIME_TIMESTAMP_FILE": str(self._clock_file(host.name)), "FAKETIME_NO_CACHE": "1", "DONT_FAKE_MONOTONIC": "1"}
         process = host.popen(
             [sys.executable, "-m", "memfilter", "worker", "--loglevel", "info"],
-            env=os.environ | self.env | {"MEMFILTER_DATA_DIR": f"/tmp/memfilter-jepsen-{host.name}"},
+            env=os.environ | self.env | clock | {"MEMFILTER_DATA_DIR": f"/tmp/memfilter-jepsen-{host.name}"},
             log=LOGS / f"{host.name}.log",
             cwd=REPO,
         )
         self.workers[host.name] = process
         return process
+
+    def _clock_file(self, name: str) -> Path:
+        return LOGS / f"{name}.clock"
+
+    def clock(self, name: str, seconds: int) -> None:
+        """The wall clock of the worker on host `name` jumps to the machine's plus `seconds`."""
+        self._clock_file(name).write_text(f"{seconds:+d}\n")

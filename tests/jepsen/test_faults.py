@@ -141,6 +141,41 @@ class TestAWorkerPaused:
         run(net, product, schedule)
 
 
+class TestAWorkersClockJumps:
+    def test_a_workers_clock_jumping_an_hour_ahead_then_ten_minutes_behind_loses_and_repeats_nothing(self, deployment):
+        net, product = deployment
+
+        async def schedule(faults: list[str]) -> None:
+            started = time.monotonic()
+            await asyncio.sleep(5)
+            product.clock("worker-1", 3600)
+            at(faults, started, "worker-1's clock an hour ahead")
+            await asyncio.sleep(8)
+            product.clock("worker-1", -600)
+            at(faults, started, "worker-1's clock ten minutes behind")
+            await asyncio.sleep(8)
+            product.clock("worker-1", 0)
+            at(faults, started, "worker-1's clock right")
+
+        run(net, product, schedule)
+
+
+class TestAFullDisk:
+    def test_redis_out_of_disk_for_its_append_only_file_then_given_room_loses_and_repeats_nothing(self, deployment):
+        net, product = deployment
+
+        async def schedule(faults: list[str]) -> None:
+            started = time.monotonic()
+            await asyncio.sleep(5)
+            product.fill()
+            at(faults, started, "Redis's disk full")
+            await asyncio.sleep(12)
+            product.free()
+            at(faults, started, "Redis's disk has room again")
+
+        run(net, product, schedule)
+
+
 class TestALossyLink:
     def test_a_worker_dropping_a_third_of_its_packets_loses_and_repeats_nothing(self, deployment):
         net, product = deployment

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 from factories import SECRET, T0, msg
-from redis.exceptions import BusyLoadingError
+from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from memfilter.core import origin
@@ -27,6 +27,7 @@ from memfilter.settings import Topics
 from memfilter.store import reads
 from memfilter.store.history import HistoryStore, Save
 from memfilter.store.layout import WINDOW_ENTRY, save_identity
+from memfilter.store.transport import Refusing
 
 
 def record(thread: str, messages: list, offset: int = 0, request_id: str | None = None, **fields) -> Record:
@@ -320,6 +321,38 @@ class TestRedisTrouble:
 
         assert with_store(go) == [b"PONG"]
         assert issubclass(BusyLoadingError, RedisConnectionError)
+
+    @pytest.mark.parametrize(
+        "answer",
+        [
+            "MISCONF Errors writing to the AOF file: No space left on device",
+            "OOM command not allowed when used memory > 'maxmemory'.",
+            "READONLY You can't write against a read only replica.",
+            "NOREPLICAS Not enough good replicas to write.",
+        ],
+    )
+    def test_a_redis_refusing_writes_for_its_disk_its_memory_or_a_failover_is_an_outage(self, with_store, answer):
+        """Found by the Jepsen tier (tests/jepsen: Redis's disk full): MISCONF was raised as an
+        error of the batch and stopped every worker. Such answers are outages (`Refusing`, a
+        ConnectionError): the worker waits them out and loses nothing."""
+
+        async def go(store):
+            with pytest.raises(Refusing) as refused:
+                await store.transport.pipeline([("EVAL", f"return redis.error_reply({answer!r})", 0)])
+            return refused.value
+
+        assert isinstance(with_store(go), RedisConnectionError)
+
+    def test_a_refusals_code_inside_an_errors_text_is_not_an_outage(self, with_store):
+        """Only the code an answer begins with counts: an error's text may quote a key, and so
+        a client's thread id, which must not turn a data error into an outage waited on forever."""
+
+        async def go(store):
+            with pytest.raises(ResponseError) as raised:
+                await store.transport.pipeline([("EVAL", "return redis.error_reply('ERR thread MISCONF of OOM is READONLY')", 0)])
+            return raised.value
+
+        assert not isinstance(with_store(go), RedisConnectionError)
 
     def test_after_redis_dropped_its_connections_only_the_first_round_trip_fails(self, redis_url, with_store):
         """A Redis restart closes every connection, and the pool cannot tell a closed idle one
