@@ -1,6 +1,7 @@
 """The product on the harness's hosts (`net.py`): `memfilter stack up` on the host `stack`
-(Kafka, Redis and PostgreSQL on its address: MEMFILTER_STACK_HOST), and workers on hosts of
-their own, as a deployment runs them on machines of their own.
+(Kafka, Redis and PostgreSQL on its address: MEMFILTER_STACK_HOST; `replicated`: three brokers
+and a Redis Cluster), and workers on hosts of their own, as a deployment runs them on machines
+of their own.
 
 The stack's folder is STACK_DIR, its data made anew each run and the broker's jars kept (Maven
 collects them once); Redis's folder is a small tmpfs the harness mounts, so that a test can
@@ -30,8 +31,9 @@ FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
 
 class Product:
-    def __init__(self, net: Net):
+    def __init__(self, net: Net, replicated: bool = False):
         self.net = net
+        self.replicated = replicated  # three brokers and a Redis Cluster (three masters, a replica each), all on the host `stack`
         self.stack = net["stack"]
         self.secret = secrets.token_hex(32)
         self.env: dict[str, str] = {}
@@ -51,7 +53,7 @@ class Product:
         LOGS.mkdir(parents=True, exist_ok=True)
         REDIS_DISK.mkdir(parents=True)
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={REDIS_DISK_MB}m", "mfj-redis", str(REDIS_DISK)], check=True)
-        done = self._stack("up")
+        done = self._stack("up", *(["--brokers", "3", "--redis-cluster"] if self.replicated else []))
         if done.returncode != 0:
             raise RuntimeError(f"memfilter stack up on {self.stack.address} failed: {done.stderr[-2000:]}")
         exports = dict(line.removeprefix("export ").split("=", 1) for line in done.stdout.splitlines() if line.startswith("export "))
@@ -65,6 +67,11 @@ class Product:
     def down(self) -> None:
         self._stack("down")
         subprocess.run(["umount", str(REDIS_DISK)], capture_output=True)
+
+    def pids(self) -> dict[str, int]:
+        """The stack's processes by name (`kafka-2`, `redis-6379`, ...), as `memfilter stack status` lists them."""
+        lines = self._stack("status").stdout.splitlines()[1:]
+        return {name: int(pid) for name, state, _, pid, *_ in (line.split() for line in lines) if state == "running"}
 
     def fill(self) -> None:
         """Redis's disk full: a file takes what is left of it."""

@@ -12,85 +12,19 @@ the faults and when, what the clients saw, the verdict, the longest a request wa
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 import time
-from collections.abc import Awaitable, Callable
 
 import pytest
-from checker import check
-from net import Net
-from product import LOGS, SESSION_TIMEOUT_S, Product
-from workload import Clients, read
-
-ANSWERED_S = 60.0  # after the faults heal, the longest the last outcomes may take
-RATE, THREADS, TURNS = 20.0, 20, 25  # 500 turns over 25 s
+from product import SESSION_TIMEOUT_S
+from runs import at, run
+from runs import deployment as deployed
 
 
 @pytest.fixture(scope="module")
 def deployment():
-    shutil.rmtree(LOGS, ignore_errors=True)
-    with Net(["stack", "worker-1", "worker-2"]) as net:
-        product = Product(net)
-        product.up()
-        try:
-            yield net, product
-        finally:
-            product.down()
-
-
-def workers_ready(net: Net, product: Product) -> None:
-    """Both workers running, each having said it is ready (one that died is started again)."""
-    for name in ("worker-1", "worker-2"):
-        process = product.workers.get(name)
-        if process is None or process.poll() is not None:
-            (LOGS / f"{name}.log").unlink(missing_ok=True)
-            product.worker(net[name])
-    deadline = time.monotonic() + 120
-    while not all("memfilter worker ready" in (LOGS / f"{n}.log").read_text(errors="replace") for n in ("worker-1", "worker-2")):
-        assert time.monotonic() < deadline, (LOGS / "worker-1.log").read_text()[-2000:]
-        time.sleep(0.5)
-
-
-def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[None]]) -> None:
-    """The workload with `schedule`'s faults (it appends what it does to the list it is given),
-    then the wait for every outcome and the checker's verdict, printed and asserted."""
-    workers_ready(net, product)
-    env = product.env
-    clients = Clients(env["KAFKA_BOOTSTRAP_SERVERS"], THREADS, TURNS)
-    faults: list[str] = []
-    started, healed = time.monotonic(), 0.0
-
-    async def both() -> None:
-        nonlocal healed
-        stop = asyncio.Event()
-        watching = asyncio.create_task(clients.watch(stop))
-        await asyncio.gather(clients.run(RATE), schedule(faults))
-        net.heal()
-        healed = time.monotonic()
-        acknowledged = {s.at for s in clients.sent if s.at is not None}
-        while not acknowledged <= clients.answered.keys() and time.monotonic() - healed < ANSWERED_S:
-            await asyncio.sleep(0.5)
-        stop.set()
-        await watching
-
-    asyncio.run(both())
-    answered_s = time.monotonic() - healed
-    outcomes, saved, stored = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.threads))
-    waits = [clients.answered[s.at] - s.sent_ms / 1000 for s in clients.sent if s.at in clients.answered]
-    verdict = check(clients.sent, outcomes, saved, stored)
-    print(f"\n--- schedule (t from the first turn, s): {'; '.join(faults)}")
-    print(
-        f"--- {len(clients.sent)} turns, {verdict.unacknowledged} not acknowledged, {verdict.outcomes} outcomes "
-        f"({verdict.dead_letters} dead letters), all answered {answered_s:.1f} s after the heal; "
-        f"longest a request waited for its outcome: {max(waits, default=0):.1f} s; {time.monotonic() - started:.0f} s in all"
-    )
-    print("--- verdict: " + ("ok" if verdict.ok else "\n".join(verdict.problems[:20])))
-    assert verdict.ok, verdict.problems[:20]
-
-
-def at(faults: list[str], started: float, what: str) -> None:
-    faults.append(f"{time.monotonic() - started:.1f} {what}")
+    with deployed() as made:
+        yield made
 
 
 class TestAWorkerCutOff:

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from checker import Outcome, Sent, outcome_of
+from redis.asyncio.cluster import RedisCluster
 
 PUBLISH_TIMEOUT_S = 10.0
 
@@ -113,7 +114,12 @@ async def read(bootstrap: str, redis_url: str, threads: list[str]) -> tuple[list
                         outcomes.append(o)
     finally:
         await consumer.stop()
-    client = aioredis.from_url(redis_url)
+    # a Redis Cluster's URL (`redis+cluster://host:port,...`): redis-py's cluster client, from its first node
+    client = (
+        RedisCluster.from_url("redis://" + redis_url.split("://", 1)[1].split(",")[0])
+        if redis_url.startswith("redis+cluster")
+        else aioredis.from_url(redis_url)
+    )
     try:
         stored = {t: [m.decode() for m in await client.lrange(f"mf:t:{{{t}}}:order", 0, -1)] for t in threads}
     finally:
