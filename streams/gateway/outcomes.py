@@ -82,13 +82,19 @@ _SAVED = msgspec.json.Decoder(_Saved)
 async def stored(store: HistoryStore, reply: dict[str, Any], thread: str, deadline: float) -> bool:
     """Wait until the worker has applied a saved reply (its row is stored as saved); False at
     `deadline`."""
+    return await stored_row(store, thread, reply["id"], deadline, reply) is not None
+
+
+async def stored_row(store: HistoryStore, thread: str, message_id: str, deadline: float, like: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The row of `message_id` in `thread` once the worker has stored it (equal to `like`, if
+    given); None at `deadline`."""
     pause = 0.005
     while True:
-        row = await reads.row(store, thread, reply["id"])
-        if row is not None and json.loads(row) == reply:
-            return True
+        row = await reads.row(store, thread, message_id)
+        if row is not None and (found := json.loads(row)) == (like if like is not None else found):
+            return found
         if time.monotonic() + pause > deadline:
-            return False
+            return None
         await asyncio.sleep(pause)
         pause = min(pause * 2, 0.1)
 

@@ -72,7 +72,7 @@ from memfilter.core.ui import to_ui
 from memfilter.core.ui_stream import DONE, HEADERS, chunks, event
 from memfilter.gateway.identity import Unauthenticated, resource_of
 from memfilter.gateway.limits import Fairness
-from memfilter.gateway.outcomes import ENDS, Live, NotTaken, Outcomes, Waiting, stored
+from memfilter.gateway.outcomes import ENDS, Live, NotTaken, Outcomes, Waiting, stored, stored_row
 from memfilter.gateway.shards import FORWARDED, Peers, forward
 from memfilter.metrics import GatewayMetrics
 from memfilter.runtime.records import MAX_RECORD_BYTES
@@ -269,11 +269,11 @@ class Gateway:
 
     async def _start(self, _: web.Application) -> None:
         self.cut: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # done when a stopping gateway's drain is over
-        # to the other gateways, for requests forwarded to them: as many connections as requests held (MEMFILTER_GATEWAY_MAX_IN_FLIGHT bounds them)
-        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         if self.peers is not None:
             await self.peers.start()
         await self.outcomes.start(self.client)
+        # to the other gateways, for requests forwarded to them: as many connections as requests held (MEMFILTER_GATEWAY_MAX_IN_FLIGHT bounds them)
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
     async def _draining(self, _: web.Application) -> None:
         """Stopping (SIGTERM): no new request is taken (the listener is closed); the replies
@@ -564,12 +564,32 @@ class Gateway:
                 response = web.StreamResponse(headers=HEADERS)
                 await response.prepare(request)
                 # its save may have been read before this resume began waiting for it
-                outcome = await self._follow(request, response, thread, so_far, more, lambda: _saved(w, deadline, live.saved), deadline)
+                outcome = await self._follow(request, response, thread, so_far, more, lambda: self._resumed_save(w, live, deadline), deadline)
         except NotTaken as e:
             return _not_taken(e)
         if outcome in ("stalled", "stopping"):  # a resume's end the operator watches (a turn's every end is counted in `chat`)
             self.metrics.requests.labels(outcome).inc()
         return response
+
+    async def _resumed_save(self, w: Waiting, live: Live, deadline: float) -> dict[str, Any] | None:
+        """A resumed reply's save: read on `persist-messages` before the resume began or while
+        it followed; or, for a reply saved before this gateway read that partition (it started,
+        or took the partition over, after the save), its row in the thread, by the message id
+        its `start` named. None at `deadline`."""
+        if live.saved is not None:
+            return live.saved
+        message_id = next((c.get("messageId") for c in live.chunks if c.get("type") == "start"), None)
+        waits = [asyncio.ensure_future(_saved(w, deadline))]
+        if isinstance(message_id, str) and message_id:
+            waits.append(asyncio.ensure_future(stored_row(self.store, w.thread, message_id, deadline)))
+        try:
+            for first in asyncio.as_completed(waits):
+                if (saved := await first) is not None:
+                    return saved
+            return None
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     async def stop(self, request: web.Request) -> web.StreamResponse:
         owned = await self._owned(request, holds=False)

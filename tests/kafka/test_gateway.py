@@ -87,7 +87,9 @@ def gateways(pipelines, model_agent):
     # each test user sends dozens of requests a second, past a person's share (tests/kafka/test_gateway_limits.py tests the limits)
     reply = {"MEMFILTER_GATEWAY_REPLY_S": "30", "MEMFILTER_GATEWAY_CALLER_RATE": "1000", "MEMFILTER_GATEWAY_CALLER_BURST": "10000"}
     jwt = {"MEMFILTER_GATEWAY_AUTH": "jwt", "MEMFILTER_GATEWAY_JWT_KEY": JWT_KEY}
-    with concurrent.futures.ThreadPoolExecutor(6) as starting:  # all at once, while the workers take their partitions
+    for worker in workers:  # the topics are in the brokers' metadata by then: a broker just started takes seconds
+        wait_for_line(worker.log_path, "memfilter worker ready", timeout=60)
+    with concurrent.futures.ThreadPoolExecutor(6) as starting:  # all at once
         started = {
             "jwt": starting.submit(pipeline.start_gateway, "jwt", shared=True, **jwt, **reply),
             "jwt-2": starting.submit(pipeline.start_gateway, "jwt-2", shared=True, **jwt, **reply),
@@ -96,8 +98,6 @@ def gateways(pipelines, model_agent):
             "model": starting.submit(model.start_gateway, "model", shared=True, **jwt, **reply),
             "model-2": starting.submit(model.start_gateway, "model-2", shared=True, **jwt, **reply),
         }
-        for worker in workers:
-            wait_for_line(worker.log_path, "memfilter worker ready", timeout=60)
         yield {name: future.result() for name, future in started.items()}
 
 
@@ -140,9 +140,11 @@ def test_the_ai_sdks_client_sees_tokens_as_they_come_resumes_on_another_gateway_
 def test_a_gateway_started_while_a_reply_is_being_made_resumes_it_from_its_first_chunk_and_relays_no_forged_chunk(gateways, pipelines):
     """What the AI SDK's resume gets from a gateway that was not running when the reply began:
     it reads `reply-streams` from MEMFILTER_GATEWAY_REPLY_S back, so it replays the same chunks
-    the first gateway relayed, from `start`, and follows them to `finish`. Chunks another writer
-    puts on the topic for the same request (a new start, words of its own) are relayed by
-    neither: their attempt does not verify."""
+    the first gateway relayed, from `start`, and follows them to `finish`, also when the reply
+    was saved before the gateway read `persist-messages` (a slow start: its save is then found
+    in the thread, by the message id its `start` named). Chunks another writer puts on the
+    topic for the same request (a new start, words of its own) are relayed by neither: their
+    attempt does not verify."""
     user, thread, request_id = (f"late-{secrets.token_hex(4)}" for _ in range(3))
     auth = {"Authorization": f"Bearer {jwt.encode({'sub': user, 'exp': int(time.time()) + 600}, JWT_KEY, algorithm='HS256')}"}
     model = pipelines["model"]
