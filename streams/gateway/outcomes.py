@@ -214,8 +214,8 @@ class Outcomes:
         return None if owner == self.peers.address else owner
 
     def _owned(self) -> set[int]:
-        if self.peers is None:
-            self._mine = set(range(self._partitions))
+        if self.peers is None:  # every partition of every topic, whatever their counts
+            self._mine = set(range(max(self._counts.values())))
         else:
             self._owners = owners(self._partitions, self.peers.live)
             self._mine = {p for p, a in enumerate(self._owners) if a == self.peers.address}
