@@ -49,8 +49,9 @@ LEASE_S = 5.0  # a gateway not heard from for this long has lost its partitions 
 FORWARDED = "Memfilter-Forwarded"
 # What a forwarded request keeps of the caller's: who it is (as either identity mode reads it), its body's type, its retry key.
 CALLER_HEADERS = ("Authorization", "Content-Type", "Idempotency-Key")
-# What a forwarded answer keeps of the owner's headers: what the AI SDK's transport reads.
-ANSWER_HEADERS = ("Content-Type", "Cache-Control", "x-vercel-ai-ui-message-stream", "Retry-After")
+# What a forwarded answer keeps of the owner's headers: what the AI SDK's transport reads, and
+# what keeps a proxy in front from buffering the stream (`memfilter.core.ui_stream.HEADERS`).
+ANSWER_HEADERS = ("Content-Type", "Cache-Control", "x-vercel-ai-ui-message-stream", "x-accel-buffering", "Retry-After")
 CONNECT_S = 2.0  # an owner that does not take the connection in this long is taken for gone
 
 
