@@ -82,5 +82,15 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
     assert verdict.ok, verdict.problems[:20]
 
 
-def at(faults: list[str], started: float, what: str) -> None:
-    faults.append(f"{time.monotonic() - started:.1f} {what}")
+def steps(*plan: tuple[float, Callable[[], object], str]) -> Callable[[list[str]], Awaitable[None]]:
+    """A schedule: each step waits its seconds after the one before, then acts, and is noted
+    (when, from the first turn, and what) in the list the run gives it."""
+
+    async def schedule(faults: list[str]) -> None:
+        started = time.monotonic()
+        for wait_s, act, what in plan:
+            await asyncio.sleep(wait_s)
+            act()
+            faults.append(f"{time.monotonic() - started:.1f} {what}")
+
+    return schedule
