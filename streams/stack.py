@@ -39,7 +39,8 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,8 @@ class Settings:
     topics: tuple[str, ...] = product_settings.Topics().all()  # the product's topics, as the settings name them
     retention: tuple[tuple[str, int], ...] = tuple(product_settings.Topics().retention_ms().items())  # each topic's retention.ms
     host: str = "127.0.0.1"  # the address every service listens on, and is reached at
+    # (process name, address): a process on a host of its own (the Jepsen tier's hosts), reached there; `up`'s `enter` starts it there
+    hosts: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, s: product_settings.Settings, partitions: int | None = None, brokers: int = 1, redis_cluster: bool = False) -> Settings:
@@ -93,6 +96,10 @@ class Settings:
             st.host,
         )
 
+    def host_of(self, name: str) -> str:
+        """The address process `name` (`names`) listens on."""
+        return dict(self.hosts).get(name, self.host)
+
     @property
     def kafka_ports(self) -> list[int]:
         return [self.kafka_port + 2 * n for n in range(self.brokers)]
@@ -107,17 +114,17 @@ class Settings:
 
     @property
     def bootstrap(self) -> str:
-        return ",".join(f"{self.host}:{port}" for port in self.kafka_ports)
+        return ",".join(f"{self.host_of(name)}:{port}" for name, port in zip(self.names(), self.kafka_ports))
 
     @property
     def redis_url(self) -> str:
         if self.redis_cluster:
-            return "redis+cluster://" + ",".join(f"{self.host}:{port}" for port in self.redis_ports)
-        return f"redis://{self.host}:{self.redis_port}/0"
+            return "redis+cluster://" + ",".join(f"{self.host_of(f'redis-{port}')}:{port}" for port in self.redis_ports)
+        return f"redis://{self.host_of('redis')}:{self.redis_port}/0"
 
     @property
     def postgres_url(self) -> str:
-        return f"postgresql://{POSTGRES_USER}@{self.host}:{self.postgres_port}/postgres"
+        return f"postgresql://{POSTGRES_USER}@{self.host_of('postgres')}:{self.postgres_port}/postgres"
 
     def names(self) -> list[str]:
         """The stack's processes: `kafka` (or `kafka-1`...), then `redis` (or `redis-<port>`...), then `postgres`."""
@@ -137,6 +144,7 @@ class Running:
     redis_cluster: bool = False
     postgres_port: int = 0  # 0: a stack recorded before PostgreSQL was part of it
     host: str = "127.0.0.1"  # where its services listen (MEMFILTER_STACK_HOST)
+    hosts: list[list[str]] = field(default_factory=list)  # Settings.hosts: processes on hosts of their own
 
     def settings(self, s: Settings) -> Settings:
         """`s` with this stack's ports, address and shape."""
@@ -153,6 +161,7 @@ class Running:
             s.topics,
             s.retention,
             self.host,
+            tuple((name, address) for name, address in self.hosts),
         )
 
     def exports(self, s: Settings, secret: str) -> str:
@@ -306,8 +315,9 @@ def _ports(s: Settings, name: str) -> list[tuple[str, int, str]]:
 
 
 def _check_ports(s: Settings, names: list[str]) -> None:
-    """The ports of the processes about to start are free."""
-    for name, port, setting in (p for process in names for p in _ports(s, process)):
+    """The ports of the processes about to start are free (a process on a host of its own has them to itself)."""
+    placed = dict(s.hosts)
+    for name, port, setting in (p for process in names if process not in placed for p in _ports(s, process)):
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -403,19 +413,20 @@ def _home(s: Settings, name: str) -> Path:
     return s.dir / name
 
 
-def _start_redis(s: Settings, name: str, server: str) -> subprocess.Popen:
+def _start_redis(s: Settings, name: str, server: str, enter: list[str]) -> subprocess.Popen:
     home = _home(s, name)
     home.mkdir(parents=True, exist_ok=True)
     conf = home / "redis.conf"
     port = _ports(s, name)[0][1]
     # protected mode answers only loopback's clients: a stack on a host's own address
     # (MEMFILTER_STACK_HOST, a network namespace of the Jepsen tier's) serves the other hosts there
-    protected = "yes" if s.host.startswith("127.") else "no"
-    text = REDIS_CONF.format(host=s.host, port=port, data=home, log=home / "redis.log", protected=protected)
+    host = s.host_of(name)
+    protected = "yes" if host.startswith("127.") else "no"
+    text = REDIS_CONF.format(host=host, port=port, data=home, log=home / "redis.log", protected=protected)
     if s.redis_cluster:
         text += REDIS_CLUSTER_CONF.format(timeout=CLUSTER_NODE_TIMEOUT_MS)
     conf.write_text(text)
-    return _spawn([server, str(conf)], home / "stdout.log")
+    return _spawn([*enter, server, str(conf)], home / "stdout.log")
 
 
 def _postgres_home(s: Settings) -> Path:
@@ -437,14 +448,16 @@ def _reachable_by_postgres(folder: Path) -> bool:
         return False
 
 
-def _start_postgres(s: Settings, bin_dir: Path) -> subprocess.Popen:
-    return start_postgres(_postgres_home(s), s.postgres_port, bin_dir, s.host)
+def _start_postgres(s: Settings, bin_dir: Path, enter: list[str]) -> subprocess.Popen:
+    return start_postgres(_postgres_home(s), s.postgres_port, bin_dir, s.host_of("postgres"), enter)
 
 
-def start_postgres(home: Path, port: int, bin_dir: Path, host: str = "127.0.0.1") -> subprocess.Popen:
-    """PostgreSQL on `home`/data (made by initdb on first start), on TCP at `host` alone, logging
-    to `home`/postgres.log; as the `postgres` user when started as root (PostgreSQL refuses
-    root), in a session of its own (its process group is its server's pid)."""
+def start_postgres(home: Path, port: int, bin_dir: Path, host: str = "127.0.0.1", enter: list[str] | None = None) -> subprocess.Popen:
+    """PostgreSQL on `home`/data (made by initdb on first start), on TCP at `host` alone (with
+    trust for loopback's clients, and for its subnet's when `host` is not loopback), logging to
+    `home`/postgres.log; as the `postgres` user when started as root (PostgreSQL refuses root),
+    in a session of its own (its process group is its server's pid); run by `enter` first
+    (`up`'s), when it is on a host of its own."""
     data = home / "data"
     home.mkdir(parents=True, exist_ok=True)
     user = "postgres" if os.geteuid() == 0 else None
@@ -455,7 +468,15 @@ def start_postgres(home: Path, port: int, bin_dir: Path, host: str = "127.0.0.1"
         done = subprocess.run(init, capture_output=True, text=True, user=user)
         if done.returncode != 0:
             raise StackError(f"initdb of PostgreSQL's data in {data} failed: {(done.stderr or done.stdout).strip()[-200:]}")
+    hba, subnet = data / "pg_hba.conf", "host all all samenet trust\n"
+    if not host.startswith("127.") and subnet not in hba.read_text():
+        with open(hba, "a") as rules:
+            rules.write(subnet)
     server = [str(bin_dir / "postgres"), "-D", str(data), "-p", str(port), "-c", f"listen_addresses={host}", "-c", "unix_socket_directories="]
+    if enter and user:  # entering a host needs root: the user is taken after it (setpriv execs, so the pid is the server's)
+        server, user = [*enter, "setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", *server], None
+    elif enter:
+        server = [*enter, *server]
     with open(home / "postgres.log", "ab") as out:
         return subprocess.Popen(server, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, user=user)
 
@@ -469,12 +490,13 @@ def postgres_answers(port: int, host: str = "127.0.0.1") -> bool:
 def _kafka_properties(s: Settings, n: int, data: Path) -> str:
     """Broker n's (from 0) server.properties: one broker, its own quorum; or one of a replicated
     cluster, a voter of a static quorum of all of them."""
+    brokers = [name for name in s.names() if name.startswith("kafka")]
     if s.brokers == 1:
-        quorum = f"controller.quorum.bootstrap.servers={s.host}:{s.controller_ports[n]}"
+        quorum = f"controller.quorum.bootstrap.servers={s.host_of(brokers[0])}:{s.controller_ports[n]}"
     else:
-        quorum = "controller.quorum.voters=" + ",".join(f"{i + 1}@{s.host}:{port}" for i, port in enumerate(s.controller_ports))
+        quorum = "controller.quorum.voters=" + ",".join(f"{i + 1}@{s.host_of(brokers[i])}:{port}" for i, port in enumerate(s.controller_ports))
     return SERVER_PROPERTIES.format(
-        host=s.host,
+        host=s.host_of(brokers[n]),
         node_id=n + 1,
         kafka_port=s.kafka_ports[n],
         controller_port=s.controller_ports[n],
@@ -485,7 +507,7 @@ def _kafka_properties(s: Settings, n: int, data: Path) -> str:
     )
 
 
-def _start_kafka(s: Settings, name: str, java: str, libs: Path, cluster_id: str) -> subprocess.Popen:
+def _start_kafka(s: Settings, name: str, java: str, libs: Path, cluster_id: str, enter: list[str]) -> subprocess.Popen:
     n = int(name.partition("-")[2] or 1) - 1
     home = _home(s, name)
     data = home / "data"
@@ -505,7 +527,7 @@ def _start_kafka(s: Settings, name: str, java: str, libs: Path, cluster_id: str)
             raise StackError(f"formatting Kafka's storage failed: {(done.stderr or done.stdout).strip()[-200:]}")
         formatted_for.write_text(str(s.controller_ports[n]))
     # The stack folder on the command line marks the process as this stack's (see `running`).
-    return _spawn([*jvm, f"-Dmemfilter.stack={s.dir}", "kafka.Kafka", str(props)], home / "kafka.log")
+    return _spawn([*enter, *jvm, f"-Dmemfilter.stack={s.dir}", "kafka.Kafka", str(props)], home / "kafka.log")
 
 
 def _cluster_id(s: Settings, java: str, libs: Path) -> str:
@@ -621,10 +643,10 @@ def _redis_cli(host: str, port: int, *args: str) -> str:
     return done.stdout + done.stderr
 
 
-def _cluster_ok(host: str, ports: list[int]) -> bool:
+def _cluster_ok(nodes: list[tuple[str, int]]) -> bool:
     """Every node of the Redis Cluster sees all the slots served, and every replica has its
     master's data (a node started again syncs with its master first)."""
-    for port in ports:
+    for host, port in nodes:
         replication = _redis_cli(host, port, "info", "replication")
         if "cluster_state:ok" not in _redis_cli(host, port, "cluster", "info") or ("role:slave" in replication and "master_link_status:up" not in replication):
             return False
@@ -635,11 +657,12 @@ def _create_cluster(s: Settings, deadline: float) -> None:
     """Join the nodes into a cluster of three masters with a replica each, once; then wait until
     it is whole (`_cluster_ok`: after a restart too, while a node takes its place again)."""
     ports = s.redis_ports
-    if "cluster_known_nodes:1\n" in _redis_cli(s.host, ports[0], "cluster", "info"):
-        out = _redis_cli(s.host, ports[0], "--cluster", "create", *(f"{s.host}:{p}" for p in ports), "--cluster-replicas", "1", "--cluster-yes")
+    nodes = [(s.host_of(f"redis-{port}"), port) for port in ports]
+    if "cluster_known_nodes:1\n" in _redis_cli(*nodes[0], "cluster", "info"):
+        out = _redis_cli(*nodes[0], "--cluster", "create", *(f"{h}:{p}" for h, p in nodes), "--cluster-replicas", "1", "--cluster-yes")
         if "[OK] All 16384 slots covered" not in out:
             raise StackError(f"`redis-cli --cluster create` failed: {out.strip().splitlines()[-1:]}")
-    while not _cluster_ok(s.host, ports):
+    while not _cluster_ok(nodes):
         if time.monotonic() > deadline:
             raise StackError(f"the Redis Cluster on ports {ports[0]}-{ports[-1]} did not reach cluster_state:ok in time")
         time.sleep(0.2)
@@ -652,7 +675,7 @@ def _wait(s: Settings, started: dict[str, subprocess.Popen], timeout: float) -> 
         port = _ports(s, name)[0][1]
         log = _postgres_home(s) / "postgres.log" if name == "postgres" else _home(s, name) / ("redis.log" if name.startswith("redis") else "kafka.log")
         answers = {"r": _redis_answers, "k": _port_open, "p": postgres_answers}[name[0]]
-        while not answers(port, s.host):
+        while not answers(port, s.host_of(name)):
             if process.poll() is not None:
                 raise StackError(f"{name} exited at start: see {log}")
             if time.monotonic() > deadline:
@@ -681,9 +704,10 @@ def _stop(name: str, pid: int, marker: str, grace: float) -> None:
         time.sleep(0.05)
 
 
-def up(s: Settings, timeout: float = 90.0) -> Running:
+def up(s: Settings, timeout: float = 90.0, enter: Callable[[str], list[str]] = lambda name: []) -> Running:
     """Start the stack in `s.dir`, or what of it stopped (a process that died is started again
-    on its data); return its record."""
+    on its data); return its record. `enter(name)` is the command that runs process `name` on
+    its host (`Settings.hosts`: the Jepsen tier's `ip netns exec <host>`), before its own."""
     before = recorded(s)
     if before is not None and (before.brokers, before.redis_cluster) != (s.brokers, s.redis_cluster):
         shape = lambda brokers, cluster: f"{brokers} broker{'s' if brokers > 1 else ''} and {'a Redis Cluster' if cluster else 'one Redis'}"  # noqa: E731
@@ -718,12 +742,12 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
     try:
         for name in missing:
             if name.startswith("redis"):
-                started[name] = _start_redis(s, name, server)
+                started[name] = _start_redis(s, name, server, enter(name))
             elif name == "postgres":
                 assert pg_bin is not None
-                started[name] = _start_postgres(s, pg_bin)
+                started[name] = _start_postgres(s, pg_bin, enter(name))
             else:
-                started[name] = _start_kafka(s, name, java, libs, cluster_id)
+                started[name] = _start_kafka(s, name, java, libs, cluster_id, enter(name))
         _wait(s, started, timeout)
     except BaseException:
         for name, process in reversed(started.items()):
@@ -731,7 +755,8 @@ def up(s: Settings, timeout: float = 90.0) -> Running:
         raise
     running = {**(before.pids if before is not None else {}), **{name: process.pid for name, process in started.items()}}
     pids = {name: running[name] for name in s.names()}
-    record = Running(pids, s.kafka_port, s.controller_port, s.redis_port, s.brokers, s.redis_cluster, s.postgres_port, s.host)
+    hosts = [[name, address] for name, address in s.hosts]
+    record = Running(pids, s.kafka_port, s.controller_port, s.redis_port, s.brokers, s.redis_cluster, s.postgres_port, s.host, hosts)
     _state_file(s).write_text(json.dumps(asdict(record)))
     if before is not None:
         _say(f"started {' and '.join(missing)} again; the stack runs from {s.dir}")
@@ -770,9 +795,9 @@ def status(s: Settings) -> tuple[str, bool]:
         state = "running" if is_up[name] else "stopped"
         ports = _ports(s, name)
         if name.startswith("kafka"):
-            where = f"{s.host}:{ports[0][1]} (controller {ports[1][1]})"
+            where = f"{s.host_of(name)}:{ports[0][1]} (controller {ports[1][1]})"
         else:
-            where = s.postgres_url if name == "postgres" else f"redis://{s.host}:{ports[0][1]}"
+            where = s.postgres_url if name == "postgres" else f"redis://{s.host_of(name)}:{ports[0][1]}"
         pid = r.pids.get(name, "-")
         lines.append(f"  {name}  {state}  pid {pid}  {where}")
     return "\n".join(lines), all(is_up.values())
