@@ -11,7 +11,8 @@ when a test fails; `sweep()` removes what a run that was killed left.
 Faults, each undone by `heal()`:
 - `cut(a, b)`: no packet from a reaches b, nor from b reaches a (`one_way=True`: a's to b only;
   `port`: only a's connections to that port of b), by nft rules in the hosts' own namespaces
-  (table `mfj`); `isolate(a)`: a cut from every other
+  (table `mfj`); `partition(side, side, ...)`: every host of a side cut from every host of
+  the others (a host on none reaches all: a bridge); `isolate(a)`: a cut from every other
   host and from the test process;
 - `loss(a, percent)`: a drops that share of the packets it sends and receives (nft `numgen`);
 - `slow(a, kbit)`: a's link sends at most that rate (tc `tbf`). This machine's kernel has no
@@ -48,10 +49,15 @@ def _nft(ns: str, rules: str) -> None:
 
 
 def sweep() -> None:
-    """Remove every namespace and link a run of the harness left (their names start with PREFIX)."""
+    """Remove every namespace and link a run of the harness left (their names start with PREFIX),
+    and the processes still in them."""
     for line in _ip("netns", "list").stdout.splitlines():
         if line.startswith(PREFIX):
-            _ip("netns", "del", line.split()[0], check=False)
+            ns = line.split()[0]
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", ns, check=False)
     for line in _ip("-o", "link", "show").stdout.splitlines():
         name = line.split(": ")[1].split("@")[0]
         if name.startswith(PREFIX):
@@ -146,6 +152,14 @@ class Net:
         if not one_way:
             _nft(hb.ns, f"add rule inet mfj out ip daddr {ha.address}{back} drop\n")
             _nft(ha.ns, f"add rule inet mfj in ip saddr {hb.address}{back} drop\n")
+
+    def partition(self, *sides: list[str]) -> None:
+        """No packet between hosts on different sides; a host on no side (a bridge) reaches both."""
+        for i, side in enumerate(sides):
+            for a in side:
+                for other in sides[i + 1 :]:
+                    for b in other:
+                        self.cut(a, b)
 
     def isolate(self, a: str) -> None:
         """a hears from no one, the test process included, and reaches no one."""

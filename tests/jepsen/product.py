@@ -1,15 +1,20 @@
-"""The product on the harness's hosts (`net.py`): `memfilter stack up` on the host `stack`
-(Kafka, Redis and PostgreSQL on its address: MEMFILTER_STACK_HOST; `replicated`: three brokers
-and a Redis Cluster), and workers on hosts of their own, as a deployment runs them on machines
-of their own.
+"""The product on the harness's hosts (`net.py`), each process on a host of its own, as a
+deployment runs them on machines of their own: the stack's (`memfilter.stack.up` with
+`Settings.hosts`: Kafka, Redis and PostgreSQL; `replicated`: three brokers and a Redis Cluster
+of three masters with a replica each), each on the host named as the process (`kafka`, `redis`,
+`postgres`; `kafka-1`..`kafka-3`, `redis-6379`..`redis-6384`), and the workers on `worker-1`,
+`worker-2`.
 
 The stack's folder is STACK_DIR, its data made anew each run and the broker's jars kept (Maven
-collects them once); Redis's folder is a small tmpfs the harness mounts, so that a test can
-fill it. `down()` stops the stack and unmounts it; the network's removal kills whatever is left.
+collects them once). Some folders are small tmpfs the harness mounts, so that a test can fill
+them (`fill`, `free`): a broker's log, a Redis node's append-only file (`Product.disks`).
+Workers run under Debian's libfaketime, each with a clock file (`clock`). `down()` stops the
+stack and unmounts its disks; the network's removal kills whatever is left.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import shutil
@@ -19,82 +24,117 @@ from pathlib import Path
 
 from net import Host, Net
 
+from memfilter import settings as product_settings
+from memfilter import stack
+
 REPO = Path(__file__).resolve().parents[2]
 STACK_DIR = REPO / ".stack" / "jepsen"
 LOGS = Path(os.environ.get("MEMFILTER_TEST_LOGS", "/tmp")) / "memfilter-jepsen"
 SESSION_TIMEOUT_S = 6  # a worker's Kafka session: what a cut or a pause must outlast to move its partitions
-# Debian's libfaketime: each worker's wall clock is the machine's plus the offset in its clock
-# file, read at every call (`clock`); its monotonic clock is left alone, as an NTP step leaves it.
-REDIS_DISK = STACK_DIR / "redis"  # the stack's Redis keeps its append-only file here: a tmpfs the harness mounts
-REDIS_DISK_MB = 256
+# Debian's libfaketime: a worker's wall clock is the machine's plus the offset in its clock file
+# (`clock`), read at every call; its monotonic clock is left alone, as an NTP step leaves it.
+# Brokers do not run under it: libfaketime 0.9.10 wraps the timed waits a JVM parks its threads
+# in, and a broker under it spins at full CPU and takes minutes to start.
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+DISK_MB = 256
+
+
+def stack_names(replicated: bool) -> list[str]:
+    """The stack's processes, each the name of the host it runs on."""
+    return stack.Settings(STACK_DIR, 9092, 9093, 6379, 5432, None, brokers=3 if replicated else 1, redis_cluster=replicated).names()
 
 
 class Product:
     def __init__(self, net: Net, replicated: bool = False):
         self.net = net
-        self.replicated = replicated  # three brokers and a Redis Cluster (three masters, a replica each), all on the host `stack`
-        self.stack = net["stack"]
+        self.replicated = replicated
+        self.names = stack_names(replicated)
+        self.kafka = [n for n in self.names if n.startswith("kafka")]
+        self.redis = [n for n in self.names if n.startswith("redis")]
+        self.disks = [self.kafka[0], self.redis[0]]  # the folders on a small disk of their own: `fill` fills one
+        base = stack.Settings.of(product_settings.Settings.from_env(), None, len(self.kafka), replicated)
+        self.settings = dataclasses.replace(base, dir=STACK_DIR, hosts=tuple((n, net[n].address) for n in self.names))
         self.secret = secrets.token_hex(32)
         self.env: dict[str, str] = {}
         self.workers: dict[str, subprocess.Popen] = {}
 
-    def _stack(self, *argv: str) -> subprocess.CompletedProcess:
-        env = os.environ | {"MEMFILTER_STACK_HOST": self.stack.address, "MEMFILTER_STACK_DIR": str(STACK_DIR)}
-        return self.stack.run([sys.executable, "-m", "memfilter", "stack", *argv], env=env, cwd=REPO, timeout=600)
+    def _clocked(self, name: str) -> list[str]:
+        """The environment that runs a process under its clock file (`clock`), at the machine's time for now."""
+        if not FAKETIME.exists():
+            raise RuntimeError(f"no {FAKETIME}: the Jepsen tier moves clocks with Debian's faketime (apt-get install faketime)")
+        self.clock(name, 0)
+        return ["env", f"LD_PRELOAD={FAKETIME}", f"FAKETIME_TIMESTAMP_FILE={self._clock_file(name)}", "FAKETIME_NO_CACHE=1", "FAKETIME_DONT_FAKE_MONOTONIC=1"]
+
+    def _enter(self, name: str) -> list[str]:
+        return ["ip", "netns", "exec", self.net[name].ns]
 
     def up(self) -> None:
-        """The stack, its data made anew, Redis's on a small disk of its own (REDIS_DISK: `fill`
-        fills it); `env` then holds what a process needs to reach it."""
-        subprocess.run(["umount", str(REDIS_DISK)], capture_output=True)
+        """The stack, its data made anew; `env` then holds what a process needs to reach it."""
+        self._unmount()
         for kept in STACK_DIR.glob("*") if STACK_DIR.exists() else ():
             if kept.name != "kafka-libs":
                 shutil.rmtree(kept) if kept.is_dir() else kept.unlink()
         LOGS.mkdir(parents=True, exist_ok=True)
-        REDIS_DISK.mkdir(parents=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={REDIS_DISK_MB}m", "mfj-redis", str(REDIS_DISK)], check=True)
-        done = self._stack("up", *(["--brokers", "3", "--redis-cluster"] if self.replicated else []))
-        if done.returncode != 0:
-            raise RuntimeError(f"memfilter stack up on {self.stack.address} failed: {done.stderr[-2000:]}")
-        exports = dict(line.removeprefix("export ").split("=", 1) for line in done.stdout.splitlines() if line.startswith("export "))
-        # PostgreSQL answers loopback alone (its stack's trust rule): the workers keep history in Redis
-        exports.pop("POSTGRES_URL", None)
-        self.env = {k: v.strip("'\"") for k, v in exports.items()} | {
-            "MEMFILTER_SECRET": self.secret,
-            "MEMFILTER_SESSION_TIMEOUT": str(SESSION_TIMEOUT_S),
-        }
+        for name in self.disks:
+            (STACK_DIR / name).mkdir(parents=True)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", f"mfj-{name}", str(STACK_DIR / name)], check=True)
+        running = stack.up(self.settings, timeout=180, enter=self._enter)
+        exports = running.exports(self.settings, self.secret).splitlines()
+        self.env = dict(line.removeprefix("export ").split("=", 1) for line in exports)
+        # The workers keep history in Redis alone: the checker reads it there
+        self.env.pop("POSTGRES_URL")
+        self.env["MEMFILTER_SESSION_TIMEOUT"] = str(SESSION_TIMEOUT_S)
 
     def down(self) -> None:
-        self._stack("down")
-        subprocess.run(["umount", str(REDIS_DISK)], capture_output=True)
+        stack.down(self.settings)
+        self._unmount()
+
+    def _unmount(self) -> None:
+        for name in self.disks:
+            subprocess.run(["umount", str(STACK_DIR / name)], capture_output=True)
 
     def pids(self) -> dict[str, int]:
-        """The stack's processes by name (`kafka-2`, `redis-6379`, ...), as `memfilter stack status` lists them."""
-        lines = self._stack("status").stdout.splitlines()[1:]
-        return {name: int(pid) for name, state, _, pid, *_ in (line.split() for line in lines) if state == "running"}
+        """The stack's processes by name (`kafka-2`, `redis-6379`, ...)."""
+        running = stack.recorded(self.settings)
+        assert running is not None, f"no stack recorded in {STACK_DIR}"
+        return running.pids
 
-    def fill(self) -> None:
-        """Redis's disk full: a file takes what is left of it."""
+    def restart(self) -> None:
+        """What of the stack stopped, started again on its data (as an operator does: `memfilter stack up`)."""
+        stack.up(self.settings, timeout=180, enter=self._enter)
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The Redis Cluster's masters as they are now, each with its replica: (master, replica)."""
+        by_address = {f"{self.net[n].address}:{self.settings.redis_ports[i]}": n for i, n in enumerate(self.redis)}
+        for name in self.redis:
+            done = subprocess.run(
+                ["redis-cli", "-h", self.net[name].address, "-p", name.split("-")[1], "cluster", "nodes"], capture_output=True, text=True, timeout=10
+            )
+            if done.returncode == 0 and done.stdout.strip():
+                nodes = [line.split() for line in done.stdout.splitlines()]
+                names = {node[0]: by_address[node[1].split("@")[0]] for node in nodes}
+                replicas = {node[3]: names[node[0]] for node in nodes if "slave" in node[2]}
+                return sorted((names[node[0]], replicas[node[0]]) for node in nodes if "master" in node[2] and len(node) > 8)
+        raise RuntimeError("no Redis node answered CLUSTER NODES")
+
+    def fill(self, name: str) -> None:
+        """The disk under process `name`'s data (one of `disks`) full: a file takes what is left of it."""
         chunk = b"\0" * (1 << 20)
-        with open(REDIS_DISK / "filler", "wb", buffering=0) as f:
+        with open(STACK_DIR / name / "filler", "wb", buffering=0) as f:
             while True:
                 try:
                     f.write(chunk)
                 except OSError:  # no space left: full
                     return
 
-    def free(self) -> None:
-        (REDIS_DISK / "filler").unlink(missing_ok=True)
+    def free(self, name: str) -> None:
+        (STACK_DIR / name / "filler").unlink(missing_ok=True)
 
     def worker(self, host: Host) -> subprocess.Popen:
         """A worker on `host`, logging to LOGS, its wall clock the machine's until `clock` moves it."""
-        if not FAKETIME.exists():
-            raise RuntimeError(f"no {FAKETIME}: the Jepsen tier moves workers' clocks with Debian's faketime (apt-get install faketime)")
-        self.clock(host.name, 0)
-        clock = {"LD_PRELOAD": str(FAKETIME), "FAKETIME_TIMESTAMP_FILE": str(self._clock_file(host.name)), "FAKETIME_NO_CACHE": "1", "DONT_FAKE_MONOTONIC": "1"}
         process = host.popen(
-            [sys.executable, "-m", "memfilter", "worker", "--loglevel", "info"],
-            env=os.environ | self.env | clock | {"MEMFILTER_DATA_DIR": f"/tmp/memfilter-jepsen-{host.name}"},
+            [*self._clocked(host.name), sys.executable, "-m", "memfilter", "worker", "--loglevel", "info"],
+            env=os.environ | self.env | {"MEMFILTER_DATA_DIR": f"/tmp/memfilter-jepsen-{host.name}"},
             log=LOGS / f"{host.name}.log",
             cwd=REPO,
         )

@@ -6,24 +6,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
-from checker import check
-from net import Net
-from product import LOGS, Product
+from checker import Sent, check
+from net import Net, sweep
+from product import LOGS, Product, stack_names
 from workload import Clients, read
 
 ANSWERED_S = 60.0  # after the faults heal, the longest the last outcomes may take
-RATE, THREADS, TURNS = 20.0, 20, 25  # 500 turns over 25 s
+RATE, TURNS = 20.0, 25  # turns a second in all; turns of each thread (threads enough for the run's length)
+REPORTS = LOGS.parent / "memfilter-jepsen-reports"  # a report per run, kept across runs
 
 
 @contextlib.contextmanager
 def deployment(replicated: bool = False) -> Iterator[tuple[Net, Product]]:
-    """The stack on the host `stack` (`replicated`: three brokers and a Redis Cluster), a worker on each of `worker-1`, `worker-2`."""
+    """Each of the stack's processes on a host of its own (`replicated`: three brokers and a
+    Redis Cluster), a worker on each of `worker-1`, `worker-2`."""
+    sweep()  # what a killed run left
     shutil.rmtree(LOGS, ignore_errors=True)
-    with Net(["stack", "worker-1", "worker-2"]) as net:
+    with Net([*stack_names(replicated), "worker-1", "worker-2"]) as net:
         product = Product(net, replicated)
         product.up()
         try:
@@ -45,12 +49,13 @@ def workers_ready(net: Net, product: Product) -> None:
         time.sleep(0.5)
 
 
-def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[None]]) -> None:
-    """The workload with `schedule`'s faults (it appends what it does to the list it is given),
-    then the wait for every outcome and the checker's verdict, printed and asserted."""
+def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[None]], seconds: float = 25.0, name: str = "") -> None:
+    """The workload for `seconds` with `schedule`'s faults (it appends what it does to the list
+    it is given), then the wait for every outcome and the checker's verdict: printed, written
+    to REPORTS (with what each client was told) and asserted."""
     workers_ready(net, product)
     env = product.env
-    clients = Clients(env["KAFKA_BOOTSTRAP_SERVERS"], THREADS, TURNS)
+    clients = Clients(env["KAFKA_BOOTSTRAP_SERVERS"], max(1, round(seconds * RATE / TURNS)), TURNS)
     faults: list[str] = []
     started, healed = time.monotonic(), 0.0
 
@@ -72,14 +77,27 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
     outcomes, saved, stored = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.threads))
     waits = [clients.answered[s.at] - s.sent_ms / 1000 for s in clients.sent if s.at in clients.answered]
     verdict = check(clients.sent, outcomes, saved, stored)
-    print(f"\n--- schedule (t from the first turn, s): {'; '.join(faults)}")
-    print(
-        f"--- {len(clients.sent)} turns, {verdict.unacknowledged} not acknowledged, {verdict.outcomes} outcomes "
-        f"({verdict.dead_letters} dead letters), all answered {answered_s:.1f} s after the heal; "
-        f"longest a request waited for its outcome: {max(waits, default=0):.1f} s; {time.monotonic() - started:.0f} s in all"
+    report = "\n".join(
+        [
+            f"--- {name or 'run'}: schedule (t from the first turn, s): {'; '.join(faults)}",
+            f"--- {len(clients.sent)} turns, {verdict.unacknowledged} not acknowledged, {verdict.outcomes} outcomes "
+            f"({verdict.dead_letters} dead letters), all answered {answered_s:.1f} s after the heal; "
+            f"longest a request waited for its outcome: {max(waits, default=0):.1f} s; {time.monotonic() - started:.0f} s in all",
+            "--- verdict: " + ("ok" if verdict.ok else "\n".join(verdict.problems[:20])),
+        ]
     )
-    print("--- verdict: " + ("ok" if verdict.ok else "\n".join(verdict.problems[:20])))
+    print("\n" + report)
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    stem = REPORTS / f"{time.strftime('%Y%m%dT%H%M%S')}-{name or 'run'}"
+    stem.with_suffix(".txt").write_text(report + "\n" + "\n".join(verdict.problems) + "\n")
+    told = ({"request": s.request_id, "published": s.at, "outcome_after_s": waits_of(clients, s)} for s in clients.sent)
+    stem.with_suffix(".jsonl").write_text("".join(json.dumps(line) + "\n" for line in told))
     assert verdict.ok, verdict.problems[:20]
+
+
+def waits_of(clients: Clients, sent: Sent) -> float | None:
+    """How long after its publish a request's outcome arrived (None: not seen while watching)."""
+    return round(clients.answered[sent.at] - sent.sent_ms / 1000, 3) if sent.at in clients.answered else None
 
 
 def steps(*plan: tuple[float, Callable[[], object], str]) -> Callable[[list[str]], Awaitable[None]]:
@@ -90,7 +108,7 @@ def steps(*plan: tuple[float, Callable[[], object], str]) -> Callable[[list[str]
         started = time.monotonic()
         for wait_s, act, what in plan:
             await asyncio.sleep(wait_s)
-            act()
+            await asyncio.to_thread(act)  # off the loop: the clients publish and watch meanwhile
             faults.append(f"{time.monotonic() - started:.1f} {what}")
 
     return schedule

@@ -1,7 +1,7 @@
 """Faults on the product's hosts, and the independent checker's verdict on what came of them.
 
-The stack (Kafka, Redis, PostgreSQL) runs on the host `stack`, two workers on `worker-1` and
-`worker-2` (`product.py`). For each schedule, the clients (`workload.py`) publish full-echo
+The stack's processes (Kafka, Redis, PostgreSQL) run on hosts `kafka`, `redis` and `postgres`,
+two workers on `worker-1` and `worker-2` (`product.py`). For each schedule, the clients (`workload.py`) publish full-echo
 turns on fresh threads while the schedule's faults come and go; after the last fault heals and
 the last turn is published, every acknowledged request must get its outcome within ANSWERED_S,
 and the checker (`checker.py`) must find nothing lost, nothing twice, nothing out of order, no
@@ -28,8 +28,8 @@ def deployment():
 class TestAWorkerCutOff:
     def test_a_worker_cut_from_the_brokers_but_not_from_redis_past_its_session_loses_and_repeats_nothing(self, deployment):
         net, product = deployment
-        cut = lambda: net.cut("worker-1", "stack", port=9092)  # noqa: E731
-        run(net, product, steps((5, cut, "worker-1 cut from the broker (port 9092), not from Redis"), (3 * SESSION_TIMEOUT_S, net.heal, "healed")))
+        cut = lambda: net.cut("worker-1", "kafka")  # noqa: E731
+        run(net, product, steps((5, cut, "worker-1 cut from the broker, not from Redis"), (3 * SESSION_TIMEOUT_S, net.heal, "healed")))
 
     def test_a_worker_cut_from_everything_past_its_session_loses_and_repeats_nothing(self, deployment):
         net, product = deployment
@@ -60,7 +60,8 @@ class TestAWorkersClockJumps:
 class TestAFullDisk:
     def test_redis_out_of_disk_for_its_append_only_file_then_given_room_loses_and_repeats_nothing(self, deployment):
         net, product = deployment
-        run(net, product, steps((5, product.fill, "Redis's disk full"), (12, product.free, "Redis's disk has room again")))
+        fill, free = (lambda: product.fill("redis")), (lambda: product.free("redis"))
+        run(net, product, steps((5, fill, "Redis's disk full"), (12, free, "Redis's disk has room again")))
 
 
 class TestALossyLink:
