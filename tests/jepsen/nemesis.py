@@ -1,0 +1,101 @@
+"""The seeded random nemesis: a schedule of faults drawn from a seed, so that a run is repeated by
+its seed alone. Until `seconds` have passed, it waits a moment, draws a fault of a kind
+(`kinds`) and its targets from the hosts the deployment has, holds it a while, and undoes it;
+`runs.run` heals the network after. Or every kind once, in the seed's order (the short
+schedule CI runs). The kinds:
+
+- partitions: one host from the rest, random halves, a bridge (a host the two sides both see),
+  a cut one way only;
+- loss: a host drops a share of its packets;
+- a process paused (SIGSTOP) past the workers' Kafka sessions and Redis Cluster's node timeout,
+  then woken: a broker, a Redis node, a worker;
+- a clock jump, forward or back, on a worker (not on a broker: `product.FAKETIME`);
+- a disk full under a broker's log or a Redis node's append-only file, then given room (what
+  stopped for it started again, as an operator does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+from net import Net
+from product import Product
+
+HOLD_S = (4.0, 16.0)  # how long a fault lasts: drawn between these
+REST_S = (1.0, 5.0)  # the quiet between two faults
+EACH_HOLD_S = 8.0  # every kind once: each held past the workers' Kafka sessions (6 s) and Redis Cluster's node timeout (2 s)
+
+
+def kinds(net: Net, product: Product, rng: random.Random) -> dict[str, Callable[[], tuple[Callable[[], object], Callable[[], object], str]]]:
+    """Each kind draws its targets and returns (act, undo, what)."""
+    hosts = [*product.names, *product.workers]
+    stack = [n for n in product.names if n != "postgres"]  # PostgreSQL is not on the workers' path here
+
+    def isolate():
+        a = rng.choice(hosts)
+        return (lambda: net.isolate(a)), net.heal, f"{a} isolated"
+
+    def halves():
+        shuffled = rng.sample(hosts, len(hosts))
+        left, right = shuffled[: len(hosts) // 2], shuffled[len(hosts) // 2 :]
+        return (lambda: net.partition(left, right)), net.heal, f"halves: {' '.join(sorted(left))} | {' '.join(sorted(right))}"
+
+    def bridge():
+        middle, *others = rng.sample(hosts, len(hosts))
+        left, right = others[: len(others) // 2], others[len(others) // 2 :]
+        return (lambda: net.partition(left, right)), net.heal, f"{middle} bridges {' '.join(sorted(left))} | {' '.join(sorted(right))}"
+
+    def one_way():
+        a, b = rng.sample(hosts, 2)
+        return (lambda: net.cut(a, b, one_way=True)), net.heal, f"{a} cannot send to {b}"
+
+    def loss():
+        a, percent = rng.choice(hosts), rng.choice([10, 33, 50])
+        return (lambda: net.loss(a, percent)), net.heal, f"{a} drops {percent}% of its packets"
+
+    def pause():
+        name = rng.choice([*stack, *product.workers])
+        pid = product.workers[name].pid if name in product.workers else product.pids()[name]
+        return (lambda: os.kill(pid, signal.SIGSTOP)), (lambda: os.kill(pid, signal.SIGCONT)), f"{name} paused"
+
+    def clock():
+        name, seconds = rng.choice(list(product.workers)), rng.choice([-600, -60, 60, 3600])
+        return (lambda: product.clock(name, seconds)), (lambda: product.clock(name, 0)), f"{name}'s clock {seconds:+d} s"
+
+    def disk():
+        name = rng.choice(product.disks)
+        return (lambda: product.fill(name)), (lambda: (product.free(name), product.restart())), f"{name}'s disk full"
+
+    return {"isolate": isolate, "halves": halves, "bridge": bridge, "one way": one_way, "loss": loss, "pause": pause, "clock": clock, "disk": disk}
+
+
+def nemesis(net: Net, product: Product, seed: int, seconds: float | None) -> Callable[[list[str]], Awaitable[None]]:
+    """The schedule of `seed`: faults drawn and undone one after another for `seconds`; or, with
+    `seconds` None, every kind once, in the seed's order, each held EACH_HOLD_S after a rest of
+    the shortest (`each_kind_s`)."""
+
+    async def schedule(faults: list[str]) -> None:
+        rng = random.Random(seed)
+        draw = kinds(net, product, rng)
+        order = rng.sample(sorted(draw), len(draw)) if seconds is None else []
+        started = time.monotonic()
+        while order or (seconds is not None and time.monotonic() - started + REST_S[1] + HOLD_S[1] < seconds):
+            await asyncio.sleep(REST_S[0] if seconds is None else rng.uniform(*REST_S))
+            act, undo, what = draw[order.pop(0) if order else rng.choice(sorted(draw))]()
+            await asyncio.to_thread(act)
+            faults.append(f"{time.monotonic() - started:.1f} {what}")
+            await asyncio.sleep(EACH_HOLD_S if seconds is None else rng.uniform(*HOLD_S))
+            await asyncio.to_thread(undo)
+            faults.append(f"{time.monotonic() - started:.1f} undone")
+
+    return schedule
+
+
+def each_kind_s(net: Net, product: Product) -> float:
+    """How long `nemesis(..., seconds=None)` lasts at most."""
+    return len(kinds(net, product, random.Random(0))) * (REST_S[0] + EACH_HOLD_S)
