@@ -17,6 +17,7 @@ Found, each a line of `Verdict.problems`:
 - `stale`: a decision that saved a message stored before it (it saw history that a later state
   contradicts: a write lost, or read from a replica behind), or left out one that was not;
 - `stored`: a thread's stored order in Redis not the messages its decisions saved, in order;
+- `postgres`: the same of its messages in PostgreSQL (the sink's copy of all history);
 - `dead letter`: a dead letter without its reason (`error.type`).
 """
 
@@ -81,9 +82,16 @@ def outcome_of(topic_kind: str, partition: int, offset: int, key: bytes | None, 
     return Outcome(at, (partition, offset), (key or b"").decode(errors="replace"), None, headers.get("error.type", ""))
 
 
-def check(sent: list[Sent], outcomes: list[Outcome], saved: dict[str, list[tuple[str, list[str]]]], stored: dict[str, list[str]]) -> Verdict:
+def check(
+    sent: list[Sent],
+    outcomes: list[Outcome],
+    saved: dict[str, list[tuple[str, list[str]]]],
+    stored: dict[str, list[str]],
+    kept: dict[str, list[str]] | None = None,
+) -> Verdict:
     """`saved`: each thread's `persist-messages` events, as (its requestId, the message ids it
-    saves), in log order; `stored`: each thread's stored order in Redis."""
+    saves), in log order; `stored`: each thread's stored order in Redis; `kept`: in PostgreSQL,
+    when the run has it."""
     verdict = Verdict(outcomes=len(outcomes), dead_letters=sum(o.contributed is None for o in outcomes))
     by_at: dict[tuple[int, int], list[Outcome]] = defaultdict(list)
     for o in outcomes:
@@ -114,6 +122,8 @@ def check(sent: list[Sent], outcomes: list[Outcome], saved: dict[str, list[tuple
             model.extend(m for m in saves.get(s.request_id, []) if m not in model)
         if stored.get(thread, []) != model:
             verdict.problems.append(f"stored: thread {thread} holds {stored.get(thread, [])}, its decisions saved {model}")
+        if kept is not None and kept.get(thread, []) != model:
+            verdict.problems.append(f"postgres: thread {thread} holds {kept.get(thread, [])} in PostgreSQL, its decisions saved {model}")
         seen: set[str] = set()
         for _, event in saved.get(thread, []):
             for m in event:

@@ -2,12 +2,13 @@
 deployment runs them on machines of their own: the stack's (`memfilter.stack.up` with
 `Settings.hosts`: Kafka, Redis and PostgreSQL; `replicated`: three brokers and a Redis Cluster
 of three masters with a replica each), each on the host named as the process (`kafka`, `redis`,
-`postgres`; `kafka-1`..`kafka-3`, `redis-6379`..`redis-6384`), and the workers on `worker-1`,
-`worker-2`.
+`postgres`; `kafka-1`..`kafka-3`, `redis-6379`..`redis-6384`), the workers on `worker-1`,
+`worker-2` and the sink (which writes all history into PostgreSQL) on `sink`.
 
 The stack's folder is STACK_DIR, its data made anew each run and the broker's jars kept (Maven
 collects them once). Some folders are small tmpfs the harness mounts, so that a test can fill
-them (`fill`, `free`): a broker's log, a Redis node's append-only file (`Product.disks`).
+them (`fill`, `free`): a broker's log, a Redis node's append-only file, PostgreSQL's data
+(`Product.disks`).
 Workers run under Debian's libfaketime, each with a clock file (`clock`). `down()` stops the
 stack and unmounts its disks; the network's removal kills whatever is left.
 """
@@ -37,6 +38,7 @@ SESSION_TIMEOUT_S = 6  # a worker's Kafka session: what a cut or a pause must ou
 # in, and a broker under it spins at full CPU and takes minutes to start.
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 DISK_MB = 256
+SINK_WEB_PORT = 6069
 
 
 def stack_names(replicated: bool) -> list[str]:
@@ -51,12 +53,13 @@ class Product:
         self.names = stack_names(replicated)
         self.kafka = [n for n in self.names if n.startswith("kafka")]
         self.redis = [n for n in self.names if n.startswith("redis")]
-        self.disks = [self.kafka[0], self.redis[0]]  # the folders on a small disk of their own: `fill` fills one
+        self.disks = [self.kafka[0], self.redis[0], "postgres"]  # the folders on a small disk of their own: `fill` fills one
         base = stack.Settings.of(product_settings.Settings.from_env(), None, len(self.kafka), replicated)
         self.settings = dataclasses.replace(base, dir=STACK_DIR, hosts=tuple((n, net[n].address) for n in self.names))
         self.secret = secrets.token_hex(32)
         self.env: dict[str, str] = {}
         self.workers: dict[str, subprocess.Popen] = {}
+        self.sink: subprocess.Popen | None = None
 
     def _clocked(self, name: str) -> list[str]:
         """The environment that runs a process under its clock file (`clock`), at the machine's time for now."""
@@ -81,8 +84,6 @@ class Product:
         running = stack.up(self.settings, timeout=180, enter=self._enter)
         exports = running.exports(self.settings, self.secret).splitlines()
         self.env = dict(line.removeprefix("export ").split("=", 1) for line in exports)
-        # The workers keep history in Redis alone: the checker reads it there
-        self.env.pop("POSTGRES_URL")
         self.env["MEMFILTER_SESSION_TIMEOUT"] = str(SESSION_TIMEOUT_S)
 
     def down(self) -> None:
@@ -140,6 +141,16 @@ class Product:
         )
         self.workers[host.name] = process
         return process
+
+    def start_sink(self, host: Host) -> subprocess.Popen:
+        """The sink on `host`, logging to LOGS; its `/readyz` on SINK_WEB_PORT of the host's address."""
+        self.sink = host.popen(
+            [sys.executable, "-m", "memfilter", "sink", "--loglevel", "info"],
+            env=os.environ | self.env | {"MEMFILTER_WEB_BIND": host.address, "MEMFILTER_SINK_WEB_PORT": str(SINK_WEB_PORT)},
+            log=LOGS / f"{host.name}.log",
+            cwd=REPO,
+        )
+        return self.sink
 
     def _clock_file(self, name: str) -> Path:
         return LOGS / f"{name}.clock"

@@ -9,12 +9,13 @@ import contextlib
 import json
 import shutil
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 
 from checker import Sent, check
 from net import Net, sweep
-from product import LOGS, Product, stack_names
-from workload import Clients, read
+from product import LOGS, SINK_WEB_PORT, Product, stack_names
+from workload import Clients, kept, read
 
 ANSWERED_S = 60.0  # after the faults heal, the longest the last outcomes may take
 RATE, TURNS = 20.0, 25  # turns a second in all; turns of each thread (threads enough for the run's length)
@@ -24,10 +25,10 @@ REPORTS = LOGS.parent / "memfilter-jepsen-reports"  # a report per run, kept acr
 @contextlib.contextmanager
 def deployment(replicated: bool = False) -> Iterator[tuple[Net, Product]]:
     """Each of the stack's processes on a host of its own (`replicated`: three brokers and a
-    Redis Cluster), a worker on each of `worker-1`, `worker-2`."""
+    Redis Cluster), a worker on each of `worker-1`, `worker-2`, the sink on `sink`."""
     sweep()  # what a killed run left
     shutil.rmtree(LOGS, ignore_errors=True)
-    with Net([*stack_names(replicated), "worker-1", "worker-2"]) as net:
+    with Net([*stack_names(replicated), "worker-1", "worker-2", "sink"]) as net:
         product = Product(net, replicated)
         product.up()
         try:
@@ -37,16 +38,26 @@ def deployment(replicated: bool = False) -> Iterator[tuple[Net, Product]]:
 
 
 def workers_ready(net: Net, product: Product) -> None:
-    """Both workers running, each having said it is ready (one that died is started again)."""
+    """Both workers and the sink running, each having said it is ready (one that died is started again)."""
     for name in ("worker-1", "worker-2"):
         process = product.workers.get(name)
         if process is None or process.poll() is not None:
             (LOGS / f"{name}.log").unlink(missing_ok=True)
             product.worker(net[name])
+    if product.sink is None or product.sink.poll() is not None:
+        product.start_sink(net["sink"])
     deadline = time.monotonic() + 120
-    while not all("memfilter worker ready" in (LOGS / f"{n}.log").read_text(errors="replace") for n in ("worker-1", "worker-2")):
-        assert time.monotonic() < deadline, (LOGS / "worker-1.log").read_text()[-2000:]
+    while not all("memfilter worker ready" in (LOGS / f"{n}.log").read_text(errors="replace") for n in ("worker-1", "worker-2")) or not sink_ready(net):
+        assert time.monotonic() < deadline, (LOGS / "worker-1.log").read_text()[-2000:] + (LOGS / "sink.log").read_text()[-2000:]
         time.sleep(0.5)
+
+
+def sink_ready(net: Net) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{net['sink'].address}:{SINK_WEB_PORT}/readyz", timeout=2) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
 
 
 def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[None]], seconds: float = 25.0, name: str = "") -> None:
@@ -75,8 +86,10 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
     asyncio.run(both())
     answered_s = time.monotonic() - healed
     outcomes, saved, stored = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.threads))
+    while (copy := asyncio.run(kept(env["POSTGRES_URL"], clients.threads))) != stored and time.monotonic() - healed < 2 * ANSWERED_S:
+        time.sleep(1)  # the sink catches up
     waits = [clients.answered[s.at] - s.sent_ms / 1000 for s in clients.sent if s.at in clients.answered]
-    verdict = check(clients.sent, outcomes, saved, stored)
+    verdict = check(clients.sent, outcomes, saved, stored, copy)
     report = "\n".join(
         [
             f"--- {name or 'run'}: schedule (t from the first turn, s): {'; '.join(faults)}",

@@ -60,6 +60,13 @@ class TestTheCheckerFindsWhatItNames:
         outcomes, saved, stored = answered(sent)
         assert any(p.startswith("stored: thread t") for p in check(sent, outcomes, saved, {"t": ["t-u0", "t-u2"]}).problems)
 
+    def test_postgresql_holding_other_than_what_was_saved_is_found_and_a_copy_that_agrees_passes(self):
+        sent = thread(3)
+        outcomes, saved, stored = answered(sent)
+        assert check(sent, outcomes, saved, stored, kept=stored).ok
+        problems = check(sent, outcomes, saved, stored, kept={"t": ["t-u0", "t-u1"]}).problems
+        assert problems == ["postgres: thread t holds ['t-u0', 't-u1'] in PostgreSQL, its decisions saved ['t-u0', 't-u1', 't-u2']"]
+
     def test_a_dead_letter_without_its_reason_is_found(self):
         sent = thread(2)
         outcomes, saved, stored = answered(sent)

@@ -1,11 +1,11 @@
 """Faults on the product's hosts, and the independent checker's verdict on what came of them.
 
 The stack's processes (Kafka, Redis, PostgreSQL) run on hosts `kafka`, `redis` and `postgres`,
-two workers on `worker-1` and `worker-2` (`product.py`). For each schedule, the clients (`workload.py`) publish full-echo
+two workers on `worker-1` and `worker-2`, the sink on `sink` (`product.py`). For each schedule, the clients (`workload.py`) publish full-echo
 turns on fresh threads while the schedule's faults come and go; after the last fault heals and
 the last turn is published, every acknowledged request must get its outcome within ANSWERED_S,
 and the checker (`checker.py`) must find nothing lost, nothing twice, nothing out of order, no
-stale decision, and Redis holding what the outcomes contributed. Each run prints its report:
+stale decision, and Redis and PostgreSQL holding what the outcomes contributed. Each run prints its report:
 the faults and when, what the clients saw, the verdict, the longest a request waited.
 """
 
@@ -68,3 +68,17 @@ class TestALossyLink:
     def test_a_worker_dropping_a_third_of_its_packets_loses_and_repeats_nothing(self, deployment):
         net, product = deployment
         run(net, product, steps((3, lambda: net.loss("worker-2", 33), "worker-2 drops 33% of its packets"), (15, net.heal, "healed")))
+
+
+class TestPostgreSQLTrouble:
+    def test_postgresql_out_of_disk_then_given_room_and_started_again_loses_nothing_and_the_sink_catches_up(self, deployment):
+        """PostgreSQL stops when it cannot write its log (its rule); the workers decide on Redis
+        meanwhile, and the sink waits, then writes what it holds back."""
+        net, product = deployment
+        fill = lambda: product.fill("postgres")  # noqa: E731
+        room = lambda: (product.free("postgres"), product.restart())  # noqa: E731
+        run(net, product, steps((5, fill, "PostgreSQL's disk full"), (12, room, "PostgreSQL's disk has room again; what stopped started again")))
+
+    def test_the_sink_cut_from_postgresql_catches_up_after_the_heal(self, deployment):
+        net, product = deployment
+        run(net, product, steps((5, lambda: net.cut("sink", "postgres"), "the sink cut from PostgreSQL"), (15, net.heal, "healed")))

@@ -5,7 +5,8 @@ with acks=all and idempotence, as a `useChat` backend publishes): `threads` thre
 each the full echo of its user messages u0..uk, `rate` turns a second in all, and records what
 each publish was told (`checker.Sent`). `read` then takes every record of `filtered-inputs`, the
 dead-letter topic (`chat-requests-dlq`) and `persist-messages` (read_committed, as downstream reads), and each
-thread's stored order from Redis (`mf:t:{<thread>}:order`, docs: store/layout.py's table).
+thread's stored order from Redis (`mf:t:{<thread>}:order`, docs: store/layout.py's table);
+`kept`, its messages in PostgreSQL.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import secrets
 import time
 
+import asyncpg
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -125,6 +127,24 @@ async def read(bootstrap: str, redis_url: str, threads: list[str]) -> tuple[list
     finally:
         await client.aclose()
     return outcomes, saved, stored
+
+
+async def kept(postgres_url: str, threads: list[str]) -> dict[str, list[str]]:
+    """Each thread's messages in PostgreSQL, in their places (`mf.mastra_messages.position`;
+    docs/postgres.md), as the sink wrote them."""
+    connection = await asyncpg.connect(postgres_url, timeout=10)
+    try:
+        rows = await connection.fetch(
+            "SELECT thread_id, id FROM mf.mastra_messages WHERE thread_id = ANY($1) AND position IS NOT NULL ORDER BY thread_id, position", threads
+        )
+    except asyncpg.UndefinedTableError:  # nothing written yet
+        rows = []
+    finally:
+        await connection.close()
+    found: dict[str, list[str]] = {t: [] for t in threads}
+    for row in rows:
+        found[row["thread_id"]].append(row["id"])
+    return found
 
 
 async def _partitions(bootstrap: str, topics: list[str]) -> dict[str, list[int]]:
