@@ -3,7 +3,8 @@ against what the clients were told and what the topics and Redis hold after. It 
 the product's code: it reads the wire as JSON and Kafka headers, as any consumer would.
 
 The workload (`workload.py`) is full echoes: turn k of a thread publishes the thread's user
-messages u0..uk, as `useChat` sends the whole conversation. So the history a decision saw shows
+messages u0..uk, as `useChat` sends the whole conversation; a conversation's turns echo the
+agent runner's replies too, each sent once the last reply is saved. So the history a decision saw shows
 in what it saved (its event on `persist-messages`, by its `requestId`): the messages of its
 request not stored before it, and only those (docs: the spec's "What is saved"). A model of
 each thread, applied in the order the thread's outcomes are on their topics, says what that
@@ -16,7 +17,8 @@ Found, each a line of `Verdict.problems`:
 - `order`: a thread's outcomes not in the order its requests were published;
 - `stale`: a decision that saved a message stored before it (it saw history that a later state
   contradicts: a write lost, or read from a replica behind), or left out one that was not;
-- `stored`: a thread's stored order in Redis not the messages its decisions saved, in order;
+- `stored`: a thread's stored order in Redis not the messages its decisions saved, in order,
+  and its replies each once (a conversation that waited for each reply: each after its turn);
 - `postgres`: the same of its messages in PostgreSQL (the sink's copy of all history);
 - `dead letter`: a dead letter without its reason (`error.type`).
 """
@@ -38,6 +40,12 @@ class Sent:
     messages: list[str]  # the message ids it carried, in order
     at: tuple[int, int] | None  # (partition, offset) on the requests topic, once acknowledged
     sent_ms: int = 0  # when it was published (epoch ms)
+    # A conversation's turn (its client echoes the replies, as `useChat` does): True once the
+    # client saw its outcome and, for a filtered input, its reply's save, before the next turn
+    waited: bool | None = None
+
+
+REPLY = "/reply"  # the agent runner's save of a reply is the request's `requestId` and this
 
 
 @dataclass
@@ -112,18 +120,29 @@ def check(
         if [s.turn for _, s in decided] != sorted(s.turn for _, s in decided):
             verdict.problems.append(f"order: thread {thread}'s outcomes are for turns {[s.turn for _, s in decided]}")
         saves = {request_id: ids for request_id, ids in saved.get(thread, [])}
+        replies = [m for request_id, ids in saved.get(thread, []) if request_id.endswith(REPLY) for m in ids]
+        # A conversation that waited for every reply promises its order whole: each turn's
+        # message, then its reply. Elsewhere a reply and the thread's next requests are
+        # concurrent writers: the requests' messages keep their order, each reply is stored once.
+        whole = all(s.waited for s in requests)
         model: list[str] = []  # the thread's stored order, as the decisions so far make it
         for o, s in decided:
             if o.contributed is None:
                 continue
-            expected = [m for m in s.messages if m not in model]
+            expected = [m for m in s.messages if m not in model and m not in replies]  # an echoed reply is the agent's to save
             if saves.get(s.request_id, []) != expected:
                 verdict.problems.append(f"stale: request {s.request_id} saved {saves.get(s.request_id, [])}, but {expected} were not stored before it")
             model.extend(m for m in saves.get(s.request_id, []) if m not in model)
-        if stored.get(thread, []) != model:
-            verdict.problems.append(f"stored: thread {thread} holds {stored.get(thread, [])}, its decisions saved {model}")
-        if kept is not None and kept.get(thread, []) != model:
-            verdict.problems.append(f"postgres: thread {thread} holds {kept.get(thread, [])} in PostgreSQL, its decisions saved {model}")
+            if whole:
+                model.extend(saves.get(s.request_id + REPLY, []))
+        for where, holds in (("stored", stored), ("postgres", kept)):
+            if holds is None:
+                continue
+            got = holds.get(thread, [])
+            mine = got if whole else [m for m in got if m not in replies]
+            if mine != model or sorted(m for m in got if m in replies) != sorted(replies):
+                what = "in Redis" if where == "stored" else "in PostgreSQL"
+                verdict.problems.append(f"{where}: thread {thread} holds {got} {what}; its decisions saved {model}, its replies {replies}")
         seen: set[str] = set()
         for _, event in saved.get(thread, []):
             for m in event:

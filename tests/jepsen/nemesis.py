@@ -8,7 +8,7 @@ schedule CI runs). The kinds:
   a cut one way only;
 - loss: a host drops a share of its packets;
 - a process paused (SIGSTOP) past the workers' Kafka sessions and Redis Cluster's node timeout,
-  then woken: a broker, a Redis node, PostgreSQL, a worker, the sink;
+  then woken: a broker, a Redis node, PostgreSQL, a worker, the sink, the agent runner;
 - a clock jump, forward or back, on a worker (not on a broker: `product.FAKETIME`);
 - a disk full under a broker's log, a Redis node's append-only file or PostgreSQL's data, then
   given room (what stopped for it started again, as an operator does).
@@ -33,7 +33,7 @@ EACH_HOLD_S = 8.0  # every kind once: each held past the workers' Kafka sessions
 
 def kinds(net: Net, product: Product, rng: random.Random) -> dict[str, Callable[[], tuple[Callable[[], object], Callable[[], object], str]]]:
     """Each kind draws its targets and returns (act, undo, what)."""
-    hosts = [*product.names, *product.workers, "sink"]
+    hosts = [*product.names, *product.workers, *product.parts]
 
     def isolate():
         a = rng.choice(hosts)
@@ -58,8 +58,8 @@ def kinds(net: Net, product: Product, rng: random.Random) -> dict[str, Callable[
         return (lambda: net.loss(a, percent)), net.heal, f"{a} drops {percent}% of its packets"
 
     def pause():
-        name = rng.choice([*product.names, *product.workers, "sink"])
-        pid = product.workers[name].pid if name in product.workers else product.sink.pid if name == "sink" else product.pids()[name]
+        name = rng.choice(hosts)
+        pid = (product.workers | product.parts)[name].pid if name in product.workers or name in product.parts else product.pids()[name]
         return (lambda: os.kill(pid, signal.SIGSTOP)), (lambda: os.kill(pid, signal.SIGCONT)), f"{name} paused"
 
     def clock():

@@ -3,14 +3,15 @@ deployment runs them on machines of their own: the stack's (`memfilter.stack.up`
 `Settings.hosts`: Kafka, Redis and PostgreSQL; `replicated`: three brokers and a Redis Cluster
 of three masters with a replica each), each on the host named as the process (`kafka`, `redis`,
 `postgres`; `kafka-1`..`kafka-3`, `redis-6379`..`redis-6384`), the workers on `worker-1`,
-`worker-2` and the sink (which writes all history into PostgreSQL) on `sink`.
+`worker-2`, the sink (which writes all history into PostgreSQL) on `sink` and the agent runner
+(its `echo` model) on `agent`.
 
 The stack's folder is STACK_DIR, its data made anew each run and the broker's jars kept (Maven
 collects them once). Some folders are small tmpfs the harness mounts, so that a test can fill
 them (`fill`, `free`): a broker's log, a Redis node's append-only file, PostgreSQL's data
 (`Product.disks`).
-Workers run under Debian's libfaketime, each with a clock file (`clock`). `down()` stops the
-stack and unmounts its disks; the network's removal kills whatever is left.
+Workers run under Debian's libfaketime, each with a clock file (`clock`). The network's removal
+kills every process on its hosts; `unmount()` then unmounts the disks.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ SESSION_TIMEOUT_S = 6  # a worker's Kafka session: what a cut or a pause must ou
 # in, and a broker under it spins at full CPU and takes minutes to start.
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 DISK_MB = 256
-SINK_WEB_PORT = 6069
+WEB_PORT = 6069  # the sink's and the agent runner's web servers (`/readyz`), each on its host
 
 
 def stack_names(replicated: bool) -> list[str]:
@@ -59,7 +60,7 @@ class Product:
         self.secret = secrets.token_hex(32)
         self.env: dict[str, str] = {}
         self.workers: dict[str, subprocess.Popen] = {}
-        self.sink: subprocess.Popen | None = None
+        self.parts: dict[str, subprocess.Popen] = {}  # the sink and the agent runner, each on the host of its name
 
     def _clocked(self, name: str) -> list[str]:
         """The environment that runs a process under its clock file (`clock`), at the machine's time for now."""
@@ -73,7 +74,7 @@ class Product:
 
     def up(self) -> None:
         """The stack, its data made anew; `env` then holds what a process needs to reach it."""
-        self._unmount()
+        self.unmount()
         for kept in STACK_DIR.glob("*") if STACK_DIR.exists() else ():
             if kept.name != "kafka-libs":
                 shutil.rmtree(kept) if kept.is_dir() else kept.unlink()
@@ -86,13 +87,10 @@ class Product:
         self.env = dict(line.removeprefix("export ").split("=", 1) for line in exports)
         self.env["MEMFILTER_SESSION_TIMEOUT"] = str(SESSION_TIMEOUT_S)
 
-    def down(self) -> None:
-        stack.down(self.settings)
-        self._unmount()
-
-    def _unmount(self) -> None:
+    def unmount(self) -> None:
+        """The small disks unmounted (lazily: a process just killed may still hold a file there)."""
         for name in self.disks:
-            subprocess.run(["umount", str(STACK_DIR / name)], capture_output=True)
+            subprocess.run(["umount", "-l", str(STACK_DIR / name)], capture_output=True)
 
     def pids(self) -> dict[str, int]:
         """The stack's processes by name (`kafka-2`, `redis-6379`, ...)."""
@@ -142,15 +140,24 @@ class Product:
         self.workers[host.name] = process
         return process
 
-    def start_sink(self, host: Host) -> subprocess.Popen:
-        """The sink on `host`, logging to LOGS; its `/readyz` on SINK_WEB_PORT of the host's address."""
-        self.sink = host.popen(
-            [sys.executable, "-m", "memfilter", "sink", "--loglevel", "info"],
-            env=os.environ | self.env | {"MEMFILTER_WEB_BIND": host.address, "MEMFILTER_SINK_WEB_PORT": str(SINK_WEB_PORT)},
+    def start(self, part: str, host: Host) -> subprocess.Popen:
+        """The sink or the agent runner (`echo`: offline) on `host`, logging to LOGS; its
+        `/readyz` on WEB_PORT of the host's address."""
+        port = {"sink": "MEMFILTER_SINK_WEB_PORT", "agent": "MEMFILTER_AGENT_WEB_PORT"}[part]
+        self.parts[part] = host.popen(
+            [sys.executable, "-m", "memfilter", part, "--loglevel", "info"],
+            env=os.environ
+            | self.env
+            | {
+                "MEMFILTER_WEB_BIND": host.address,
+                port: str(WEB_PORT),
+                "MEMFILTER_AGENT_BACKEND": "echo",
+                "MEMFILTER_DATA_DIR": f"/tmp/memfilter-jepsen-{host.name}",
+            },
             log=LOGS / f"{host.name}.log",
             cwd=REPO,
         )
-        return self.sink
+        return self.parts[part]
 
     def _clock_file(self, name: str) -> Path:
         return LOGS / f"{name}.clock"

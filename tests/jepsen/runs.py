@@ -12,49 +12,56 @@ import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 
-from checker import Sent, check
+from checker import REPLY, Sent, check
 from net import Net, sweep
-from product import LOGS, SINK_WEB_PORT, Product, stack_names
+from product import LOGS, WEB_PORT, Product, stack_names
 from workload import Clients, kept, read
 
 ANSWERED_S = 60.0  # after the faults heal, the longest the last outcomes may take
 RATE, TURNS = 20.0, 25  # turns a second in all; turns of each thread (threads enough for the run's length)
+CONVERSATIONS = 10  # threads whose turns echo the agent runner's replies, beside the pipelined ones
+PARTS = ("sink", "agent")
 REPORTS = LOGS.parent / "memfilter-jepsen-reports"  # a report per run, kept across runs
 
 
 @contextlib.contextmanager
 def deployment(replicated: bool = False) -> Iterator[tuple[Net, Product]]:
     """Each of the stack's processes on a host of its own (`replicated`: three brokers and a
-    Redis Cluster), a worker on each of `worker-1`, `worker-2`, the sink on `sink`."""
+    Redis Cluster), a worker on each of `worker-1`, `worker-2`, the sink on `sink` and the agent runner on `agent`."""
     sweep()  # what a killed run left
     shutil.rmtree(LOGS, ignore_errors=True)
-    with Net([*stack_names(replicated), "worker-1", "worker-2", "sink"]) as net:
-        product = Product(net, replicated)
-        product.up()
-        try:
+    product = None
+    try:
+        with Net([*stack_names(replicated), "worker-1", "worker-2", *PARTS]) as net:
+            product = Product(net, replicated)
+            product.up()
             yield net, product
-        finally:
-            product.down()
+    finally:  # the network's removal killed every process on its hosts (the run's data is thrown away: nothing is stopped in order)
+        if product is not None:
+            product.unmount()
 
 
 def workers_ready(net: Net, product: Product) -> None:
-    """Both workers and the sink running, each having said it is ready (one that died is started again)."""
+    """Both workers, the sink and the agent runner running, each having said it is ready (one that died is started again)."""
     for name in ("worker-1", "worker-2"):
         process = product.workers.get(name)
         if process is None or process.poll() is not None:
             (LOGS / f"{name}.log").unlink(missing_ok=True)
             product.worker(net[name])
-    if product.sink is None or product.sink.poll() is not None:
-        product.start_sink(net["sink"])
+    for part in PARTS:
+        if part not in product.parts or product.parts[part].poll() is not None:
+            product.start(part, net[part])
     deadline = time.monotonic() + 120
-    while not all("memfilter worker ready" in (LOGS / f"{n}.log").read_text(errors="replace") for n in ("worker-1", "worker-2")) or not sink_ready(net):
-        assert time.monotonic() < deadline, (LOGS / "worker-1.log").read_text()[-2000:] + (LOGS / "sink.log").read_text()[-2000:]
+    while not all("memfilter worker ready" in (LOGS / f"{n}.log").read_text(errors="replace") for n in ("worker-1", "worker-2")) or not all(
+        ready(net, part) for part in PARTS
+    ):
+        assert time.monotonic() < deadline, "".join((LOGS / f"{n}.log").read_text()[-2000:] for n in ("worker-1", *PARTS))
         time.sleep(0.5)
 
 
-def sink_ready(net: Net) -> bool:
+def ready(net: Net, part: str) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{net['sink'].address}:{SINK_WEB_PORT}/readyz", timeout=2) as answer:
+        with urllib.request.urlopen(f"http://{net[part].address}:{WEB_PORT}/readyz", timeout=2) as answer:
             return answer.status == 200
     except OSError:
         return False
@@ -66,7 +73,7 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
     to REPORTS (with what each client was told) and asserted."""
     workers_ready(net, product)
     env = product.env
-    clients = Clients(env["KAFKA_BOOTSTRAP_SERVERS"], max(1, round(seconds * RATE / TURNS)), TURNS)
+    clients = Clients(env["KAFKA_BOOTSTRAP_SERVERS"], max(1, round(seconds * RATE / TURNS)), TURNS, CONVERSATIONS)
     faults: list[str] = []
     started, healed = time.monotonic(), 0.0
 
@@ -74,7 +81,7 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
         nonlocal healed
         stop = asyncio.Event()
         watching = asyncio.create_task(clients.watch(stop))
-        await asyncio.gather(clients.run(RATE), schedule(faults))
+        await asyncio.gather(clients.run(RATE, think_s=seconds / TURNS), schedule(faults))
         net.heal()
         healed = time.monotonic()
         acknowledged = {s.at for s in clients.sent if s.at is not None}
@@ -85,8 +92,8 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
 
     asyncio.run(both())
     answered_s = time.monotonic() - healed
-    outcomes, saved, stored = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.threads))
-    while (copy := asyncio.run(kept(env["POSTGRES_URL"], clients.threads))) != stored and time.monotonic() - healed < 2 * ANSWERED_S:
+    outcomes, saved, stored = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.all))
+    while (copy := asyncio.run(kept(env["POSTGRES_URL"], clients.all))) != stored and time.monotonic() - healed < 2 * ANSWERED_S:
         time.sleep(1)  # the sink catches up
     waits = [clients.answered[s.at] - s.sent_ms / 1000 for s in clients.sent if s.at in clients.answered]
     verdict = check(clients.sent, outcomes, saved, stored, copy)
@@ -94,7 +101,9 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
         [
             f"--- {name or 'run'}: schedule (t from the first turn, s): {'; '.join(faults)}",
             f"--- {len(clients.sent)} turns, {verdict.unacknowledged} not acknowledged, {verdict.outcomes} outcomes "
-            f"({verdict.dead_letters} dead letters), all answered {answered_s:.1f} s after the heal; "
+            f"({verdict.dead_letters} dead letters), {sum(rid.endswith(REPLY) for events in saved.values() for rid, _ in events)} replies saved; "
+            f"{sum(s.waited is not None for s in clients.sent)} turns of conversations, {sum(bool(s.waited) for s in clients.sent)} sent after their last reply; "
+            f"all answered {answered_s:.1f} s after the heal; "
             f"longest a request waited for its outcome: {max(waits, default=0):.1f} s; {time.monotonic() - started:.0f} s in all",
             "--- verdict: " + ("ok" if verdict.ok else "\n".join(verdict.problems[:20])),
         ]
@@ -103,7 +112,7 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
     REPORTS.mkdir(parents=True, exist_ok=True)
     stem = REPORTS / f"{time.strftime('%Y%m%dT%H%M%S')}-{name or 'run'}"
     stem.with_suffix(".txt").write_text(report + "\n" + "\n".join(verdict.problems) + "\n")
-    told = ({"request": s.request_id, "published": s.at, "outcome_after_s": waits_of(clients, s)} for s in clients.sent)
+    told = ({"request": s.request_id, "published": s.at, "outcome_after_s": waits_of(clients, s), "waited": s.waited} for s in clients.sent)
     stem.with_suffix(".jsonl").write_text("".join(json.dumps(line) + "\n" for line in told))
     assert verdict.ok, verdict.problems[:20]
 

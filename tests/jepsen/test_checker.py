@@ -65,7 +65,7 @@ class TestTheCheckerFindsWhatItNames:
         outcomes, saved, stored = answered(sent)
         assert check(sent, outcomes, saved, stored, kept=stored).ok
         problems = check(sent, outcomes, saved, stored, kept={"t": ["t-u0", "t-u1"]}).problems
-        assert problems == ["postgres: thread t holds ['t-u0', 't-u1'] in PostgreSQL, its decisions saved ['t-u0', 't-u1', 't-u2']"]
+        assert problems == ["postgres: thread t holds ['t-u0', 't-u1'] in PostgreSQL; its decisions saved ['t-u0', 't-u1', 't-u2'], its replies []"]
 
     def test_a_dead_letter_without_its_reason_is_found(self):
         sent = thread(2)
@@ -73,3 +73,34 @@ class TestTheCheckerFindsWhatItNames:
         outcomes[1] = Outcome((0, 1), (1, 0), "t", None, "")
         problems = check(sent, outcomes, {"t": saved["t"][:1]}, {"t": stored["t"][:1]}).problems
         assert problems == ["dead letter: the outcome at (1, 0) of request (0, 1) has no error.type"]
+
+
+def conversation(turns: int) -> tuple[list[Sent], list[Outcome], dict, list[str]]:
+    """A conversation that waited for each reply: turn k echoes u0 a0 .. u(k-1) a(k-1) uk; each
+    decision saves uk, each reply ak; stored in that order."""
+    sent, history = [], []
+    for k in range(turns):
+        history.append(f"t-u{k}")
+        sent.append(Sent("t", k, f"t-r{k}", list(history), (0, k), waited=True))
+        history.append(f"t-a{k}")
+    outcomes = [Outcome(s.at, (0, n), "t", s.messages) for n, s in enumerate(sent)]
+    saved = {"t": [e for k in range(turns) for e in ((f"t-r{k}", [f"t-u{k}"]), (f"t-r{k}/reply", [f"t-a{k}"]))]}
+    return sent, outcomes, saved, history
+
+
+class TestTheCheckerHoldsRepliesToTheirPromise:
+    def test_a_conversation_that_waited_for_each_reply_passes_stored_turn_then_reply(self):
+        sent, outcomes, saved, history = conversation(3)
+        assert check(sent, outcomes, saved, {"t": history}, {"t": history}).ok
+
+    def test_a_reply_stored_after_the_next_turn_of_a_conversation_that_waited_is_found(self):
+        sent, outcomes, saved, history = conversation(3)
+        swapped = ["t-u0", "t-a0", "t-u1", "t-u2", "t-a1", "t-a2"]
+        assert any(p.startswith("stored: thread t") for p in check(sent, outcomes, saved, {"t": swapped}).problems)
+
+    def test_a_reply_anywhere_once_passes_where_the_turns_did_not_wait_and_a_lost_one_is_found(self):
+        sent, outcomes, saved, history = conversation(3)
+        for s in sent:
+            s.waited = None
+        assert check(sent, outcomes, saved, {"t": ["t-u0", "t-u1", "t-a0", "t-u2", "t-a2", "t-a1"]}).ok
+        assert any(p.startswith("stored: thread t") for p in check(sent, outcomes, saved, {"t": ["t-u0", "t-u1", "t-a0", "t-u2", "t-a2"]}).problems)

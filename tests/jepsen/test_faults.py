@@ -1,7 +1,8 @@
 """Faults on the product's hosts, and the independent checker's verdict on what came of them.
 
 The stack's processes (Kafka, Redis, PostgreSQL) run on hosts `kafka`, `redis` and `postgres`,
-two workers on `worker-1` and `worker-2`, the sink on `sink` (`product.py`). For each schedule, the clients (`workload.py`) publish full-echo
+two workers on `worker-1` and `worker-2`, the sink on `sink`, the agent runner on `agent`
+(`product.py`). For each schedule, the clients (`workload.py`) publish full-echo
 turns on fresh threads while the schedule's faults come and go; after the last fault heals and
 the last turn is published, every acknowledged request must get its outcome within ANSWERED_S,
 and the checker (`checker.py`) must find nothing lost, nothing twice, nothing out of order, no
@@ -34,6 +35,12 @@ class TestAWorkerCutOff:
     def test_a_worker_cut_from_everything_past_its_session_loses_and_repeats_nothing(self, deployment):
         net, product = deployment
         run(net, product, steps((5, lambda: net.isolate("worker-2"), "worker-2 isolated"), (3 * SESSION_TIMEOUT_S, net.heal, "healed")))
+
+
+class TestTheAgentRunnerCutOff:
+    def test_the_agent_runner_isolated_past_its_session_saves_each_reply_once_and_in_its_turn(self, deployment):
+        net, product = deployment
+        run(net, product, steps((5, lambda: net.isolate("agent"), "the agent runner isolated"), (3 * SESSION_TIMEOUT_S, net.heal, "healed")))
 
 
 class TestAWorkerPaused:

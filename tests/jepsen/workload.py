@@ -1,9 +1,11 @@
 """The workload's clients, and what the checker reads after.
 
-`Clients.watch` notes when each outcome arrives, while `Clients.run` publishes turns straight onto `chat-requests` from the test process (a producer
-with acks=all and idempotence, as a `useChat` backend publishes): `threads` threads, turn k of
-each the full echo of its user messages u0..uk, `rate` turns a second in all, and records what
-each publish was told (`checker.Sent`). `read` then takes every record of `filtered-inputs`, the
+`Clients.watch` notes when each outcome and each reply's save arrives, while `Clients.run`
+publishes turns straight onto `chat-requests` from the test process (a producer with acks=all
+and idempotence, as a `useChat` backend publishes), and records what each publish was told
+(`checker.Sent`): `threads` pipelined threads, turn k of each the full echo of its user
+messages u0..uk, `rate` turns a second in all; and `conversations`, whose turns echo the agent
+runner's replies too, each sent once the last reply is saved. `read` then takes every record of `filtered-inputs`, the
 dead-letter topic (`chat-requests-dlq`) and `persist-messages` (read_committed, as downstream reads), and each
 thread's stored order from Redis (`mf:t:{<thread>}:order`, docs: store/layout.py's table);
 `kept`, its messages in PostgreSQL.
@@ -20,28 +22,41 @@ import asyncpg
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from checker import Outcome, Sent, outcome_of
+from checker import REPLY, Outcome, Sent, outcome_of
 from redis.asyncio.cluster import RedisCluster
 
 PUBLISH_TIMEOUT_S = 10.0
+REPLY_WAIT_S = 60.0  # the longest a conversation waits for a turn's reply before its next turn
+
+
+def user(message_id: str, k: int) -> dict:
+    return {"id": message_id, "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": f"question {k}"}]}}
 
 
 class Clients:
-    def __init__(self, bootstrap: str, threads: int, turns: int):
+    def __init__(self, bootstrap: str, threads: int, turns: int, conversations: int = 0):
         self.bootstrap = bootstrap
         tag = secrets.token_hex(3)
-        self.threads = [f"jt-{tag}-{i}" for i in range(threads)]
+        self.threads = [f"jt-{tag}-{i}" for i in range(threads)]  # pipelined: each turn on the clock, whatever came of the last
+        self.conversations = [f"jc-{tag}-{i}" for i in range(conversations)]  # each turn once the last one's reply is saved
         self.turns = turns
         self.sent: list[Sent] = []
         self.answered: dict[tuple[int, int], float] = {}  # a request's position -> when its outcome arrived (epoch s)
+        self.dead: set[tuple[int, int]] = set()  # the positions of requests dead-lettered
+        self.replies: dict[str, dict | None] = {}  # a request's id -> its reply's saved row (None: no reply will come)
         self.watching = asyncio.Event()
+
+    @property
+    def all(self) -> list[str]:
+        return self.threads + self.conversations
+
+    def body(self, thread: str, request_id: str, messages: list[dict]) -> bytes:
+        return json.dumps({"requestId": request_id, "threadId": thread, "resourceId": f"res-{thread}", "messages": messages}).encode()
 
     def request(self, thread: str, k: int) -> tuple[str, list[str], bytes]:
         ids = [f"{thread}-u{i}" for i in range(k + 1)]
-        messages = [{"id": m, "role": "user", "content": {"format": 2, "parts": [{"type": "text", "text": f"question {i}"}]}} for i, m in enumerate(ids)]
         request_id = f"{thread}-r{k}"
-        body = {"requestId": request_id, "threadId": thread, "resourceId": f"res-{thread}", "messages": messages}
-        return request_id, ids, json.dumps(body).encode()
+        return request_id, ids, self.body(thread, request_id, [user(m, i) for i, m in enumerate(ids)])
 
     async def watch(self, stop: asyncio.Event) -> None:
         """Until `stop`: when each outcome arrives (`answered`, by the request's position), read
@@ -49,7 +64,7 @@ class Clients:
         consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, isolation_level="read_committed", enable_auto_commit=False, group_id=None)
         await consumer.start()
         try:
-            kinds = {"filtered-inputs": "filtered", "chat-requests-dlq": "dlq"}
+            kinds = {"filtered-inputs": "filtered", "chat-requests-dlq": "dlq", "persist-messages": "persist"}
             tps = [TopicPartition(t, p) for t, ps in (await _partitions(self.bootstrap, list(kinds))).items() for p in ps]
             consumer.assign(tps)
             await consumer.seek_to_end(*tps)
@@ -57,30 +72,63 @@ class Clients:
             while not stop.is_set():
                 for tp, records in (await consumer.getmany(timeout_ms=200)).items():
                     for r in records:
+                        if kinds[tp.topic] == "persist":
+                            event = json.loads(r.value)
+                            if event.get("requestId", "").endswith(REPLY):
+                                self.replies[event["requestId"].removesuffix(REPLY)] = (event.get("messages") or [None])[0]
+                            continue
                         headers = {k: v.decode(errors="replace") for k, v in r.headers or ()}
                         if (o := outcome_of(kinds[tp.topic], r.partition, r.offset, r.key, r.value, headers)) is not None:
                             self.answered.setdefault(o.at, time.time())
+                            if o.contributed is None:
+                                self.dead.add(o.at)
         finally:
             await consumer.stop()
 
-    async def run(self, rate: float) -> None:
-        """Every turn of every thread, in order within a thread, `rate` a second in all."""
+    async def run(self, rate: float, think_s: float = 1.0) -> None:
+        """Every turn of every pipelined thread, in order within a thread, `rate` a second in
+        all; beside them, the conversations, each turn `think_s` after the last one's reply."""
         await self.watching.wait()
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, request_timeout_ms=int(PUBLISH_TIMEOUT_S * 1000))
         await producer.start()
         try:
-            started = time.monotonic()
-            pending = []
-            for n in range(self.turns * len(self.threads)):
-                await asyncio.sleep(max(0.0, started + n / rate - time.monotonic()))
-                thread, k = self.threads[n % len(self.threads)], n // len(self.threads)
-                request_id, ids, value = self.request(thread, k)
-                sent = Sent(thread, k, request_id, ids, None, int(time.time() * 1000))
-                self.sent.append(sent)
-                pending.append(asyncio.create_task(self._publish(producer, sent, value)))
-            await asyncio.gather(*pending)
+            await asyncio.gather(self._pipelined(producer, rate), *(self._converse(producer, thread, think_s) for thread in self.conversations))
         finally:
             await producer.stop()
+
+    async def _pipelined(self, producer: AIOKafkaProducer, rate: float) -> None:
+        started = time.monotonic()
+        pending = []
+        for n in range(self.turns * len(self.threads)):
+            await asyncio.sleep(max(0.0, started + n / rate - time.monotonic()))
+            thread, k = self.threads[n % len(self.threads)], n // len(self.threads)
+            request_id, ids, value = self.request(thread, k)
+            sent = Sent(thread, k, request_id, ids, None, int(time.time() * 1000))
+            self.sent.append(sent)
+            pending.append(asyncio.create_task(self._publish(producer, sent, value)))
+        await asyncio.gather(*pending)
+
+    async def _converse(self, producer: AIOKafkaProducer, thread: str, think_s: float) -> None:
+        """As `useChat` does: each turn echoes the conversation so far, the replies as saved
+        included, and is sent once the last turn's reply is saved (or it was dead-lettered), or
+        REPLY_WAIT_S have passed (then the turn is not `waited`: its reply may be stored after
+        the next turn)."""
+        history: list[dict] = []
+        for k in range(self.turns):
+            await asyncio.sleep(think_s)
+            history.append(user(f"{thread}-u{k}", k))
+            request_id = f"{thread}-r{k}"
+            sent = Sent(thread, k, request_id, [m["id"] for m in history], None, int(time.time() * 1000), waited=False)
+            self.sent.append(sent)
+            await self._publish(producer, sent, self.body(thread, request_id, history))
+            deadline = time.monotonic() + REPLY_WAIT_S
+            while sent.at is not None and time.monotonic() < deadline:
+                if sent.at in self.dead or request_id in self.replies:
+                    if (reply := self.replies.get(request_id)) is not None:
+                        history.append(reply)
+                    sent.waited = True
+                    break
+                await asyncio.sleep(0.05)
 
     async def _publish(self, producer: AIOKafkaProducer, sent: Sent, value: bytes) -> None:
         try:
