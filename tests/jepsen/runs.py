@@ -101,7 +101,7 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
         [
             f"--- {name or 'run'}: schedule (t from the first turn, s): {'; '.join(faults)}",
             f"--- {len(clients.sent)} turns, {verdict.unacknowledged} not acknowledged, {verdict.outcomes} outcomes "
-            f"({verdict.dead_letters} dead letters), {sum(rid.endswith(REPLY) for events in saved.values() for rid, _ in events)} replies saved; "
+            f"({verdict.dead_letters} dead letters), {sum(rid.endswith(REPLY) for t in clients.all for rid, _ in saved.get(t, []))} replies saved; "
             f"{sum(s.waited is not None for s in clients.sent)} turns of conversations, {sum(bool(s.waited) for s in clients.sent)} sent after their last reply; "
             f"all answered {answered_s:.1f} s after the heal; "
             f"longest a request waited for its outcome: {max(waits, default=0):.1f} s; {time.monotonic() - started:.0f} s in all",
