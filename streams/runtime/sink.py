@@ -20,8 +20,8 @@ with the thread and the reason and counted, the other threads are written, and t
 in Redis (eviction takes only what PostgreSQL holds).
 
 Its web server (`serve`: MEMFILTER_WEB_BIND, MEMFILTER_SINK_WEB_PORT) answers `/healthz`,
-`/readyz` (not ready while the consumer has not started or an outage holds a write or an
-eviction back, naming it) and `/metrics` (`memfilter.metrics.SinkMetrics`).
+`/readyz` (not ready while the consumer has not started or an outage holds a write, an
+eviction or the reading of the workers' committed offsets back, naming it) and `/metrics` (`memfilter.metrics.SinkMetrics`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import time
 from aiohttp import web
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from memfilter.metrics import SinkMetrics
@@ -95,9 +96,19 @@ class Sink:
             await self.store.redis.aclose()
 
     async def _applied(self, admin: AIOKafkaAdminClient, ends: dict[TopicPartition, int], stop: asyncio.Event) -> None:
-        """Until the workers' group has committed past `ends` on every partition of it."""
+        """Until the workers' group has committed past `ends` on every partition of it. A
+        broker that does not answer (down, moving its groups, cut off) is waited out, named."""
         while not stop.is_set():
-            committed = await admin.list_consumer_group_offsets(self.settings.worker.group, partitions=list(ends))
+            try:
+                committed = await admin.list_consumer_group_offsets(self.settings.worker.group, partitions=list(ends))
+            except KafkaError as e:
+                if not (e.retriable or isinstance(e, KafkaTimeoutError)):
+                    raise
+                log.warning("memfilter sink: Kafka did not give the workers' committed offsets: %r; asking again in %.0f s", e, RETRY_S)
+                self._outage(f"reading the workers' committed offsets: {e!r}")
+                await asyncio.sleep(RETRY_S)
+                continue
+            self.problem = None
             if all(tp in committed and committed[tp].offset >= end for tp, end in ends.items()):
                 return
             await asyncio.sleep(0.2)

@@ -114,6 +114,8 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
     stem.with_suffix(".txt").write_text(report + "\n" + "\n".join(verdict.problems) + "\n")
     told = ({"request": s.request_id, "published": s.at, "outcome_after_s": waits_of(clients, s), "waited": s.waited} for s in clients.sent)
     stem.with_suffix(".jsonl").write_text("".join(json.dumps(line) + "\n" for line in told))
+    if not verdict.ok:  # the processes' logs, for the finding (the next deployment starts them anew)
+        shutil.copytree(LOGS, stem.with_name(stem.name + "-logs"))
     assert verdict.ok, verdict.problems[:20]
 
 

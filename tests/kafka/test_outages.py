@@ -13,9 +13,10 @@ import time
 import urllib.error
 import urllib.request
 
+import asyncpg
 from aiokafka import AIOKafkaConsumer
 from factories import msg
-from pipeline import Pipeline, free_port, read, redis_config, wait_for_line
+from pipeline import Pipeline, free_port, publish, read, redis_config, wait_for_line
 from stacks import memfilter, stack_env, start_redis
 
 from memfilter.client import Client
@@ -142,7 +143,9 @@ def test_a_worker_and_an_agent_wait_out_a_kafka_outage_with_a_batch_in_flight_an
     transaction then completes, or fails and is handled again in-process (the module header of
     `memfilter.runtime.loop`). Then the broker hangs (SIGSTOP) for a while. Meanwhile the worker
     and the agent runner say they wait for Kafka (log and `/readyz`); afterwards both are up and
-    ready, and every request is answered once."""
+    ready, and every request is answered once. Last, the sink waits out Kafka killed while it
+    holds a save the workers have not applied (it asks the workers' group for its offsets until
+    a broker answers), then writes it to PostgreSQL."""
     ports = {
         "MEMFILTER_KAFKA_PORT": str(free_port()),
         "MEMFILTER_CONTROLLER_PORT": str(free_port()),
@@ -197,6 +200,38 @@ def test_a_worker_and_an_agent_wait_out_a_kafka_outage_with_a_batch_in_flight_an
         assert "Traceback" not in log and "unexpected error" not in log, log[-3000:]
         assert "Traceback" not in agent_log and "unexpected error" not in agent_log, agent_log[-3000:]
         assert readiness(worker.web_port) == readiness(agent.web_port) == "ready\n"
+
+        postgres_url = f"postgresql://memfilter@127.0.0.1:{ports['MEMFILTER_POSTGRES_PORT']}/postgres"
+        sink = pipeline.start_sink(POSTGRES_URL=postgres_url)
+        wait_for_line(sink.log_path, f"memfilter sink: {pipeline.topics.persist} into", timeout=60)  # its web server listens
+        assert readiness(sink.web_port) == "ready\n"
+        os.kill(worker.pid, signal.SIGSTOP)  # the workers' group commits nothing more: the sink holds the save below
+        try:
+            save = {"requestId": "saved-by-a-service", "threadId": "kill-a", "resourceId": "r-out", "messages": [msg("kill-a-saved", role="assistant")]}
+            asyncio.run(publish(pipeline.bootstrap, pipeline.topics.persist, [(b"kill-a", json.dumps(save).encode(), None)]))
+            time.sleep(3)  # the sink has it, and asks for the workers' offsets
+            os.kill(stack_pids(env)["kafka"], signal.SIGKILL)
+            wait_for_line(sink.log_path, "memfilter sink: Kafka did not give the workers' committed offsets", timeout=60)
+            assert "reading the workers' committed offsets" in not_ready(sink.web_port) and sink.poll() is None
+            assert memfilter("stack", "up", env=env).returncode == 0
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 90
+        while "kill-a-saved" not in asyncio.run(postgres_ids(postgres_url, pipeline.prefix, "kill-a")):
+            assert time.monotonic() < deadline and sink.poll() is None, sink.log_path.read_text()[-3000:]
+            time.sleep(1)
+        assert "Traceback" not in sink.log_path.read_text(), sink.log_path.read_text()[-3000:]
     finally:
         pipeline.stop_all()
         memfilter("stack", "down", env=env)
+
+
+async def postgres_ids(url: str, schema: str, thread: str) -> list[str]:
+    """The ids of a thread's messages in PostgreSQL (none before the sink made its tables)."""
+    connection = await asyncpg.connect(url)
+    try:
+        return [r["id"] for r in await connection.fetch(f'SELECT id FROM "{schema}".mastra_messages WHERE thread_id = $1', thread)]
+    except asyncpg.UndefinedTableError:
+        return []
+    finally:
+        await connection.close()
