@@ -18,6 +18,10 @@ of three masters with a replica each (`redis-cli --cluster create`), node n on
 MEMFILTER_REDIS_PORT + n (its cluster bus on that + 10000). Redis writes its append-only file
 every second (`appendfsync everysec`) either way.
 
+Every process listens on MEMFILTER_STACK_HOST (loopback by default), or on an address of its
+own (`Settings.hosts`), where `up`'s `enter` starts it: the Jepsen tier (`tests/jepsen/`)
+places each in a network namespace, so that brokers and Redis nodes can be cut from each other.
+
 `up` is idempotent: a stack that already answers is reused. Every failure (no Java, Maven
 unreachable, a port taken, a stack of another folder on the ports) is one line naming the
 cause, a non-zero exit, and nothing left running that this call started. A service of the
@@ -418,8 +422,8 @@ def _start_redis(s: Settings, name: str, server: str, enter: list[str]) -> subpr
     home.mkdir(parents=True, exist_ok=True)
     conf = home / "redis.conf"
     port = _ports(s, name)[0][1]
-    # protected mode answers only loopback's clients: a stack on a host's own address
-    # (MEMFILTER_STACK_HOST, a network namespace of the Jepsen tier's) serves the other hosts there
+    # protected mode answers only loopback's clients: a node on another address
+    # (MEMFILTER_STACK_HOST, Settings.hosts) serves the other hosts there
     host = s.host_of(name)
     protected = "yes" if host.startswith("127.") else "no"
     text = REDIS_CONF.format(host=host, port=port, data=home, log=home / "redis.log", protected=protected)
