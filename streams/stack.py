@@ -5,7 +5,7 @@ Kafka in KRaft mode (broker and controller in one JVM), from the `org.apache.kaf
 jars that Maven collects from Maven Central (`streams/kafka-pom.xml`, shipped in the package), Debian's
 `redis-server`, and Debian's PostgreSQL (the history's PostgreSQL tier: docs/postgres.md; run
 as the `postgres` user when the stack is started as root, since PostgreSQL refuses to run as
-root; trust authentication, loopback only). All listen on loopback ports; their jars, data, logs and pids live under one
+root; trust authentication, loopback only by default). By default all listen on loopback ports; their jars, data, logs and pids live under one
 stack folder (default `.stack/` in the checkout, git-ignored; for an installed package
 `~/.local/state/memfilter/stack`), but for PostgreSQL's when the `postgres` user cannot reach
 that folder (a root's home): then under /var/lib/postgresql/memfilter/.
