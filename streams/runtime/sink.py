@@ -33,7 +33,7 @@ import time
 from aiohttp import web
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError, KafkaTimeoutError
+from aiokafka.errors import CommitFailedError, KafkaError, KafkaTimeoutError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from memfilter.metrics import SinkMetrics
@@ -87,7 +87,13 @@ class Sink:
                     await self._write(written_ms, stop)
                     if stop.is_set():
                         break
-                    await consumer.commit(ends)
+                    # The group may have moved the partitions on (this sink paused or cut off past its
+                    # session): whoever holds them now reads these records again, and writing a thread
+                    # again changes nothing.
+                    try:
+                        await consumer.commit(ends)
+                    except CommitFailedError as e:
+                        log.warning("memfilter sink: offsets not committed, the group rebalanced: %s; their records are read again", e)
                 await self._evict()
         finally:
             await consumer.stop()
