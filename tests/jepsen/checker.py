@@ -57,6 +57,7 @@ class Outcome:
     thread: str
     contributed: list[str] | None  # message ids; None: a dead letter
     reason: str = ""
+    request_id: str = ""  # a filtered input's `requestId`
 
 
 @dataclass
@@ -83,7 +84,7 @@ def outcome_of(topic_kind: str, partition: int, offset: int, key: bytes | None, 
                 m = context[int(m["$ref"].rsplit("/", 1)[1])]
             ids.append(m["id"])
         src = event["source"]
-        return Outcome((src["partition"], src["offset"]), (partition, offset), event["threadId"], ids)
+        return Outcome((src["partition"], src["offset"]), (partition, offset), event["threadId"], ids, request_id=event["requestId"])
     if "source.partition" not in headers:
         return None
     at = (int(headers["source.partition"]), int(headers["source.offset"]))
@@ -102,10 +103,20 @@ def check(
     when the run has it."""
     verdict = Verdict(outcomes=len(outcomes), dead_letters=sum(o.contributed is None for o in outcomes))
     by_at: dict[tuple[int, int], list[Outcome]] = defaultdict(list)
+    by_request: dict[tuple[str, str], list[Outcome]] = defaultdict(list)
     for o in outcomes:
         by_at[o.at].append(o)
+        if o.request_id:
+            by_request[(o.thread, o.request_id)].append(o)
         if o.contributed is None and not o.reason:
             verdict.problems.append(f"dead letter: the outcome at {o.where} of request {o.at} has no error.type")
+
+    def landed(s: Sent) -> tuple[int, int] | None:
+        """Where a request is on the topic: its acknowledgement's position; or, a publish not
+        acknowledged that was written all the same, the position its filtered input names."""
+        found = by_request.get((s.thread, s.request_id))
+        return s.at if s.at is not None else found[0].at if found else None
+
     threads: dict[str, list[Sent]] = defaultdict(list)
     for s in sent:
         threads[s.thread].append(s)
@@ -113,10 +124,10 @@ def check(
             verdict.unacknowledged += 1
         elif not by_at.get(s.at):
             verdict.problems.append(f"lost: request {s.request_id} (acknowledged at {s.at}) has no outcome")
-        if s.at is not None and len(by_at.get(s.at, ())) > 1:
-            verdict.problems.append(f"twice: request {s.request_id} has {len(by_at[s.at])} outcomes")
+        if (at := landed(s)) is not None and len(by_at.get(at, ())) > 1:
+            verdict.problems.append(f"twice: request {s.request_id} has {len(by_at[at])} outcomes")
     for thread, requests in threads.items():
-        decided = sorted(((by_at[s.at][0], s) for s in requests if s.at is not None and by_at.get(s.at)), key=lambda p: p[0].where)
+        decided = sorted(((by_at[at][0], s) for s in requests if (at := landed(s)) is not None and by_at.get(at)), key=lambda p: p[0].where)
         if [s.turn for _, s in decided] != sorted(s.turn for _, s in decided):
             verdict.problems.append(f"order: thread {thread}'s outcomes are for turns {[s.turn for _, s in decided]}")
         saves = {request_id: ids for request_id, ids in saved.get(thread, [])}

@@ -35,6 +35,16 @@ class TestTheCheckerFindsWhatItNames:
         sent[-1].at = None
         assert check(sent, outcomes[:-1], {"t": saved["t"][:-1]}, {"t": stored["t"][:-1]}).ok
 
+    def test_a_request_not_acknowledged_but_written_and_decided_counts_in_the_history_its_thread_saw(self):
+        sent = thread(4)
+        outcomes, saved, stored = answered(sent)
+        for o, s in zip(outcomes, sent, strict=True):
+            o.request_id = s.request_id
+        sent[1].at = None  # its publish timed out, but the request was on the topic and decided
+        assert check(sent, outcomes, saved, stored).ok
+        saved["t"][1] = ("t-r1", [])  # had it saved nothing, the next decision would have saved u1
+        assert any(p.startswith("stale: request t-r2") for p in check(sent, outcomes, saved, stored).problems)
+
     def test_two_outcomes_of_one_request_and_a_message_saved_twice_are_found(self):
         sent = thread(3)
         outcomes, saved, stored = answered(sent)

@@ -77,6 +77,16 @@ class TestALossyLink:
         run(net, product, steps((3, lambda: net.loss("worker-2", 33), "worker-2 drops 33% of its packets"), (15, net.heal, "healed")))
 
 
+class TestTheSinkPaused:
+    def test_the_sink_paused_past_its_session_then_woken_writes_everything_to_postgresql(self, deployment):
+        """Its group may move its partitions on meanwhile; woken, it writes what is left."""
+        net, product = deployment
+        workers_ready(net, product)
+        sink = product.parts["sink"]
+        pause, wake = (lambda: sink.send_signal(signal.SIGSTOP)), (lambda: sink.send_signal(signal.SIGCONT))
+        run(net, product, steps((5, pause, "the sink paused (SIGSTOP)"), (25, wake, "the sink woken (SIGCONT)")), seconds=40)
+
+
 class TestPostgreSQLTrouble:
     def test_postgresql_out_of_disk_then_given_room_and_started_again_loses_nothing_and_the_sink_catches_up(self, deployment):
         """PostgreSQL stops when it cannot write its log (its rule); the workers decide on Redis
