@@ -45,15 +45,16 @@ class NotReplicated(RedisConnectionError):
 class Refusing(RedisConnectionError):
     """A Redis that takes no writes now, for a reason of its own: its disk (MISCONF: the
     append-only file or a snapshot cannot be written), its memory (OOM, at maxmemory), or a
-    failover (READONLY: a master demoted; MASTERDOWN, NOREPLICAS). An outage to wait out, as a
-    connection lost is (a ConnectionError), never an error of the batch's data."""
+    failover (READONLY: a master demoted; MASTERDOWN, NOREPLICAS; UNBLOCKED: a WAIT cut short
+    by its master's demotion). An outage to wait out, as a connection lost is (a
+    ConnectionError), never an error of the batch's data; a cluster's map is read again after it."""
 
 
 # Those answers: redis-py's classes of the codes it knows (MASTERDOWN is a ClusterDownError,
 # `Resharded`), and the codes it does not, of which only the code that begins the reply counts,
 # never a word in its text (which may quote a key, and so a client's thread id).
 REFUSING_CLASSES = (ReadOnlyError, OutOfMemoryError)
-REFUSING_CODES = ("MISCONF", "NOREPLICAS")
+REFUSING_CODES = ("MISCONF", "NOREPLICAS", "UNBLOCKED")
 
 
 class Resharded(RedisConnectionError):
@@ -99,6 +100,7 @@ class Transport:
                 self._stale_map = True
                 raise Resharded(f"{type(error).__name__}: {error}; reading the cluster's map again") from error
             if isinstance(error, REFUSING_CLASSES) or (isinstance(error, ResponseError) and str(error).split(" ", 1)[0] in REFUSING_CODES):
+                self._stale_map = True  # a failover's, perhaps: the masters have moved
                 raise Refusing(f"Redis refuses writes: {error}") from error
             raise error
 

@@ -329,12 +329,14 @@ class TestRedisTrouble:
             "OOM command not allowed when used memory > 'maxmemory'.",
             "READONLY You can't write against a read only replica.",
             "NOREPLICAS Not enough good replicas to write.",
+            "UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)",
         ],
     )
     def test_a_redis_refusing_writes_for_its_disk_its_memory_or_a_failover_is_an_outage(self, with_store, answer):
         """Found by the Jepsen tier (tests/jepsen: Redis's disk full): MISCONF was raised as an
-        error of the batch and stopped every worker. Such answers are outages (`Refusing`, a
-        ConnectionError): the worker waits them out and loses nothing."""
+        error of the batch and stopped every worker; and UNBLOCKED, a WAIT cut short by its
+        master's demotion in a failover (the nemesis's short schedule). Such answers are outages
+        (`Refusing`, a ConnectionError): the worker waits them out and loses nothing."""
 
         async def go(store):
             with pytest.raises(Refusing) as refused:
