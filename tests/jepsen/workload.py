@@ -92,7 +92,8 @@ class Clients:
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, request_timeout_ms=int(PUBLISH_TIMEOUT_S * 1000))
         await producer.start()
         try:
-            await asyncio.gather(self._pipelined(producer, rate), *(self._converse(producer, thread, think_s) for thread in self.conversations))
+            until = time.monotonic() + self.turns * think_s  # the run's length: no conversation starts a turn after it
+            await asyncio.gather(self._pipelined(producer, rate), *(self._converse(producer, thread, think_s, until) for thread in self.conversations))
         finally:
             await producer.stop()
 
@@ -108,7 +109,7 @@ class Clients:
             pending.append(asyncio.create_task(self._publish(producer, sent, value)))
         await asyncio.gather(*pending)
 
-    async def _converse(self, producer: AIOKafkaProducer, thread: str, think_s: float) -> None:
+    async def _converse(self, producer: AIOKafkaProducer, thread: str, think_s: float, until: float) -> None:
         """As `useChat` does: each turn echoes the conversation so far, the replies as saved
         included, and is sent once the last turn's reply is saved (or it was dead-lettered), or
         REPLY_WAIT_S have passed (then the turn is not `waited`: its reply may be stored after
@@ -116,6 +117,8 @@ class Clients:
         history: list[dict] = []
         for k in range(self.turns):
             await asyncio.sleep(think_s)
+            if time.monotonic() > until:  # the product stalled it past the run's length: the turns left are not sent
+                return
             history.append(user(f"{thread}-u{k}", k))
             request_id = f"{thread}-r{k}"
             sent = Sent(thread, k, request_id, [m["id"] for m in history], None, int(time.time() * 1000), waited=False)
