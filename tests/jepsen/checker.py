@@ -127,11 +127,16 @@ def check(
         if (at := landed(s)) is not None and len(by_at.get(at, ())) > 1:
             verdict.problems.append(f"twice: request {s.request_id} has {len(by_at[at])} outcomes")
     for thread, requests in threads.items():
+        # An event whose `requestId` the thread has had changes nothing (docs/delivery.md, "Once"): the first counts
+        events: list[tuple[str, list[str]]] = []
+        for request_id, ids in saved.get(thread, []):
+            if all(request_id != had for had, _ in events):
+                events.append((request_id, ids))
         decided = sorted(((by_at[at][0], s) for s in requests if (at := landed(s)) is not None and by_at.get(at)), key=lambda p: p[0].where)
         if [s.turn for _, s in decided] != sorted(s.turn for _, s in decided):
             verdict.problems.append(f"order: thread {thread}'s outcomes are for turns {[s.turn for _, s in decided]}")
-        saves = {request_id: ids for request_id, ids in saved.get(thread, [])}
-        replies = [m for request_id, ids in saved.get(thread, []) if request_id.endswith(REPLY) for m in ids]
+        saves = dict(events)
+        replies = [m for request_id, ids in events if request_id.endswith(REPLY) for m in ids]
         # A conversation that waited for every reply promises its order whole: each turn's
         # message, then its reply. Elsewhere a reply and the thread's next requests are
         # concurrent writers: the requests' messages keep their order, each reply is stored once.
@@ -155,7 +160,7 @@ def check(
                 what = "in Redis" if where == "stored" else "in PostgreSQL"
                 verdict.problems.append(f"{where}: thread {thread} holds {got} {what}; its decisions saved {model}, its replies {replies}")
         seen: set[str] = set()
-        for _, event in saved.get(thread, []):
+        for _, event in events:
             for m in event:
                 if m in seen:
                     verdict.problems.append(f"twice: message {m} of thread {thread} saved by two events")

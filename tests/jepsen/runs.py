@@ -93,6 +93,9 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
     asyncio.run(both())
     answered_s = time.monotonic() - healed
     outcomes, saved, stored = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.all))
+    while not replies_applied(clients.all, saved, stored) and time.monotonic() - healed < 2 * ANSWERED_S:
+        time.sleep(1)  # the last replies' saves are on the log, and the workers apply them a moment later
+        outcomes, saved, stored = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.all))
     while (copy := asyncio.run(kept(env["POSTGRES_URL"], clients.all))) != stored and time.monotonic() - healed < 2 * ANSWERED_S:
         time.sleep(1)  # the sink catches up
     waits = [clients.answered[s.at] - s.sent_ms / 1000 for s in clients.sent if s.at in clients.answered]
@@ -117,6 +120,17 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
     if not verdict.ok:  # the processes' logs, for the finding (the next deployment starts them anew)
         shutil.copytree(LOGS, stem.with_name(stem.name + "-logs"))
     assert verdict.ok, verdict.problems[:20]
+
+
+def replies_applied(threads: list[str], saved: dict[str, list[tuple[str, list[str]]]], stored: dict[str, list[str]]) -> bool:
+    """Is every reply the log holds for `threads` (the first save of each reply's request id) in Redis?"""
+    for t in threads:
+        first: dict[str, list[str]] = {}
+        for request_id, ids in saved.get(t, []):
+            first.setdefault(request_id, ids)
+        if any(m not in stored.get(t, []) for request_id, ids in first.items() if request_id.endswith(REPLY) for m in ids):
+            return False
+    return True
 
 
 def waits_of(clients: Clients, sent: Sent) -> float | None:

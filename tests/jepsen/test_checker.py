@@ -49,7 +49,7 @@ class TestTheCheckerFindsWhatItNames:
         sent = thread(3)
         outcomes, saved, stored = answered(sent)
         outcomes.append(Outcome((0, 2), (0, 9), "t", sent[2].messages))
-        saved["t"].append(("t-r2", ["t-u2"]))
+        saved["t"].append(("another-service", ["t-u2"]))  # a save of another request id: not a repeat of r2's
         problems = check(sent, outcomes, saved, stored).problems
         assert any(p.startswith("twice: request t-r2") for p in problems) and any(p.startswith("twice: message t-u2") for p in problems)
 
@@ -107,6 +107,11 @@ class TestTheCheckerHoldsRepliesToTheirPromise:
         sent, outcomes, saved, history = conversation(3)
         swapped = ["t-u0", "t-a0", "t-u1", "t-u2", "t-a1", "t-a2"]
         assert any(p.startswith("stored: thread t") for p in check(sent, outcomes, saved, {"t": swapped}).problems)
+
+    def test_a_save_repeated_under_its_request_id_changes_nothing_and_passes(self):
+        sent, outcomes, saved, history = conversation(2)
+        saved["t"].append(("t-r0/reply", ["t-a0"]))
+        assert check(sent, outcomes, saved, {"t": history}).ok
 
     def test_a_reply_anywhere_once_passes_where_the_turns_did_not_wait_and_a_lost_one_is_found(self):
         sent, outcomes, saved, history = conversation(3)
