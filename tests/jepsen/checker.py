@@ -91,6 +91,15 @@ def outcome_of(topic_kind: str, partition: int, offset: int, key: bytes | None, 
     return Outcome(at, (partition, offset), (key or b"").decode(errors="replace"), None, headers.get("error.type", ""))
 
 
+def firsts(events: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """A thread's saves, each request id's first alone: an event whose `requestId` the thread
+    has had changes nothing (docs/delivery.md, "Once")."""
+    first: dict[str, list[str]] = {}
+    for request_id, ids in events:
+        first.setdefault(request_id, ids)
+    return list(first.items())
+
+
 def check(
     sent: list[Sent],
     outcomes: list[Outcome],
@@ -127,11 +136,7 @@ def check(
         if (at := landed(s)) is not None and len(by_at.get(at, ())) > 1:
             verdict.problems.append(f"twice: request {s.request_id} has {len(by_at[at])} outcomes")
     for thread, requests in threads.items():
-        # An event whose `requestId` the thread has had changes nothing (docs/delivery.md, "Once"): the first counts
-        events: list[tuple[str, list[str]]] = []
-        for request_id, ids in saved.get(thread, []):
-            if all(request_id != had for had, _ in events):
-                events.append((request_id, ids))
+        events = firsts(saved.get(thread, []))
         decided = sorted(((by_at[at][0], s) for s in requests if (at := landed(s)) is not None and by_at.get(at)), key=lambda p: p[0].where)
         if [s.turn for _, s in decided] != sorted(s.turn for _, s in decided):
             verdict.problems.append(f"order: thread {thread}'s outcomes are for turns {[s.turn for _, s in decided]}")

@@ -12,7 +12,7 @@ import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 
-from checker import REPLY, Sent, check
+from checker import REPLY, Sent, check, firsts
 from net import Net, sweep
 from product import LOGS, WEB_PORT, Product, stack_names
 from workload import Clients, kept, read
@@ -124,13 +124,7 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
 
 def replies_applied(threads: list[str], saved: dict[str, list[tuple[str, list[str]]]], stored: dict[str, list[str]]) -> bool:
     """Is every reply the log holds for `threads` (the first save of each reply's request id) in Redis?"""
-    for t in threads:
-        first: dict[str, list[str]] = {}
-        for request_id, ids in saved.get(t, []):
-            first.setdefault(request_id, ids)
-        if any(m not in stored.get(t, []) for request_id, ids in first.items() if request_id.endswith(REPLY) for m in ids):
-            return False
-    return True
+    return all(m in stored.get(t, []) for t in threads for request_id, ids in firsts(saved.get(t, [])) if request_id.endswith(REPLY) for m in ids)
 
 
 def waits_of(clients: Clients, sent: Sent) -> float | None:
