@@ -56,6 +56,7 @@ from memfilter.schemas.wire import FilteredInput, ReplyChunk
 from memfilter.settings import Topics
 from memfilter.store import reads
 from memfilter.store.history import HistoryStore
+from memfilter.store.transport import UNAVAILABLE
 
 log = logging.getLogger("memfilter")
 _CHUNK = msgspec.json.Decoder(ReplyChunk)
@@ -87,10 +88,14 @@ async def stored(store: HistoryStore, reply: dict[str, Any], thread: str, deadli
 
 async def stored_row(store: HistoryStore, thread: str, message_id: str, deadline: float, like: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The row of `message_id` in `thread` once the worker has stored it (equal to `like`, if
-    given); None at `deadline`."""
+    given); None at `deadline`. A Redis that does not answer is asked again until then: the
+    reply is saved on Kafka, and the worker applies it once Redis is back."""
     pause = 0.005
     while True:
-        row = await reads.row(store, thread, message_id)
+        try:
+            row = await reads.row(store, thread, message_id)
+        except UNAVAILABLE:
+            row = None
         if row is not None and (found := json.loads(row)) == (like if like is not None else found):
             return found
         if time.monotonic() + pause > deadline:

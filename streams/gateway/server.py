@@ -82,6 +82,7 @@ from memfilter.store import reads
 from memfilter.store.cold import Warmer
 from memfilter.store.history import HistoryStore
 from memfilter.store.redis_driver import connect
+from memfilter.store.transport import UNAVAILABLE
 
 log = logging.getLogger("memfilter")
 PAGE = importlib.resources.files("memfilter.gateway") / "page"  # index.html, and chat.js once built (`npm run build` there)
@@ -133,6 +134,20 @@ def error(status: int, code: str, message: str) -> web.Response:
 # its decision; a refusal then is the stream's error, its text the JSON of an error answer.
 WAITING_AFTER_S = 0.5
 WAITING_PART = {"type": "data-turn", "data": {"waiting": True}, "transient": True}
+
+
+@web.middleware
+async def _redis_unavailable(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """A Redis that does not answer while a request is read for (its thread's owner, its
+    messages, its reply stored) is an outage, answered as one: 503 `unavailable`, to try again
+    (a stream already begun waits for Redis instead: `outcomes.stored_row`)."""
+    try:
+        return await handler(request)
+    except UNAVAILABLE as e:
+        log.warning("memfilter gateway: Redis did not answer for %s %s (%s)", request.method, request.path, type(e).__name__)
+        answer = error(503, "unavailable", f"Redis did not answer ({type(e).__name__}); try again")
+        answer.headers["Retry-After"] = "1"
+        return answer
 
 
 def _not_taken(e: NotTaken) -> web.Response:
@@ -246,7 +261,7 @@ class Gateway:
         self.fair = Fairness(g.caller_rate, g.caller_burst, g.caller_in_flight, time.monotonic)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_RECORD_BYTES)
+        app = web.Application(client_max_size=MAX_RECORD_BYTES, middlewares=[_redis_unavailable])
         app.router.add_get("/", self.page)
         app.router.add_get("/chat.js", self.page_script)
         api = [
@@ -529,10 +544,15 @@ class Gateway:
             return limited
         thread = request.match_info["thread"]
         refused = None
-        if problem := id_problem(thread):
-            refused = error(400, "schema", f"the thread id in the path {problem}")
-        elif (owner := (await self.store.owners([], [thread]))[1].get(thread)) is not None and owner != resource:
-            refused = error(403, "ownership", f"thread {thread} belongs to another resource; {resource!r} may not use it")
+        try:
+            if problem := id_problem(thread):
+                refused = error(400, "schema", f"the thread id in the path {problem}")
+            elif (owner := (await self.store.owners([], [thread]))[1].get(thread)) is not None and owner != resource:
+                refused = error(403, "ownership", f"thread {thread} belongs to another resource; {resource!r} may not use it")
+        except BaseException:  # Redis not answering (503, `_redis_unavailable`): the caller's hold ends with this request all the same
+            if holds:
+                self.fair.release(resource)
+            raise
         if refused is not None:
             if holds:
                 self.fair.release(resource)

@@ -32,6 +32,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, NoScriptError, OutOfMemoryError, ReadOnlyError, ResponseError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from memfilter.metrics import Metrics
 from memfilter.store import redis_driver, scripts
@@ -55,6 +56,12 @@ class Refusing(RedisConnectionError):
 # never a word in its text (which may quote a key, and so a client's thread id).
 REFUSING_CLASSES = (ReadOnlyError, OutOfMemoryError)
 REFUSING_CODES = ("MISCONF", "NOREPLICAS", "UNBLOCKED")
+
+
+# A Redis that did not answer (in time: `redis_driver.send` raises TimeoutError), or answered
+# that it cannot now (`Refusing`, `Resharded`, `NotReplicated` are ConnectionErrors): an outage
+# to wait out or report as one, never an error of what was asked of it.
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, TimeoutError)
 
 
 class Resharded(RedisConnectionError):

@@ -235,3 +235,35 @@ async def postgres_ids(url: str, schema: str, thread: str) -> list[str]:
         return []
     finally:
         await connection.close()
+
+
+def test_a_gateway_whose_redis_is_down_answers_503_unavailable_and_keeps_no_callers_hold(services, tmp_path):
+    """Found on a host of its own (tests/jepsen, the gateway cut from Redis): a Redis error
+    while a thread's route read its owner was a 500, and each resume kept one of its caller's
+    MEMFILTER_GATEWAY_CALLER_IN_FLIGHT holds for good, so the caller was refused 429 ever after."""
+    conf, url = redis_config(tmp_path)
+    server = start_redis(conf, url)
+    pipeline = Pipeline(services.bootstrap, url)
+    asyncio.run(pipeline.create_topics())
+    try:
+        port = pipeline.start_gateway("redis-down", MEMFILTER_GATEWAY_AUTH="header", MEMFILTER_GATEWAY_CALLER_IN_FLIGHT="2")
+        server.kill()
+        server.wait(10)
+
+        def get(path: str) -> tuple[int, dict]:
+            call = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers={"X-Memfilter-Resource": "r-down"})
+            try:
+                with urllib.request.urlopen(call, timeout=30) as answer:
+                    return answer.status, {}
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read() or b"{}")
+
+        answers = [get("/api/chat/t-down/stream") for _ in range(4)] + [get("/api/threads/t-down/messages")]
+        assert all(status == 503 and body["error"]["code"] == "unavailable" for status, body in answers), answers
+        assert "Redis did not answer" in answers[0][1]["error"]["message"]
+        server = start_redis(conf, url)
+        assert get("/api/chat/t-down/stream")[0] == 204  # nothing being made, and no hold of the four left over
+    finally:
+        pipeline.stop_all()
+        server.send_signal(signal.SIGTERM)
+        server.wait(10)
