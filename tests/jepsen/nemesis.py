@@ -9,7 +9,7 @@ schedule CI runs). The kinds:
 - loss: a host drops a share of its packets;
 - a process paused (SIGSTOP) past the workers' Kafka sessions and Redis Cluster's node timeout,
   then woken: a broker, a Redis node, PostgreSQL, a worker, the sink, the agent runner;
-- a clock jump, forward or back, on a worker (not on a broker: `product.FAKETIME`);
+- a clock jump, forward or back, on a worker or a broker;
 - a disk full under a broker's log, a Redis node's append-only file or PostgreSQL's data, then
   given room (what stopped for it started again, as an operator does).
 """
@@ -63,7 +63,7 @@ def kinds(net: Net, product: Product, rng: random.Random) -> dict[str, Callable[
         return (lambda: os.kill(pid, signal.SIGSTOP)), (lambda: os.kill(pid, signal.SIGCONT)), f"{name} paused"
 
     def clock():
-        name, seconds = rng.choice(list(product.workers)), rng.choice([-600, -60, 60, 3600])
+        name, seconds = rng.choice([*product.workers, *product.kafka]), rng.choice([-600, -60, 60, 3600])
         return (lambda: product.clock(name, seconds)), (lambda: product.clock(name, 0)), f"{name}'s clock {seconds:+d} s"
 
     def disk():

@@ -3,14 +3,15 @@ deployment runs them on machines of their own: the stack's (`memfilter.stack.up`
 `Settings.hosts`: Kafka, Redis and PostgreSQL; `replicated`: three brokers and a Redis Cluster
 of three masters with a replica each), each on the host named as the process (`kafka`, `redis`,
 `postgres`; `kafka-1`..`kafka-3`, `redis-6379`..`redis-6384`), the workers on `worker-1`,
-`worker-2`, the sink (which writes all history into PostgreSQL) on `sink` and the agent runner
-(its `echo` model) on `agent`.
+`worker-2`, the sink (which writes all history into PostgreSQL) on `sink`, the agent runner
+(its `echo` model) on `agent` and the gateway on `gateway` (its callers named by a header, as
+behind a proxy that sets it).
 
 The stack's folder is STACK_DIR, its data made anew each run and the broker's jars kept (Maven
 collects them once). Some folders are small tmpfs the harness mounts, so that a test can fill
 them (`fill`, `free`): a broker's log, a Redis node's append-only file, PostgreSQL's data
 (`Product.disks`).
-Workers run under Debian's libfaketime, each with a clock file (`clock`). The network's removal
+Workers and brokers run under Debian's libfaketime, each with a clock file (`clock`). The network's removal
 kills every process on its hosts; `unmount()` then unmounts the disks.
 """
 
@@ -33,13 +34,18 @@ REPO = Path(__file__).resolve().parents[2]
 STACK_DIR = REPO / ".stack" / "jepsen"
 LOGS = Path(os.environ.get("MEMFILTER_TEST_LOGS", "/tmp")) / "memfilter-jepsen"
 SESSION_TIMEOUT_S = 6  # a worker's Kafka session: what a cut or a pause must outlast to move its partitions
-# Debian's libfaketime: a worker's wall clock is the machine's plus the offset in its clock file
-# (`clock`), read at every call; its monotonic clock is left alone, as an NTP step leaves it.
-# Brokers do not run under it: libfaketime 0.9.10 wraps the timed waits a JVM parks its threads
-# in, and a broker under it spins at full CPU and takes minutes to start.
+# Debian's libfaketime: the wall clock of a worker or a broker is the machine's plus the offset
+# in its clock file (`clock`); its monotonic clock is left alone, as an NTP step leaves it. A
+# worker reads the file at every call; a broker, which reads the time far more often, once a
+# second. libfaketime's "monotonic fix" (its own pthread_cond_timedwait) is off: with it, a
+# JVM's timed waits return at once and a broker spins.
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 DISK_MB = 256
-WEB_PORT = 6069  # the sink's and the agent runner's web servers (`/readyz`), each on its host
+WEB_PORT = 6069  # the sink's, the agent runner's and the gateway's web servers (`/readyz`), each on its host
+RESOURCE_HEADER = "X-Memfilter-Resource"  # the gateway's callers: MEMFILTER_GATEWAY_AUTH=header
+# The gateway's callers: a turn every second or so, and a read of the thread after each, past
+# the default fair share of one caller (MEMFILTER_GATEWAY_CALLER_RATE 0.5).
+GATEWAY = {"MEMFILTER_GATEWAY_AUTH": "header", "MEMFILTER_GATEWAY_CALLER_RATE": "10", "MEMFILTER_GATEWAY_CALLER_BURST": "20"}
 
 
 def stack_names(replicated: bool) -> list[str]:
@@ -60,17 +66,26 @@ class Product:
         self.secret = secrets.token_hex(32)
         self.env: dict[str, str] = {}
         self.workers: dict[str, subprocess.Popen] = {}
-        self.parts: dict[str, subprocess.Popen] = {}  # the sink and the agent runner, each on the host of its name
+        self.parts: dict[str, subprocess.Popen] = {}  # the sink, the agent runner and the gateway, each on the host of its name
 
     def _clocked(self, name: str) -> list[str]:
         """The environment that runs a process under its clock file (`clock`), at the machine's time for now."""
         if not FAKETIME.exists():
             raise RuntimeError(f"no {FAKETIME}: the Jepsen tier moves clocks with Debian's faketime (apt-get install faketime)")
         self.clock(name, 0)
-        return ["env", f"LD_PRELOAD={FAKETIME}", f"FAKETIME_TIMESTAMP_FILE={self._clock_file(name)}", "FAKETIME_NO_CACHE=1", "FAKETIME_DONT_FAKE_MONOTONIC=1"]
+        read = "FAKETIME_CACHE_DURATION=1" if name in self.kafka else "FAKETIME_NO_CACHE=1"
+        return [
+            "env",
+            f"LD_PRELOAD={FAKETIME}",
+            f"FAKETIME_TIMESTAMP_FILE={self._clock_file(name)}",
+            read,
+            "FAKETIME_DONT_FAKE_MONOTONIC=1",
+            "FAKETIME_FORCE_MONOTONIC_FIX=0",
+        ]
 
     def _enter(self, name: str) -> list[str]:
-        return ["ip", "netns", "exec", self.net[name].ns]
+        """How the stack's process `name` is started on its host (a broker, under its clock)."""
+        return ["ip", "netns", "exec", self.net[name].ns, *(self._clocked(name) if name in self.kafka else ())]
 
     def up(self) -> None:
         """The stack, its data made anew; `env` then holds what a process needs to reach it."""
@@ -141,19 +156,16 @@ class Product:
         return process
 
     def start(self, part: str, host: Host) -> subprocess.Popen:
-        """The sink or the agent runner (`echo`: offline) on `host`, logging to LOGS; its
-        `/readyz` on WEB_PORT of the host's address."""
-        port = {"sink": "MEMFILTER_SINK_WEB_PORT", "agent": "MEMFILTER_AGENT_WEB_PORT"}[part]
+        """The sink, the agent runner (`echo`: offline) or the gateway on `host`, logging to
+        LOGS; its web server (`/readyz`; the gateway's API) on WEB_PORT of the host's address."""
+        web = {
+            "sink": {"MEMFILTER_WEB_BIND": host.address, "MEMFILTER_SINK_WEB_PORT": str(WEB_PORT)},
+            "agent": {"MEMFILTER_WEB_BIND": host.address, "MEMFILTER_AGENT_WEB_PORT": str(WEB_PORT), "MEMFILTER_AGENT_BACKEND": "echo"},
+            "gateway": {"MEMFILTER_GATEWAY_BIND": host.address, "MEMFILTER_GATEWAY_PORT": str(WEB_PORT), **GATEWAY},
+        }[part]
         self.parts[part] = host.popen(
             [sys.executable, "-m", "memfilter", part, "--loglevel", "info"],
-            env=os.environ
-            | self.env
-            | {
-                "MEMFILTER_WEB_BIND": host.address,
-                port: str(WEB_PORT),
-                "MEMFILTER_AGENT_BACKEND": "echo",
-                "MEMFILTER_DATA_DIR": f"/tmp/memfilter-jepsen-{host.name}",
-            },
+            env=os.environ | self.env | web | {"MEMFILTER_DATA_DIR": f"/tmp/memfilter-jepsen-{host.name}"},
             log=LOGS / f"{host.name}.log",
             cwd=REPO,
         )
@@ -163,5 +175,5 @@ class Product:
         return LOGS / f"{name}.clock"
 
     def clock(self, name: str, seconds: int) -> None:
-        """The wall clock of the worker on host `name` jumps to the machine's plus `seconds`."""
+        """The wall clock of the worker or the broker on host `name` jumps to the machine's plus `seconds`."""
         self._clock_file(name).write_text(f"{seconds:+d}\n")

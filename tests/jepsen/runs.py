@@ -10,24 +10,27 @@ import json
 import shutil
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 
 from checker import REPLY, Sent, check, firsts
 from net import Net, sweep
 from product import LOGS, WEB_PORT, Product, stack_names
-from workload import Clients, kept, read
+from workload import Clients, Saves, kept, read
 
 ANSWERED_S = 60.0  # after the faults heal, the longest the last outcomes may take
 RATE, TURNS = 20.0, 25  # turns a second in all; turns of each thread (threads enough for the run's length)
 CONVERSATIONS = 10  # threads whose turns echo the agent runner's replies, beside the pipelined ones
-PARTS = ("sink", "agent")
+CHATS = 5  # threads whose turns go through the gateway (tool calls answered, regenerates)
+PARTS = ("sink", "agent", "gateway")
 REPORTS = LOGS.parent / "memfilter-jepsen-reports"  # a report per run, kept across runs
 
 
 @contextlib.contextmanager
 def deployment(replicated: bool = False) -> Iterator[tuple[Net, Product]]:
     """Each of the stack's processes on a host of its own (`replicated`: three brokers and a
-    Redis Cluster), a worker on each of `worker-1`, `worker-2`, the sink on `sink` and the agent runner on `agent`."""
+    Redis Cluster), a worker on each of `worker-1`, `worker-2`, the sink on `sink`, the agent
+    runner on `agent` and the gateway on `gateway`."""
     sweep()  # what a killed run left
     shutil.rmtree(LOGS, ignore_errors=True)
     product = None
@@ -42,7 +45,8 @@ def deployment(replicated: bool = False) -> Iterator[tuple[Net, Product]]:
 
 
 def workers_ready(net: Net, product: Product) -> None:
-    """Both workers, the sink and the agent runner running, each having said it is ready (one that died is started again)."""
+    """Both workers, the sink, the agent runner and the gateway running, each having said it is
+    ready (one that died is started again)."""
     for name in ("worker-1", "worker-2"):
         process = product.workers.get(name)
         if process is None or process.poll() is not None:
@@ -67,13 +71,14 @@ def ready(net: Net, part: str) -> bool:
         return False
 
 
-def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[None]], seconds: float = 25.0, name: str = "") -> None:
+def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[None]], seconds: float = 25.0, name: str = "") -> list[Sent]:
     """The workload for `seconds` with `schedule`'s faults (it appends what it does to the list
     it is given), then the wait for every outcome and the checker's verdict: printed, written
-    to REPORTS (with what each client was told) and asserted."""
+    to REPORTS (with what each client was told) and asserted; what each client was told."""
     workers_ready(net, product)
     env = product.env
-    clients = Clients(env["KAFKA_BOOTSTRAP_SERVERS"], max(1, round(seconds * RATE / TURNS)), TURNS, CONVERSATIONS)
+    gateway = f"http://{net['gateway'].address}:{WEB_PORT}"
+    clients = Clients(env["KAFKA_BOOTSTRAP_SERVERS"], max(1, round(seconds * RATE / TURNS)), TURNS, CONVERSATIONS, gateway, CHATS)
     faults: list[str] = []
     started, healed = time.monotonic(), 0.0
 
@@ -92,20 +97,23 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
 
     asyncio.run(both())
     answered_s = time.monotonic() - healed
-    outcomes, saved, stored = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.all))
-    while not replies_applied(clients.all, saved, stored) and time.monotonic() - healed < 2 * ANSWERED_S:
+    outcomes, saved, stored, superseded = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.all))
+    while not replies_applied(clients.all, saved, stored, superseded) and time.monotonic() - healed < 2 * ANSWERED_S:
         time.sleep(1)  # the last replies' saves are on the log, and the workers apply them a moment later
-        outcomes, saved, stored = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.all))
+        outcomes, saved, stored, superseded = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.all))
     while (copy := asyncio.run(kept(env["POSTGRES_URL"], clients.all))) != stored and time.monotonic() - healed < 2 * ANSWERED_S:
         time.sleep(1)  # the sink catches up
-    waits = [clients.answered[s.at] - s.sent_ms / 1000 for s in clients.sent if s.at in clients.answered]
-    verdict = check(clients.sent, outcomes, saved, stored, copy)
+    waits = [w for s in clients.sent if (w := waits_of(clients, s)) is not None]
+    verdict = check(clients.sent, outcomes, saved, stored, copy, superseded)
+    told = Counter(s.told.split(" (")[0] for s in clients.sent if s.told is not None)
     report = "\n".join(
         [
             f"--- {name or 'run'}: schedule (t from the first turn, s): {'; '.join(faults)}",
             f"--- {len(clients.sent)} turns, {verdict.unacknowledged} not acknowledged, {verdict.outcomes} outcomes "
             f"({verdict.dead_letters} dead letters), {sum(rid.endswith(REPLY) for t in clients.all for rid, _ in saved.get(t, []))} replies saved; "
             f"{sum(s.waited is not None for s in clients.sent)} turns of conversations, {sum(bool(s.waited) for s in clients.sent)} sent after their last reply; "
+            f"through the gateway ({', '.join(f'{n} {k}' for k, n in Counter(s.kind for s in clients.sent if s.told is not None).items())}): "
+            f"{', '.join(f'{n} {what}' for what, n in told.most_common())}; "
             f"all answered {answered_s:.1f} s after the heal; "
             f"longest a request waited for its outcome: {max(waits, default=0):.1f} s; {time.monotonic() - started:.0f} s in all",
             "--- verdict: " + ("ok" if verdict.ok else "\n".join(verdict.problems[:20])),
@@ -115,20 +123,34 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
     REPORTS.mkdir(parents=True, exist_ok=True)
     stem = REPORTS / f"{time.strftime('%Y%m%dT%H%M%S')}-{name or 'run'}"
     stem.with_suffix(".txt").write_text(report + "\n" + "\n".join(verdict.problems) + "\n")
-    told = ({"request": s.request_id, "published": s.at, "outcome_after_s": waits_of(clients, s), "waited": s.waited} for s in clients.sent)
-    stem.with_suffix(".jsonl").write_text("".join(json.dumps(line) + "\n" for line in told))
+    lines = (
+        {"request": s.request_id, "kind": s.kind, "published": s.at, "told": s.told, "outcome_after_s": waits_of(clients, s), "waited": s.waited}
+        for s in clients.sent
+    )
+    stem.with_suffix(".jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     if not verdict.ok:  # the processes' logs, for the finding (the next deployment starts them anew)
         shutil.copytree(LOGS, stem.with_name(stem.name + "-logs"))
     assert verdict.ok, verdict.problems[:20]
+    return clients.sent
 
 
-def replies_applied(threads: list[str], saved: dict[str, list[tuple[str, list[str]]]], stored: dict[str, list[str]]) -> bool:
-    """Is every reply the log holds for `threads` (the first save of each reply's request id) in Redis?"""
-    return all(m in stored.get(t, []) for t in threads for request_id, ids in firsts(saved.get(t, [])) if request_id.endswith(REPLY) for m in ids)
+def replies_applied(threads: list[str], saved: Saves, stored: dict[str, list[str]], superseded: dict[str, dict[str, list[str]]]) -> bool:
+    """Is every reply the log holds for `threads` (the first save of each reply's request id),
+    but those a regenerate took out, in Redis?"""
+    return all(
+        m in stored.get(t, []) or any(m in out for out in superseded.get(t, {}).values())
+        for t in threads
+        for request_id, ids in firsts(saved.get(t, []))
+        if request_id.endswith(REPLY)
+        for m in ids
+    )
 
 
 def waits_of(clients: Clients, sent: Sent) -> float | None:
-    """How long after its publish a request's outcome arrived (None: not seen while watching)."""
+    """How long after its publish a request's outcome arrived, or a gateway turn's answer (None:
+    not seen while watching)."""
+    if sent.told is not None:
+        return round(clients.told_s[sent.request_id], 3) if sent.request_id in clients.told_s else None
     return round(clients.answered[sent.at] - sent.sent_ms / 1000, 3) if sent.at in clients.answered else None
 
 

@@ -3,7 +3,7 @@ passes a history that keeps every promise: a checker that finds nothing proves n
 
 from __future__ import annotations
 
-from checker import Outcome, Sent, check
+from checker import Outcome, Sent, check, outcome_of
 
 
 def thread(turns: int, name: str = "t") -> list[Sent]:
@@ -119,3 +119,80 @@ class TestTheCheckerHoldsRepliesToTheirPromise:
             s.waited = None
         assert check(sent, outcomes, saved, {"t": ["t-u0", "t-u1", "t-a0", "t-u2", "t-a2", "t-a1"]}).ok
         assert any(p.startswith("stored: thread t") for p in check(sent, outcomes, saved, {"t": ["t-u0", "t-u1", "t-a0", "t-u2", "t-a2"]}).problems)
+
+
+def chat() -> tuple[list[Sent], list[Outcome], dict, dict, list[str]]:
+    """A chat through the gateway, each turn answered: ask (u0, reply a0), regenerate (a0 taken
+    out, reply b0), call a tool (u2, reply c2 with a pending call), answer it (c2 saved with
+    the outcome, the reply continuing c2)."""
+    sent = [
+        Sent("t", 0, "t-r0", ["t-u0"], None, waited=True, told="answered"),
+        Sent("t", 1, "t-r1", ["t-u0"], None, waited=True, told="answered", kind="regenerate"),
+        Sent("t", 2, "t-r2", ["t-u0", "t-b0", "t-u2"], None, waited=True, told="answered"),
+        Sent("t", 3, "t-r3", ["t-u0", "t-b0", "t-u2", "t-c2"], None, waited=True, told="answered", kind="tool"),
+    ]
+    outcomes = [Outcome((0, k), (0, k), "t", s.messages[-1:], request_id=s.request_id) for k, s in enumerate(sent)]
+    saved = {
+        "t": [
+            ("t-r0", ["t-u0"]),
+            ("t-r0/reply", ["t-a0"]),
+            ("t-r1", []),
+            ("t-r1/reply", ["t-b0"]),
+            ("t-r2", ["t-u2"]),
+            ("t-r2/reply", ["t-c2"]),
+            ("t-r3", ["t-c2"]),
+            ("t-r3/reply", ["t-c2"]),
+        ]
+    }
+    return sent, outcomes, saved, {"t": {"t-r1": ["t-a0"]}}, ["t-u0", "t-b0", "t-u2", "t-c2"]
+
+
+class TestTheCheckerHoldsTheGatewayToWhatItTold:
+    def test_a_chat_that_regenerates_and_answers_a_tool_call_passes(self):
+        sent, outcomes, saved, superseded, history = chat()
+        assert check(sent, outcomes, saved, {"t": history}, {"t": history}, superseded).ok
+
+    def test_a_regenerate_that_takes_out_other_rows_than_followed_its_message_is_stale(self):
+        sent, outcomes, saved, _, history = chat()
+        problems = check(sent, outcomes, saved, {"t": history}, None, {"t": {"t-r1": []}}).problems
+        assert any(p.startswith("stale: regenerate t-r1") for p in problems)
+
+    def test_a_row_taken_out_still_in_the_stored_order_is_found(self):
+        sent, outcomes, saved, superseded, history = chat()
+        problems = check(sent, outcomes, saved, {"t": ["t-u0", "t-a0", *history[1:]]}, None, superseded).problems
+        assert any(p.startswith("stored: thread t") for p in problems)
+
+    def test_a_message_saved_again_by_other_than_its_tool_outcome_is_twice(self):
+        sent, outcomes, saved, superseded, history = chat()
+        saved["t"].append(("t-r9", ["t-c2"]))
+        assert any(p.startswith("twice: message t-c2") for p in check(sent, outcomes, saved, {"t": history}, None, superseded).problems)
+
+    def test_a_turn_answered_without_its_filtered_input_or_its_reply_is_lost(self):
+        sent, outcomes, saved, superseded, history = chat()
+        problems = check(sent, outcomes[:-1], {"t": saved["t"][:-2]}, {"t": history}, None, superseded).problems
+        assert any(p.startswith("lost: request t-r3 was answered through the gateway") for p in problems)
+        saved["t"].pop()
+        assert any(p.startswith("lost: request t-r3 was answered") for p in check(sent, outcomes, saved, {"t": history}, None, superseded).problems)
+
+    def test_a_refusal_needs_its_dead_letter_with_that_reason(self):
+        sent = [Sent("t", 0, "t-r0", ["t-u0"], None, waited=True, told="rejected too-large")]
+        refused = Outcome((0, 0), (0, 0), "t", None, "too-large", "t-r0")
+        assert check(sent, [refused], {}, {"t": []}).ok
+        assert any(p.startswith("lost: request t-r0 was told 'rejected too-large'") for p in check(sent, [], {}, {"t": []}).problems)
+        refused.reason = "schema"
+        assert any(p.startswith("lost: request t-r0 was told") for p in check(sent, [refused], {}, {"t": []}).problems)
+
+    def test_a_turn_the_gateway_did_not_answer_may_or_may_not_have_been_written(self):
+        sent, outcomes, saved, superseded, history = chat()
+        sent[3].told, sent[3].waited = "no answer (TimeoutError)", False
+        assert check(sent, outcomes, saved, {"t": history}, None, superseded).ok
+        assert check(sent, outcomes[:-1], {"t": saved["t"][:-2]}, {"t": history}, None, superseded).ok
+
+
+class TestTheCheckerReadsTheWire:
+    def test_a_dead_letter_of_a_request_names_its_request_id_and_one_of_a_save_is_not_an_outcome(self):
+        headers = {"error.type": "too-large", "source.topic": "chat-requests", "source.partition": "2", "source.offset": "7"}
+        o = outcome_of("dlq", 0, 5, b"t", b'{"requestId": "t-r3"}', headers)
+        assert (o.at, o.request_id, o.reason, o.contributed) == ((2, 7), "t-r3", "too-large", None)
+        assert outcome_of("dlq", 0, 6, b"t", b"\xff not json", headers).request_id == ""
+        assert outcome_of("dlq", 0, 7, b"t", b"{}", headers | {"source.topic": "persist-messages"}) is None

@@ -1,9 +1,10 @@
 """Faults on the product's hosts, and the independent checker's verdict on what came of them.
 
 The stack's processes (Kafka, Redis, PostgreSQL) run on hosts `kafka`, `redis` and `postgres`,
-two workers on `worker-1` and `worker-2`, the sink on `sink`, the agent runner on `agent`
-(`product.py`). For each schedule, the clients (`workload.py`) publish full-echo
-turns on fresh threads while the schedule's faults come and go; after the last fault heals and
+two workers on `worker-1` and `worker-2`, the sink on `sink`, the agent runner on `agent`, the
+gateway on `gateway` (`product.py`). For each schedule, the clients (`workload.py`) publish
+full-echo turns on fresh threads, straight onto the requests topic and through the gateway
+(regenerates and tool calls answered among them), while the schedule's faults come and go; after the last fault heals and
 the last turn is published, every acknowledged request must get its outcome within ANSWERED_S,
 and the checker (`checker.py`) must find nothing lost, nothing twice, nothing out of order, no
 stale decision, and Redis and PostgreSQL holding what the outcomes contributed. Each run prints its report:
@@ -50,6 +51,19 @@ class TestAWorkerPaused:
         worker = product.workers["worker-1"]  # the child of `ip netns exec`, which execs it: the worker itself
         pause, wake = (lambda: worker.send_signal(signal.SIGSTOP)), (lambda: worker.send_signal(signal.SIGCONT))
         run(net, product, steps((5, pause, "worker-1 paused (SIGSTOP)"), (3 * SESSION_TIMEOUT_S, wake, "worker-1 woken (SIGCONT)")))
+
+
+class TestTheGatewayCutOff:
+    def test_a_gateway_that_reaches_kafka_but_not_redis_tells_each_caller_what_came_of_its_turn(self, deployment):
+        """Its streams waited for Redis to confirm each reply stored: they were cut, with neither
+        `finish` nor an `error`, when a read there failed (and a thread's route answered 500)."""
+        net, product = deployment
+        sent = run(net, product, steps((5, lambda: net.cut("gateway", "redis"), "the gateway cut from Redis, not from Kafka"), (15, net.heal, "healed")))
+        assert not [(s.request_id, s.told) for s in sent if s.told is not None and s.told.startswith("cut")]
+
+    def test_a_gateway_isolated_loses_nothing_it_answered(self, deployment):
+        net, product = deployment
+        run(net, product, steps((5, lambda: net.isolate("gateway"), "the gateway isolated"), (15, net.heal, "healed")))
 
 
 class TestAWorkersClockJumps:

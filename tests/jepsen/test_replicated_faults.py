@@ -2,7 +2,8 @@
 of three masters with a replica each (`redis-6379`..`redis-6384`; which is whose replica is
 read when a schedule needs it: failovers change it), each on a host of its own, a worker on each of
 `worker-1` and `worker-2` (with MEMFILTER_REDIS_REPLICAS=1, as `memfilter stack up
---redis-cluster` prints it: a batch commits only once its Redis writes are on a replica). Each
+--redis-cluster` prints it: a batch commits only once its Redis writes are on a replica), the
+sink, the agent runner and the gateway. Each
 schedule runs as `runs.run` says, and the independent checker must find nothing lost, twice,
 out of order or stale."""
 
@@ -90,3 +91,17 @@ class TestABrokersDisk:
         fill = lambda: product.fill("kafka-1")  # noqa: E731
         room = lambda: (product.free("kafka-1"), product.restart())  # noqa: E731
         run(net, product, steps((5, fill, "kafka-1's disk full"), (PAUSE_S, room, "kafka-1's disk has room again; what stopped started again")))
+
+
+class TestABrokersClockJumps:
+    def test_a_brokers_clock_jumping_an_hour_ahead_then_ten_minutes_behind_loses_and_repeats_nothing(self, deployment):
+        """Kafka times sessions and transactions by the wall clock: an hour ahead, the broker
+        finds every session and transaction it coordinates expired; behind, none expires."""
+        net, product = deployment
+        clock = lambda seconds: lambda: product.clock("kafka-1", seconds)  # noqa: E731
+        schedule = steps(
+            (5, clock(3600), "kafka-1's clock an hour ahead"),
+            (PAUSE_S, clock(-600), "kafka-1's clock ten minutes behind"),
+            (PAUSE_S, clock(0), "kafka-1's clock right"),
+        )
+        run(net, product, schedule, seconds=40)

@@ -18,15 +18,19 @@ import json
 import secrets
 import time
 
+import aiohttp
 import asyncpg
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from checker import REPLY, Outcome, Sent, outcome_of
+from product import RESOURCE_HEADER
 from redis.asyncio.cluster import RedisCluster
 
 PUBLISH_TIMEOUT_S = 10.0
 REPLY_WAIT_S = 60.0  # the longest a conversation waits for a turn's reply before its next turn
+TURN_TIMEOUT_S = 90.0  # the longest a caller of the gateway waits for a turn's answer (its reply waits 60 s: `product.GATEWAY`)
+KINDS = ("submit", "regenerate", "submit", "tool")  # a turn through the gateway, by its number: ask, regenerate, call a tool, answer it
 
 
 def user(message_id: str, k: int) -> dict:
@@ -34,11 +38,14 @@ def user(message_id: str, k: int) -> dict:
 
 
 class Clients:
-    def __init__(self, bootstrap: str, threads: int, turns: int, conversations: int = 0):
+    def __init__(self, bootstrap: str, threads: int, turns: int, conversations: int = 0, gateway: str = "", chats: int = 0):
         self.bootstrap = bootstrap
+        self.gateway = gateway  # its URL, for `chats`
         tag = secrets.token_hex(3)
         self.threads = [f"jt-{tag}-{i}" for i in range(threads)]  # pipelined: each turn on the clock, whatever came of the last
         self.conversations = [f"jc-{tag}-{i}" for i in range(conversations)]  # each turn once the last one's reply is saved
+        self.chats = [f"jg-{tag}-{i}" for i in range(chats)]  # through the gateway, as `useChat` talks to it
+        self.told_s: dict[str, float] = {}  # a gateway turn's request id -> how long until it was told
         self.turns = turns
         self.sent: list[Sent] = []
         self.answered: dict[tuple[int, int], float] = {}  # a request's position -> when its outcome arrived (epoch s)
@@ -48,7 +55,7 @@ class Clients:
 
     @property
     def all(self) -> list[str]:
-        return self.threads + self.conversations
+        return self.threads + self.conversations + self.chats
 
     def body(self, thread: str, request_id: str, messages: list[dict]) -> bytes:
         return json.dumps({"requestId": request_id, "threadId": thread, "resourceId": f"res-{thread}", "messages": messages}).encode()
@@ -93,7 +100,12 @@ class Clients:
         await producer.start()
         try:
             until = time.monotonic() + self.turns * think_s  # the run's length: no conversation starts a turn after it
-            await asyncio.gather(self._pipelined(producer, rate), *(self._converse(producer, thread, think_s, until) for thread in self.conversations))
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TURN_TIMEOUT_S)) as http:
+                await asyncio.gather(
+                    self._pipelined(producer, rate),
+                    *(self._converse(producer, thread, think_s, until) for thread in self.conversations),
+                    *(self._chat(http, thread, think_s, until) for thread in self.chats),
+                )
         finally:
             await producer.stop()
 
@@ -133,6 +145,59 @@ class Clients:
                     break
                 await asyncio.sleep(0.05)
 
+    async def _chat(self, http: aiohttp.ClientSession, thread: str, think_s: float, until: float) -> None:
+        """As a `useChat` page does through the gateway: each turn (KINDS, by its number) posts
+        the conversation as the page holds it, and reads the answer's stream to its end; the
+        page then holds the thread as stored (`GET /api/threads/{id}/messages`, as a reload
+        shows it), or, if that cannot be read, what it sent."""
+        history: list[dict] = []
+        for k in range(self.turns):
+            await asyncio.sleep(think_s)
+            if time.monotonic() > until:
+                return
+            request_id = f"{thread}-r{k}"
+            kind, body = chat_turn(thread, k, history)
+            sent = Sent(thread, k, request_id, [m["id"] for m in body["messages"]], None, int(time.time() * 1000), waited=False, kind=kind)
+            self.sent.append(sent)
+            started = time.monotonic()
+            sent.told = await self._post(http, thread, request_id, body)
+            self.told_s[request_id] = time.monotonic() - started
+            sent.waited = sent.told == "answered" or sent.told.startswith("rejected")
+            history = await self._stored(http, thread) or body["messages"]
+
+    async def _post(self, http: aiohttp.ClientSession, thread: str, request_id: str, body: dict) -> str:
+        """A turn posted to the gateway and its answer read to the end: what the caller was
+        told ("cut (...)": the stream ended with neither `finish` nor `error`)."""
+        headers = {RESOURCE_HEADER: f"res-{thread}", "Idempotency-Key": request_id}
+        began = False
+        try:
+            async with http.post(f"{self.gateway}/api/chat", json=body, headers=headers) as answer:
+                if answer.status != 200:
+                    code = ((await answer.json(content_type=None)) or {}).get("error", {}).get("code", "")
+                    return f"rejected {code}" if 400 <= answer.status < 500 and code not in ("rate-limited", "starting") else f"http {answer.status} {code}"
+                began, told = True, "cut (no finish)"
+                async for line in answer.content:
+                    chunk = line.decode().removeprefix("data: ").strip()
+                    if chunk and chunk != "[DONE]":
+                        event = json.loads(chunk)
+                        if event.get("type") == "finish":
+                            told = "answered"
+                        elif event.get("type") == "error":
+                            told = f"error {event.get('errorText', '')[:80]}"
+                return told
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            return f"{'cut' if began else 'no answer'} ({type(e).__name__})"
+
+    async def _stored(self, http: aiohttp.ClientSession, thread: str) -> list[dict] | None:
+        """The thread as stored, read through the gateway; None if it cannot be read now."""
+        try:
+            async with http.get(
+                f"{self.gateway}/api/threads/{thread}/messages", headers={RESOURCE_HEADER: f"res-{thread}"}, timeout=aiohttp.ClientTimeout(total=10)
+            ) as answer:
+                return await answer.json() if answer.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
     async def _publish(self, producer: AIOKafkaProducer, sent: Sent, value: bytes) -> None:
         try:
             meta = await asyncio.wait_for(await producer.send("chat-requests", value, key=sent.thread.encode()), PUBLISH_TIMEOUT_S * 2)
@@ -141,13 +206,36 @@ class Clients:
             sent.at = None
 
 
-async def read(bootstrap: str, redis_url: str, threads: list[str]) -> tuple[list[Outcome], dict[str, list[tuple[str, list[str]]]], dict[str, list[str]]]:
-    """Every outcome of `threads`, their saves (message ids, in log order) and stored orders."""
+def chat_turn(thread: str, k: int, history: list[dict]) -> tuple[str, dict]:
+    """Turn k of a gateway conversation, from the UI messages the page holds (`history`): the
+    kind it is (KINDS; a regenerate without an answer to regenerate, or a tool's answer without
+    a call pending, is a question instead) and the body `useChat`'s transport posts for it."""
+    kind = KINDS[k % len(KINDS)]
+    last = history[-1] if history else {}
+    calls = [p for p in last.get("parts", []) if p.get("type", "").startswith("tool-") and p.get("state") == "input-available"]
+    if kind == "regenerate" and last.get("role") == "assistant" and any(m["role"] == "user" for m in history):
+        cut = max(i for i, m in enumerate(history) if m["role"] == "user") + 1
+        return kind, {"id": thread, "messages": history[:cut], "trigger": "regenerate-message"}
+    if kind == "tool" and calls:  # addToolOutput: the call's part given its output, the whole sent again
+        answered = {**last, "parts": [{**p, "state": "output-available", "output": {"turn": k}} if p in calls else p for p in last["parts"]]}
+        return kind, {"id": thread, "messages": [*history[:-1], answered], "trigger": "submit-message"}
+    text = f'/tool weather {{"turn": {k}}}' if k % len(KINDS) == 2 else f"question {k}"
+    asked = {"id": f"{thread}-u{k}", "role": "user", "parts": [{"type": "text", "text": text}]}
+    return "submit", {"id": thread, "messages": [*history, asked], "trigger": "submit-message"}
+
+
+Saves = dict[str, list[tuple[str, list[str]]]]  # by thread: each event's request id and the message ids it saves, in log order
+
+
+async def read(bootstrap: str, redis_url: str, threads: list[str]) -> tuple[list[Outcome], Saves, dict[str, list[str]], dict[str, dict[str, list[str]]]]:
+    """Every outcome of `threads`, their saves, their stored orders and what each event took
+    out of its thread's conversation (`superseded`, by thread and request id)."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False, group_id=None)
     await consumer.start()
     outcomes: list[Outcome] = []
     ours = set(threads)  # the topics hold earlier runs' too
-    saved: dict[str, list[tuple[str, list[str]]]] = {}
+    saved: Saves = {}
+    superseded: dict[str, dict[str, list[str]]] = {}
     try:
         kinds = {"filtered-inputs": "filtered", "chat-requests-dlq": "dlq", "persist-messages": "persist"}
         tps = [TopicPartition(t, p) for t, ps in (await _partitions(bootstrap, list(kinds))).items() for p in ps]
@@ -161,6 +249,8 @@ async def read(bootstrap: str, redis_url: str, threads: list[str]) -> tuple[list
                     if kind == "persist":
                         event = json.loads(r.value)
                         saved.setdefault(event.get("threadId", ""), []).append((event.get("requestId", ""), [m.get("id") for m in event.get("messages", [])]))
+                        if event.get("superseded"):
+                            superseded.setdefault(event.get("threadId", ""), {}).setdefault(event.get("requestId", ""), event["superseded"])
                         continue
                     headers = {k: v.decode(errors="replace") for k, v in r.headers or ()}
                     if (o := outcome_of(kind, r.partition, r.offset, r.key, r.value, headers)) is not None and o.thread in ours:
@@ -177,7 +267,7 @@ async def read(bootstrap: str, redis_url: str, threads: list[str]) -> tuple[list
         stored = {t: [m.decode() for m in await client.lrange(f"mf:t:{{{t}}}:order", 0, -1)] for t in threads}
     finally:
         await client.aclose()
-    return outcomes, saved, stored
+    return outcomes, saved, stored, superseded
 
 
 async def kept(postgres_url: str, threads: list[str]) -> dict[str, list[str]]:
