@@ -170,8 +170,10 @@ class Client:
     async def _started(self) -> AIOKafkaProducer:
         if self._producer is None:
             # No linger: a request is sent at once (a chat turn waits for it); records added while
-            # one is in flight are batched all the same.
-            self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=0, max_request_size=4 << 20)
+            # one is in flight are batched all the same. Idempotent: a send retried after its
+            # acknowledgement was lost (a broker cut from its followers, say) is written once, not
+            # twice, so a request is never decided and then dead-lettered as its own `duplicate`.
+            self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True, linger_ms=0, max_request_size=4 << 20)
             await self._producer.start()
         return self._producer
 
