@@ -18,13 +18,15 @@ Found, each a line of `Verdict.problems`:
   reply; one it refused has no dead letter with that reason;
 - `twice`: a request with two outcomes, or a message saved by two events (but a tool's outcome
   and the reply that continues its call's message);
-- `order`: a thread's outcomes not in the order its requests were published;
+- `order`: a thread's outcomes, on either outcome topic, not in the order of its requests on
+  their topic;
 - `stale`: a decision that saved a message stored before it (it saw history that a later state
   contradicts: a write lost, or read from a replica behind), or left out one that was not; a
   regenerate that took out other rows than followed its last message;
 - `stored`: a thread's stored order in Redis not the messages its decisions saved, in order,
   and its replies each once (a conversation that waited for each reply: each after its turn);
 - `postgres`: the same of its messages in PostgreSQL (the sink's copy of all history);
+- `told`: a turn the gateway refused that was decided all the same;
 - `dead letter`: a dead letter without its reason (`error.type`).
 """
 
@@ -165,11 +167,19 @@ def check(
             outcome = by_at.get(landed(s) or (-1, -1), [None])[0]
             if s.told == "answered" and (outcome is None or outcome.contributed is None or s.request_id + REPLY not in saves):
                 verdict.problems.append(f"lost: request {s.request_id} was answered through the gateway, but has no filtered input or no saved reply")
-            if s.told is not None and s.told.startswith("rejected") and (outcome is None or f"rejected {outcome.reason}" != s.told):
-                verdict.problems.append(f"lost: request {s.request_id} was told {s.told!r} by the gateway, but has no dead letter saying so")
-        decided = sorted(((by_at[at][0], s) for s in requests if (at := landed(s)) is not None and by_at.get(at)), key=lambda p: p[0].where)
-        if [s.turn for _, s in decided] != sorted(s.turn for _, s in decided):
-            verdict.problems.append(f"order: thread {thread}'s outcomes are for turns {[s.turn for _, s in decided]}")
+            if s.told is not None and s.told.startswith("rejected"):
+                found = by_request.get((thread, s.request_id), [])
+                if not any(f"rejected {o.reason}" == s.told for o in found if o.contributed is None):
+                    verdict.problems.append(f"lost: request {s.request_id} was told {s.told!r} by the gateway, but has no dead letter saying so")
+                if any(o.contributed is not None for o in found):  # the caller believes its turn did nothing
+                    verdict.problems.append(f"told: request {s.request_id} was told {s.told!r} by the gateway, but it was decided")
+        # decided in the order the requests are on their partition (a thread's are all on one)
+        decided = sorted(((by_at[at][0], s) for s in requests if (at := landed(s)) is not None and by_at.get(at)), key=lambda p: p[0].at)
+        for filtered in (True, False):  # on each outcome topic, the outcomes in that order too
+            mine = sorted((o for o, _ in decided if (o.contributed is not None) == filtered), key=lambda o: o.where)
+            if [o.at for o in mine] != sorted(o.at for o in mine):
+                turns = {o.at: s.turn for o, s in decided}
+                verdict.problems.append(f"order: thread {thread}'s outcomes are for turns {[turns[o.at] for o in mine]}")
         replies = list(dict.fromkeys(m for request_id, ids in events if request_id.endswith(REPLY) for m in ids))
         # A conversation that waited for every reply promises its order whole: each turn's
         # message, then its reply. Elsewhere a reply and the thread's next requests are

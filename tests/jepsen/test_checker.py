@@ -188,6 +188,25 @@ class TestTheCheckerHoldsTheGatewayToWhatItTold:
         assert check(sent, outcomes, saved, {"t": history}, None, superseded).ok
         assert check(sent, outcomes[:-1], {"t": saved["t"][:-2]}, {"t": history}, None, superseded).ok
 
+    def test_a_turn_refused_by_the_gateway_that_was_decided_all_the_same_is_found(self):
+        """Found on the replicated stack (a broker bridging two sides): the gateway's producer
+        wrote a request twice; the first copy was decided, the second dead-lettered as its
+        `duplicate`, and that is what the caller was told."""
+        sent, outcomes, saved, superseded, history = chat()
+        sent[3].told = "rejected duplicate"
+        outcomes.append(Outcome((0, 4), (0, 0), "t", None, "duplicate", "t-r3"))
+        problems = check(sent, outcomes, saved, {"t": history}, None, superseded).problems
+        assert problems == ["told: request t-r3 was told 'rejected duplicate' by the gateway, but it was decided"]
+
+    def test_outcomes_are_ordered_on_each_topic_by_their_requests_a_dead_letter_beside_filtered_inputs_passes(self):
+        sent, outcomes, saved, superseded, history = chat()
+        outcomes[1].where = (5, 0)
+        assert any(p.startswith("order: thread t") for p in check(sent, outcomes, saved, {"t": history}, None, superseded).problems)
+        sent.append(Sent("t", 4, "t-r4", ["t-u0"], None, waited=True, told="rejected too-large"))
+        _, outcomes, _, _, _ = chat()
+        outcomes.append(Outcome((0, 4), (0, 0), "t", None, "too-large", "t-r4"))  # first on the dead-letter topic, after them all on the requests'
+        assert check(sent, outcomes, saved, {"t": history}, None, superseded).ok
+
 
 class TestTheCheckerReadsTheWire:
     def test_a_dead_letter_of_a_request_names_its_request_id_and_one_of_a_save_is_not_an_outcome(self):
