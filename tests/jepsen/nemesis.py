@@ -6,9 +6,12 @@ schedule CI runs). The kinds:
 
 - partitions: one host from the rest, random halves, a bridge (a host the two sides both see),
   a cut one way only;
-- loss: a host drops a share of its packets;
+- loss: a host drops a share of its packets, or of those on one of its links;
+- a slow link: a host sends at most so many kilobits a second, so what it sends under load
+  waits, up to a second (`net.slow`: this kernel has no netem for a fixed delay or reordering);
 - a process paused (SIGSTOP) past the workers' Kafka sessions and Redis Cluster's node timeout,
-  then woken: a broker, a Redis node, PostgreSQL, a worker, the sink, the agent runner;
+  then woken: a broker, a Redis node, PostgreSQL, a worker, the sink, the agent runner, the
+  gateway; in a long schedule, one pause in four past Kafka's transaction timeout too (LONG_S);
 - a clock jump, forward or back, on a worker or a broker;
 - a disk full under a broker's log, a Redis node's append-only file or PostgreSQL's data, then
   given room (what stopped for it started again, as an operator does).
@@ -29,48 +32,70 @@ from product import Product
 HOLD_S = (4.0, 16.0)  # how long a fault lasts: drawn between these
 REST_S = (1.0, 5.0)  # the quiet between two faults
 EACH_HOLD_S = 8.0  # every kind once: each held past the workers' Kafka sessions (6 s) and Redis Cluster's node timeout (2 s)
+LONG_S = 70.0  # past Kafka's transaction timeout (aiokafka's 60 s): a transaction left open is aborted by its coordinator
 
 
-def kinds(net: Net, product: Product, rng: random.Random) -> dict[str, Callable[[], tuple[Callable[[], object], Callable[[], object], str]]]:
-    """Each kind draws its targets and returns (act, undo, what)."""
+Fault = tuple[Callable[[], object], Callable[[], object], str, float | None]
+
+
+def kinds(net: Net, product: Product, rng: random.Random) -> dict[str, Callable[[], Fault]]:
+    """Each kind draws its targets and returns (act, undo, what, how long to hold it: None for the schedule's draw)."""
     hosts = [*product.names, *product.workers, *product.parts]
 
     def isolate():
         a = rng.choice(hosts)
-        return (lambda: net.isolate(a)), net.heal, f"{a} isolated"
+        return (lambda: net.isolate(a)), net.heal, f"{a} isolated", None
 
     def halves():
         shuffled = rng.sample(hosts, len(hosts))
         left, right = shuffled[: len(hosts) // 2], shuffled[len(hosts) // 2 :]
-        return (lambda: net.partition(left, right)), net.heal, f"halves: {' '.join(sorted(left))} | {' '.join(sorted(right))}"
+        return (lambda: net.partition(left, right)), net.heal, f"halves: {' '.join(sorted(left))} | {' '.join(sorted(right))}", None
 
     def bridge():
         middle, *others = rng.sample(hosts, len(hosts))
         left, right = others[: len(others) // 2], others[len(others) // 2 :]
-        return (lambda: net.partition(left, right)), net.heal, f"{middle} bridges {' '.join(sorted(left))} | {' '.join(sorted(right))}"
+        return (lambda: net.partition(left, right)), net.heal, f"{middle} bridges {' '.join(sorted(left))} | {' '.join(sorted(right))}", None
 
     def one_way():
         a, b = rng.sample(hosts, 2)
-        return (lambda: net.cut(a, b, one_way=True)), net.heal, f"{a} cannot send to {b}"
+        return (lambda: net.cut(a, b, one_way=True)), net.heal, f"{a} cannot send to {b}", None
 
     def loss():
         a, percent = rng.choice(hosts), rng.choice([10, 33, 50])
-        return (lambda: net.loss(a, percent)), net.heal, f"{a} drops {percent}% of its packets"
+        if rng.random() < 0.5:
+            return (lambda: net.loss(a, percent)), net.heal, f"{a} drops {percent}% of its packets", None
+        b = rng.choice([h for h in hosts if h != a])
+        return (lambda: net.loss(a, percent, b)), net.heal, f"{a} drops {percent}% of its packets to and from {b}", None
+
+    def slow():
+        a, kbit = rng.choice(hosts), rng.choice([64, 256, 1024])
+        return (lambda: net.slow(a, kbit)), net.heal, f"{a} sends at most {kbit} kbit/s", None
 
     def pause():
         name = rng.choice(hosts)
         pid = (product.workers | product.parts)[name].pid if name in product.workers or name in product.parts else product.pids()[name]
-        return (lambda: os.kill(pid, signal.SIGSTOP)), (lambda: os.kill(pid, signal.SIGCONT)), f"{name} paused"
+        hold = LONG_S if rng.random() < 0.25 else None
+        return (lambda: os.kill(pid, signal.SIGSTOP)), (lambda: os.kill(pid, signal.SIGCONT)), f"{name} paused", hold
 
     def clock():
         name, seconds = rng.choice([*product.workers, *product.kafka]), rng.choice([-600, -60, 60, 3600])
-        return (lambda: product.clock(name, seconds)), (lambda: product.clock(name, 0)), f"{name}'s clock {seconds:+d} s"
+        return (lambda: product.clock(name, seconds)), (lambda: product.clock(name, 0)), f"{name}'s clock {seconds:+d} s", None
 
     def disk():
         name = rng.choice(product.disks)
-        return (lambda: product.fill(name)), (lambda: (product.free(name), product.restart())), f"{name}'s disk full"
+        return (lambda: product.fill(name)), (lambda: (product.free(name), product.restart())), f"{name}'s disk full", None
 
-    return {"isolate": isolate, "halves": halves, "bridge": bridge, "one way": one_way, "loss": loss, "pause": pause, "clock": clock, "disk": disk}
+    return {
+        "isolate": isolate,
+        "halves": halves,
+        "bridge": bridge,
+        "one way": one_way,
+        "loss": loss,
+        "slow": slow,
+        "pause": pause,
+        "clock": clock,
+        "disk": disk,
+    }
 
 
 def nemesis(net: Net, product: Product, seed: int, seconds: float | None) -> Callable[[list[str]], Awaitable[None]]:
@@ -85,10 +110,14 @@ def nemesis(net: Net, product: Product, seed: int, seconds: float | None) -> Cal
         started = time.monotonic()
         while order or (seconds is not None and time.monotonic() - started + REST_S[1] + HOLD_S[1] < seconds):
             await asyncio.sleep(REST_S[0] if seconds is None else rng.uniform(*REST_S))
-            act, undo, what = draw[order.pop(0) if order else rng.choice(sorted(draw))]()
+            act, undo, what, hold = draw[order.pop(0) if order else rng.choice(sorted(draw))]()
             await asyncio.to_thread(act)
             faults.append(f"{time.monotonic() - started:.1f} {what}")
-            await asyncio.sleep(EACH_HOLD_S if seconds is None else rng.uniform(*HOLD_S))
+            if seconds is None:
+                hold = EACH_HOLD_S
+            elif hold is None or time.monotonic() - started + hold > seconds:  # a long hold only where the schedule has room for it
+                hold = rng.uniform(*HOLD_S)
+            await asyncio.sleep(hold)
             await asyncio.to_thread(undo)
             faults.append(f"{time.monotonic() - started:.1f} undone")
 

@@ -167,12 +167,19 @@ class Net:
             self.hosts[a].ns, f"add rule inet mfj out ip daddr 169.254.{self.subnet}.0/24 drop\nadd rule inet mfj in ip saddr 169.254.{self.subnet}.0/24 drop\n"
         )
 
-    def loss(self, a: str, percent: int) -> None:
-        """a drops `percent` of the packets it sends and of those it receives, at random."""
-        _nft(self.hosts[a].ns, f"add rule inet mfj out numgen random mod 100 < {percent} drop\nadd rule inet mfj in numgen random mod 100 < {percent} drop\n")
+    def loss(self, a: str, percent: int, b: str | None = None) -> None:
+        """a drops `percent` of the packets it sends and of those it receives, at random (with
+        `b`: only those to and from b, the link between them)."""
+        to, back = ("", "") if b is None else (f"ip daddr {self.hosts[b].address} ", f"ip saddr {self.hosts[b].address} ")
+        _nft(
+            self.hosts[a].ns,
+            f"add rule inet mfj out {to}numgen random mod 100 < {percent} drop\nadd rule inet mfj in {back}numgen random mod 100 < {percent} drop\n",
+        )
 
     def slow(self, a: str, kbit: int) -> None:
-        """a's link sends at most `kbit` kilobits a second (a token bucket; what waits longer than 1 s is dropped)."""
+        """a's link sends at most `kbit` kilobits a second (a token bucket; what waits longer than
+        1 s is dropped): under load, a delay of up to a second. The delay of this machine's
+        kernel: it has no netem."""
         host = self.hosts[a]
         done = host.run(["tc", "qdisc", "replace", "dev", host.link, "root", "tbf", "rate", f"{kbit}kbit", "burst", "16kb", "latency", "1s"])
         if done.returncode != 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+from nemesis import LONG_S
 from product import SESSION_TIMEOUT_S
 from runs import deployment as deployed
 from runs import run, steps, workers_ready
@@ -64,6 +65,17 @@ class TestTheGatewayCutOff:
     def test_a_gateway_isolated_loses_nothing_it_answered(self, deployment):
         net, product = deployment
         run(net, product, steps((5, lambda: net.isolate("gateway"), "the gateway isolated"), (15, net.heal, "healed")))
+
+
+class TestAWorkerPausedPastTheTransactionTimeout:
+    def test_a_worker_paused_past_kafkas_transaction_timeout_then_woken_loses_and_repeats_nothing(self, deployment):
+        """Its coordinator aborts a transaction it left open, and the other worker fences it:
+        woken, its producers are refused and it rejoins (`memfilter.runtime.loop`)."""
+        net, product = deployment
+        workers_ready(net, product)
+        worker = product.workers["worker-2"]
+        pause, wake = (lambda: worker.send_signal(signal.SIGSTOP)), (lambda: worker.send_signal(signal.SIGCONT))
+        run(net, product, steps((5, pause, "worker-2 paused (SIGSTOP)"), (LONG_S, wake, "worker-2 woken (SIGCONT)")), seconds=LONG_S + 15)
 
 
 class TestAWorkersClockJumps:

@@ -94,6 +94,11 @@ class TestTheFaultsDoWhatTheySay:
         got = [reach(net, "b", "a")[0] for _ in range(12)]
         assert 0 < sum(got) < 12
 
+    def test_a_lossy_link_between_two_hosts_leaves_their_other_links(self, net):
+        net.loss("a", 50, "b")
+        got = [reach(net, "b", "a")[0] for _ in range(12)]
+        assert 0 < sum(got) < 12 and all(reach(net, "c", "a")[0] for _ in range(6))
+
     def test_heal_undoes_every_fault(self, net):
         net.cut("a", "b")
         net.isolate("c")

@@ -14,6 +14,7 @@ import signal
 from collections.abc import Awaitable, Callable
 
 import pytest
+from nemesis import LONG_S
 from net import Net
 from runs import deployment as deployed
 from runs import run, steps
@@ -41,6 +42,12 @@ class TestABrokerOrAMasterPaused:
     def test_a_broker_paused_past_the_workers_sessions_then_woken_loses_and_repeats_nothing(self, deployment):
         net, product = deployment
         run(net, product, paused(product.pids()["kafka-2"], "broker kafka-2 paused (SIGSTOP)", "broker kafka-2 woken"))
+
+    def test_a_broker_paused_past_kafkas_transaction_timeout_then_woken_loses_and_repeats_nothing(self, deployment):
+        net, product = deployment
+        pid = product.pids()["kafka-3"]
+        pause, wake = (lambda: os.kill(pid, signal.SIGSTOP)), (lambda: os.kill(pid, signal.SIGCONT))
+        run(net, product, steps((5, pause, "broker kafka-3 paused (SIGSTOP)"), (LONG_S, wake, "broker kafka-3 woken")), seconds=LONG_S + 15)
 
     def test_a_redis_master_paused_past_the_node_timeout_fails_over_and_nothing_acknowledged_is_lost(self, deployment):
         net, product = deployment
@@ -81,6 +88,19 @@ class TestPartitions:
         (m1, r1), (m2, r2), (m3, r3) = product.pairs()
         left, right = ["kafka-2", m1, r2, "worker-1"], ["kafka-3", m2, m3, r1, r3, "worker-2"]
         run(net, product, faulted(net, lambda: net.partition(left, right), f"kafka-1 bridges {' '.join(left)} | {' '.join(right)}"))
+
+
+class TestSlowAndLossyLinks:
+    def test_a_broker_sending_at_256_kbit_a_second_delays_and_loses_nothing(self, deployment):
+        """Its replies and its replication wait in its link's queue, up to a second (the delay
+        this kernel can make: it has no netem)."""
+        net, product = deployment
+        run(net, product, faulted(net, lambda: net.slow("kafka-2", 256), "kafka-2 sends at most 256 kbit/s"))
+
+    def test_the_link_between_a_worker_and_a_redis_master_dropping_a_third_of_its_packets_loses_nothing(self, deployment):
+        net, product = deployment
+        master, _ = product.pairs()[0]
+        run(net, product, faulted(net, lambda: net.loss("worker-1", 33, master), f"worker-1 drops 33% of its packets to and from {master}"))
 
 
 class TestABrokersDisk:
