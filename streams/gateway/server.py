@@ -549,7 +549,7 @@ class Gateway:
                 refused = error(400, "schema", f"the thread id in the path {problem}")
             elif (owner := (await self.store.owners([], [thread]))[1].get(thread)) is not None and owner != resource:
                 refused = error(403, "ownership", f"thread {thread} belongs to another resource; {resource!r} may not use it")
-        except BaseException:  # Redis not answering (503, `_redis_unavailable`): the caller's hold ends with this request all the same
+        except BaseException:  # Redis not answering (503, `_redis_unavailable`), or the caller gone: its hold ends with this request all the same
             if holds:
                 self.fair.release(resource)
             raise

@@ -34,7 +34,6 @@ from aiohttp import web
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import CommitFailedError, KafkaError, KafkaTimeoutError
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from memfilter.metrics import SinkMetrics
 from memfilter.settings import Settings
@@ -42,6 +41,7 @@ from memfilter.store import cold
 from memfilter.store.history import HistoryStore
 from memfilter.store.postgres import PostgresHistory, Unavailable
 from memfilter.store.redis_driver import connect
+from memfilter.store.transport import UNAVAILABLE
 
 log = logging.getLogger("memfilter.sink")
 RETRY_S = 1.0  # seconds between tries while PostgreSQL or Redis does not answer
@@ -131,7 +131,7 @@ class Sink:
                     self.metrics.refused.inc()
                 self.problem = None
                 return
-            except (Unavailable, RedisConnectionError, OSError, TimeoutError) as e:
+            except (Unavailable, OSError, *UNAVAILABLE) as e:
                 log.warning("memfilter sink: %s; writing %d threads again in %.0f s", e, len(written_ms), RETRY_S)
                 self._outage(f"writing threads: {e}")
                 await asyncio.sleep(RETRY_S)
@@ -147,7 +147,7 @@ class Sink:
             while (left := await cold.evict(self.store, self.pg, int((now - idle) * 1000))) > 0:
                 self.metrics.evicted.inc(left)
             self.problem = None
-        except (Unavailable, RedisConnectionError, OSError, TimeoutError) as e:
+        except (Unavailable, OSError, *UNAVAILABLE) as e:
             log.warning("memfilter sink: eviction paused: %s", e)
             self._outage(f"evicting: {e}")
 

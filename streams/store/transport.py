@@ -58,9 +58,10 @@ REFUSING_CLASSES = (ReadOnlyError, OutOfMemoryError)
 REFUSING_CODES = ("MISCONF", "NOREPLICAS", "UNBLOCKED")
 
 
-# A Redis that did not answer (in time: `redis_driver.send` raises TimeoutError), or answered
-# that it cannot now (`Refusing`, `Resharded`, `NotReplicated` are ConnectionErrors): an outage
-# to wait out or report as one, never an error of what was asked of it.
+# A Redis that did not answer (in time: `redis_driver.send` raises TimeoutError, or redis-py's
+# own when its deadline comes mid-write, as on a slow link), or answered that it cannot now
+# (`Refusing`, `Resharded`, `NotReplicated` are ConnectionErrors): an outage to wait out or
+# report as one, never an error of what was asked of it.
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, TimeoutError)
 
 
@@ -145,7 +146,7 @@ class Transport:
             self._touched.setdefault(name, (node, slot))
         failed = next((e for e in done if e is not None), None)
         if failed is not None:
-            if isinstance(failed, (RedisConnectionError, OSError, TimeoutError)):
+            if isinstance(failed, (OSError, *UNAVAILABLE)):
                 self._stale_map = True  # a node down: its replica may be taking over
             raise failed
         return replies

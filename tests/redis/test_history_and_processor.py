@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from factories import SECRET, T0, msg
 from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from memfilter.core import origin
 from memfilter.core.filter import Policy
@@ -27,7 +28,7 @@ from memfilter.settings import Topics
 from memfilter.store import reads
 from memfilter.store.history import HistoryStore, Save
 from memfilter.store.layout import WINDOW_ENTRY, save_identity
-from memfilter.store.transport import Refusing
+from memfilter.store.transport import UNAVAILABLE, Refusing, Resharded
 
 
 def record(thread: str, messages: list, offset: int = 0, request_id: str | None = None, **fields) -> Record:
@@ -344,6 +345,14 @@ class TestRedisTrouble:
             return refused.value
 
         assert isinstance(with_store(go), RedisConnectionError)
+
+    def test_every_error_of_a_redis_that_does_not_answer_is_an_outage_and_an_error_reply_is_not(self):
+        """redis-py raises its own TimeoutError when a round trip's deadline comes mid-write (a
+        slow link): the sink took it for an error of its batch and exited (found by the Jepsen
+        tier's nemesis, seed 3). The sink, the gateway and the cluster's map read it as one."""
+        answering = [RedisTimeoutError("Timeout writing to socket"), TimeoutError(), RedisConnectionError("refused"), Refusing("MISCONF"), Resharded("MOVED")]
+        assert all(isinstance(e, UNAVAILABLE) for e in answering)
+        assert not isinstance(ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), UNAVAILABLE)
 
     def test_a_refusals_code_inside_an_errors_text_is_not_an_outage(self, with_store):
         """Only the code an answer begins with counts: an error's text may quote a key, and so
