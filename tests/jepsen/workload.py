@@ -1,12 +1,16 @@
 """The workload's clients, and what the checker reads after.
 
 `Clients.watch` notes when each outcome and each reply's save arrives, while `Clients.run`
-publishes turns straight onto `chat-requests` from the test process (a producer with acks=all
-and idempotence, as a `useChat` backend publishes), and records what each publish was told
-(`checker.Sent`): `threads` pipelined threads, turn k of each the full echo of its user
-messages u0..uk, `rate` turns a second in all; and `conversations`, whose turns echo the agent
-runner's replies too, each sent once the last reply is saved. `read` then takes every record of `filtered-inputs`, the
-dead-letter topic (`chat-requests-dlq`) and `persist-messages` (read_committed, as downstream reads), and each
+makes turns from the test process and records what each was told (`checker.Sent`):
+- `threads` pipelined threads publish straight onto `chat-requests` (a producer with acks=all
+  and idempotence, as a `useChat` backend publishes), turn k of each the full echo of its user
+  messages u0..uk, `rate` turns a second in all;
+- `conversations` publish there too, their turns echoing the agent runner's replies, each sent
+  once the last reply is saved;
+- `chats` go through the gateway as a `useChat` page does (`chat_turn`: questions,
+  regenerates, a client tool call answered), each turn once the last one's answer is read.
+`read` then takes every record of `filtered-inputs`, the dead-letter topic
+(`chat-requests-dlq`) and `persist-messages` (read_committed, as downstream reads), and each
 thread's stored order from Redis (`mf:t:{<thread>}:order`, docs: store/layout.py's table);
 `kept`, its messages in PostgreSQL.
 """
