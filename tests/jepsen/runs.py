@@ -12,10 +12,11 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 
 from checker import REPLY, Sent, check, firsts
 from net import Net, sweep
-from product import LOGS, WEB_PORT, Product, stack_names
+from product import LOGS, STACK_DIR, WEB_PORT, Product, stack_names
 from workload import Clients, Saves, kept, read
 
 ANSWERED_S = 60.0  # after the faults heal, the longest the last outcomes may take
@@ -95,7 +96,11 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
         stop.set()
         await watching
 
-    asyncio.run(both())
+    try:
+        asyncio.run(both())
+    except BaseException:  # the schedule or the clients failed (a process that would not start again, say): the logs, for the finding
+        keep_logs(REPORTS / f"{time.strftime('%Y%m%dT%H%M%S')}-{name or 'run'}")
+        raise
     answered_s = time.monotonic() - healed
     outcomes, saved, stored, superseded = asyncio.run(read(env["KAFKA_BOOTSTRAP_SERVERS"], env["REDIS_URL"], clients.all))
     while not replies_applied(clients.all, saved, stored, superseded) and time.monotonic() - healed < 2 * ANSWERED_S:
@@ -128,10 +133,19 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
         for s in clients.sent
     )
     stem.with_suffix(".jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    if not verdict.ok:  # the processes' logs, for the finding (the next deployment starts them anew)
-        shutil.copytree(LOGS, stem.with_name(stem.name + "-logs"))
+    if not verdict.ok:
+        keep_logs(stem)
     assert verdict.ok, verdict.problems[:20]
     return clients.sent
+
+
+def keep_logs(stem: Path) -> None:
+    """The processes' logs, the stack's among them, beside the report `stem` (the next
+    deployment starts them anew, and the small disks go with their mounts)."""
+    kept = stem.with_name(stem.name + "-logs")
+    shutil.copytree(LOGS, kept, dirs_exist_ok=True)
+    for log in STACK_DIR.glob("*/*.log"):
+        shutil.copy(log, kept / f"{log.parent.name}-{log.name}")
 
 
 def replies_applied(threads: list[str], saved: Saves, stored: dict[str, list[str]], superseded: dict[str, dict[str, list[str]]]) -> bool:
