@@ -113,10 +113,11 @@ def nemesis(net: Net, product: Product, seed: int, seconds: float | None) -> Cal
             act, undo, what, hold = draw[order.pop(0) if order else rng.choice(sorted(draw))]()
             await asyncio.to_thread(act)
             faults.append(f"{time.monotonic() - started:.1f} {what}")
+            drawn = rng.uniform(*HOLD_S)  # drawn whatever the hold, so that the seed's draws never depend on the clock
             if seconds is None:
                 hold = EACH_HOLD_S
             elif hold is None or time.monotonic() - started + hold > seconds:  # a long hold only where the schedule has room for it
-                hold = rng.uniform(*HOLD_S)
+                hold = drawn
             await asyncio.sleep(hold)
             await asyncio.to_thread(undo)
             faults.append(f"{time.monotonic() - started:.1f} undone")
