@@ -51,7 +51,8 @@ class Sent:
     # client saw its outcome and, for a filtered input, its reply's save, before the next turn
     waited: bool | None = None
     # A turn through the gateway: what it was told ("answered": the reply's stream finished,
-    # held until the reply was stored; "rejected <code>": the worker's refusal; anything else,
+    # held until the reply was stored; "no reply": the empty stream of a request that asks for
+    # none, once decided; "rejected <code>": the worker's refusal; anything else,
     # an error or a timeout, says nothing of whether the request was written); None: published
     # straight onto the requests topic
     told: str | None = None
@@ -155,7 +156,7 @@ def check(
         threads[s.thread].append(s)
         if s.told is None and s.at is not None and not by_at.get(s.at):
             verdict.problems.append(f"lost: request {s.request_id} (acknowledged at {s.at}) has no outcome")
-        if s.at is None if s.told is None else not (s.told == "answered" or s.told.startswith("rejected")):
+        if s.at is None if s.told is None else not (s.told in ("answered", "no reply") or s.told.startswith("rejected")):
             verdict.unacknowledged += 1
         if (at := landed(s)) is not None and len(by_at.get(at, ())) > 1:
             verdict.problems.append(f"twice: request {s.request_id} has {len(by_at[at])} outcomes")
@@ -165,8 +166,10 @@ def check(
         taken_out = (superseded or {}).get(thread, {})
         for s in requests:  # what the gateway told its caller, held against the topics
             outcome = by_at.get(landed(s) or (-1, -1), [None])[0]
-            if s.told == "answered" and (outcome is None or outcome.contributed is None or s.request_id + REPLY not in saves):
-                verdict.problems.append(f"lost: request {s.request_id} was answered through the gateway, but has no filtered input or no saved reply")
+            if s.told in ("answered", "no reply") and (outcome is None or outcome.contributed is None):
+                verdict.problems.append(f"lost: request {s.request_id} was told {s.told!r} by the gateway, but has no filtered input")
+            elif s.told == "answered" and s.request_id + REPLY not in saves:
+                verdict.problems.append(f"lost: request {s.request_id} was answered through the gateway, but its reply is not saved")
             if s.told is not None and s.told.startswith("rejected"):
                 found = by_request.get((thread, s.request_id), [])
                 if not any(f"rejected {o.reason}" == s.told for o in found if o.contributed is None):

@@ -170,9 +170,18 @@ class TestTheCheckerHoldsTheGatewayToWhatItTold:
     def test_a_turn_answered_without_its_filtered_input_or_its_reply_is_lost(self):
         sent, outcomes, saved, superseded, history = chat()
         problems = check(sent, outcomes[:-1], {"t": saved["t"][:-2]}, {"t": history}, None, superseded).problems
-        assert any(p.startswith("lost: request t-r3 was answered through the gateway") for p in problems)
+        assert any(p.startswith("lost: request t-r3 was told 'answered' by the gateway, but has no filtered input") for p in problems)
         saved["t"].pop()
-        assert any(p.startswith("lost: request t-r3 was answered") for p in check(sent, outcomes, saved, {"t": history}, None, superseded).problems)
+        problems = check(sent, outcomes, saved, {"t": history}, None, superseded).problems
+        assert any(p.startswith("lost: request t-r3 was answered through the gateway, but its reply is not saved") for p in problems)
+
+    def test_a_turn_that_asked_for_no_reply_needs_its_filtered_input_and_no_reply(self):
+        """The gateway's empty stream (start, finish) for a request whose context asks for no answer."""
+        sent, outcomes, saved, superseded, history = chat()
+        sent[3].told = "no reply"
+        saved["t"].pop()  # no reply saved
+        assert check(sent, outcomes, saved, {"t": history[:3] + ["t-c2"]}, None, superseded).ok
+        assert any(p.startswith("lost: request t-r3 was told 'no reply'") for p in check(sent, outcomes[:-1], saved, {"t": history}, None, superseded).problems)
 
     def test_a_refusal_needs_its_dead_letter_with_that_reason(self):
         sent = [Sent("t", 0, "t-r0", ["t-u0"], None, waited=True, told="rejected too-large")]

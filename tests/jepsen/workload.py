@@ -166,7 +166,7 @@ class Clients:
             started = time.monotonic()
             sent.told = await self._post(http, thread, request_id, body)
             self.told_s[request_id] = time.monotonic() - started
-            sent.waited = sent.told == "answered" or sent.told.startswith("rejected")
+            sent.waited = sent.told in ("answered", "no reply") or sent.told.startswith("rejected")
             history = await self._stored(http, thread) or body["messages"]
 
     async def _post(self, http: aiohttp.ClientSession, thread: str, request_id: str, body: dict) -> str:
@@ -179,13 +179,14 @@ class Clients:
                 if answer.status != 200:
                     code = ((await answer.json(content_type=None)) or {}).get("error", {}).get("code", "")
                     return f"rejected {code}" if 400 <= answer.status < 500 and code not in ("rate-limited", "starting") else f"http {answer.status} {code}"
-                began, told = True, "cut (no finish)"
+                began, told, made = True, "cut (no finish)", False
                 async for line in answer.content:
                     chunk = line.decode().removeprefix("data: ").strip()
                     if chunk and chunk != "[DONE]":
                         event = json.loads(chunk)
-                        if event.get("type") == "finish":
-                            told = "answered"
+                        made = made or event.get("type") not in ("start", "finish")
+                        if event.get("type") == "finish":  # a reply's, or the empty stream of a request that asks for none
+                            told = "answered" if made else "no reply"
                         elif event.get("type") == "error":
                             told = f"error {event.get('errorText', '')[:80]}"
                 return told
