@@ -113,7 +113,9 @@ def nemesis(net: Net, product: Product, seed: int, seconds: float | None) -> Cal
             act, undo, what, hold = draw[order.pop(0) if order else rng.choice(sorted(draw))]()
             await asyncio.to_thread(act)
             faults.append(f"{time.monotonic() - started:.1f} {what}")
-            drawn = rng.uniform(*HOLD_S)  # drawn whatever the hold, so that the seed's draws never depend on the clock
+            # drawn whatever the hold, so that a long schedule's draws never depend on the clock
+            # (not in the short one, whose holds are all EACH_HOLD_S: its schedule stays the one CI has run)
+            drawn = rng.uniform(*HOLD_S) if seconds is not None else EACH_HOLD_S
             if seconds is None:
                 hold = EACH_HOLD_S
             elif hold is None or time.monotonic() - started + hold > seconds:  # a long hold only where the schedule has room for it
