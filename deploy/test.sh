@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs what it needs (deploy/setup.sh; a Docker
 # engine and both Compose tools, deploy/docker.sh; the images, deploy/images.sh; the AI SDK's
-# client for the gateway's tests, npm ci in tests/node; Debian's chromium and faketime), checks lint,
+# client for the gateway's tests, npm ci in tests/node; Debian's chromium, faketime and nftables), checks lint,
 # format and types (deploy/lint.sh), then runs the tiers (tests/conftest.py says what each
 # needs): the unit tier on both cores, the redis, postgres, kafka and system tiers against real services
 # the fixtures start (unless KAFKA_BOOTSTRAP_SERVERS and REDIS_URL point at running ones), then
@@ -17,6 +17,7 @@ cd "$(dirname "$0")/.."
 npm ci --prefix tests/node --no-audit --no-fund --loglevel=error  # the AI SDK's client and puppeteer-core, for the gateway's tests
 command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null  # the browser the chat page is tested in
 command -v faketime >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q faketime >/dev/null  # the Jepsen tier moves workers' clocks with it
+command -v nft >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables >/dev/null  # and cuts its hosts' links with nft
 .venv/bin/python -m pytest tests/unit -n 2 --dist worksteal "$@"
 .venv/bin/python -m pytest tests/redis tests/postgres tests/kafka tests/system -n 2 --dist loadgroup --durations=25 "$@"  # the slowest printed: the suite keeps within 15 minutes
 # The Jepsen tier's short schedule (every fault kind once, on hosts in network namespaces of its
