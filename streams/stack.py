@@ -518,7 +518,16 @@ def _start_kafka(s: Settings, name: str, java: str, libs: Path, cluster_id: str,
     home.mkdir(parents=True, exist_ok=True)
     props = home / "server.properties"
     props.write_text(_kafka_properties(s, n, data))
-    jvm = [java, "-Xms256m", "-Xmx1g", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn", "-cp", f"{libs}/*"]
+    jvm = [
+        java,
+        "-Xms256m",
+        "-Xmx1g",
+        "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
+        "-Dorg.slf4j.simpleLogger.showDateTime=true",
+        "-Dorg.slf4j.simpleLogger.dateTimeFormat=yyyy-MM-dd HH:mm:ss,SSS",
+        "-cp",
+        f"{libs}/*",
+    ]
     formatted_for = home / "formatted-for-controller-port"
     if data.exists() and formatted_for.exists() and formatted_for.read_text() != str(s.controller_ports[n]):
         _say("controller port changed since the storage was formatted; formatting Kafka's storage anew")

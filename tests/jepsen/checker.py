@@ -159,7 +159,9 @@ def check(
         if s.at is None if s.told is None else not (s.told in ("answered", "no reply") or s.told.startswith("rejected")):
             verdict.unacknowledged += 1
         if (at := landed(s)) is not None and len(by_at.get(at, ())) > 1:
-            seen = ", ".join(f"{'a filtered input' if o.contributed is not None else 'a dead letter ' + o.reason} at {o.where} of {o.request_id or '?'}" for o in by_at[at])
+            seen = ", ".join(
+                f"{'a filtered input' if o.contributed is not None else 'a dead letter ' + o.reason} at {o.where} of {o.request_id or '?'}" for o in by_at[at]
+            )
             verdict.problems.append(f"twice: request {s.request_id} at {at} has {len(by_at[at])} outcomes: {seen}")
     for thread, requests in threads.items():
         events = firsts(saved.get(thread, []))

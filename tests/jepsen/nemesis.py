@@ -83,7 +83,7 @@ def kinds(net: Net, product: Product, rng: random.Random) -> dict[str, Callable[
 
     def disk():
         name = rng.choice(product.disks)
-        return (lambda: product.fill(name)), (lambda: (product.free(name), product.restart())), f"{name}'s disk full", None
+        return (lambda: product.fill(name)), (lambda: product.room(name)), f"{name}'s disk full", None
 
     return {
         "isolate": isolate,

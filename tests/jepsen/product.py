@@ -23,6 +23,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from net import Host, Net
@@ -41,6 +42,7 @@ SESSION_TIMEOUT_S = 6  # a worker's Kafka session: what a cut or a pause must ou
 # JVM's timed waits return at once and a broker spins.
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 DISK_MB = 256
+STOPPING_S = 30  # how long a broker whose disk filled may take to halt
 WEB_PORT = 6069  # the sink's, the agent runner's and the gateway's web servers (`/readyz`), each on its host
 RESOURCE_HEADER = "X-Memfilter-Resource"  # the gateway's callers: MEMFILTER_GATEWAY_AUTH=header
 # The gateway's callers: a turn every second or so, and a read of the thread after each, past
@@ -141,8 +143,18 @@ class Product:
                 except OSError:  # no space left: full
                     return
 
-    def free(self, name: str) -> None:
+    def room(self, name: str) -> None:
+        """The disk under `name`'s data given room again, and what of the stack stopped started
+        again (`restart`), as an operator does. A broker whose only log folder failed halts
+        (Kafka's rule) a moment after; it is let finish first, or the restart would find it
+        still running, leave it, and the broker would then be gone for good. One still running
+        after STOPPING_S never wrote to the full disk, and is left running."""
+        if name in self.kafka:
+            deadline = time.monotonic() + STOPPING_S
+            while stack.alive(self.settings, stack.recorded(self.settings))[name] and time.monotonic() < deadline:
+                time.sleep(0.2)
         (STACK_DIR / name / "filler").unlink(missing_ok=True)
+        self.restart()
 
     def worker(self, host: Host) -> subprocess.Popen:
         """A worker on `host`, logging to LOGS, its wall clock the machine's until `clock` moves it."""
@@ -170,6 +182,19 @@ class Product:
             cwd=REPO,
         )
         return self.parts[part]
+
+    def transactions(self) -> str:
+        """Kafka's open transactions, as its own tool tells them (`kafka-transactions.sh`): every
+        transactional id with its state, and each `persist-messages` partition's producers with
+        the offset their open transaction holds the partition's stable offset at. For a run that
+        failed: a transaction that never ends stops its partitions' readers."""
+        tool = ["java", "-cp", f"{STACK_DIR / 'kafka-libs'}/*", "org.apache.kafka.tools.TransactionsCommand"]
+        host, bootstrap = self.net["worker-1"], ["--bootstrap-server", self.env["KAFKA_BOOTSTRAP_SERVERS"]]
+        out = [host.run([*tool, *bootstrap, "list"], timeout=60).stdout]
+        for partition in range(self.settings.partitions or stack.DEFAULT_PARTITIONS):
+            described = host.run([*tool, *bootstrap, "describe-producers", "--topic", "persist-messages", "--partition", str(partition)], timeout=60)
+            out.append(f"persist-messages-{partition}:\n{described.stdout}{described.stderr}")
+        return "\n".join(out)
 
     def _clock_file(self, name: str) -> Path:
         return LOGS / f"{name}.clock"

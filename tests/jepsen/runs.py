@@ -135,6 +135,7 @@ def run(net: Net, product: Product, schedule: Callable[[list[str]], Awaitable[No
     stem.with_suffix(".jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     if not verdict.ok:
         keep_logs(stem)
+        stem.with_name(stem.name + "-transactions.txt").write_text(product.transactions())
     assert verdict.ok, verdict.problems[:20]
     return clients.sent
 

@@ -93,8 +93,8 @@ class TestAWorkersClockJumps:
 class TestAFullDisk:
     def test_redis_out_of_disk_for_its_append_only_file_then_given_room_loses_and_repeats_nothing(self, deployment):
         net, product = deployment
-        fill, free = (lambda: product.fill("redis")), (lambda: product.free("redis"))
-        run(net, product, steps((5, fill, "Redis's disk full"), (12, free, "Redis's disk has room again")))
+        fill, room = (lambda: product.fill("redis")), (lambda: product.room("redis"))
+        run(net, product, steps((5, fill, "Redis's disk full"), (12, room, "Redis's disk has room again")))
 
 
 class TestALossyLink:
@@ -118,7 +118,7 @@ class TestPostgreSQLTrouble:
         meanwhile, and the sink waits, then writes what it holds back."""
         net, product = deployment
         fill = lambda: product.fill("postgres")  # noqa: E731
-        room = lambda: (product.free("postgres"), product.restart())  # noqa: E731
+        room = lambda: product.room("postgres")  # noqa: E731
         run(net, product, steps((5, fill, "PostgreSQL's disk full"), (12, room, "PostgreSQL's disk has room again; what stopped started again")))
 
     def test_the_sink_cut_from_postgresql_catches_up_after_the_heal(self, deployment):

@@ -109,7 +109,7 @@ class TestABrokersDisk:
         again, as an operator does."""
         net, product = deployment
         fill = lambda: product.fill("kafka-1")  # noqa: E731
-        room = lambda: (product.free("kafka-1"), product.restart())  # noqa: E731
+        room = lambda: product.room("kafka-1")  # noqa: E731
         run(net, product, steps((5, fill, "kafka-1's disk full"), (PAUSE_S, room, "kafka-1's disk has room again; what stopped started again")))
 
     def test_a_brokers_disk_full_then_another_brokers_clock_an_hour_ahead_loses_and_repeats_nothing(self, deployment):
@@ -117,7 +117,7 @@ class TestABrokersDisk:
         stopped by its full disk and started again, then kafka-2's clock an hour ahead."""
         net, product = deployment
         fill = lambda: product.fill("kafka-1")  # noqa: E731
-        room = lambda: (product.free("kafka-1"), product.restart())  # noqa: E731
+        room = lambda: product.room("kafka-1")  # noqa: E731
         clock = lambda seconds: lambda: product.clock("kafka-2", seconds)  # noqa: E731
         schedule = steps(
             (1, fill, "kafka-1's disk full"),
