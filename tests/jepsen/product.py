@@ -190,7 +190,12 @@ class Product:
         failed: a transaction that never ends stops its partitions' readers."""
         tool = ["java", "-cp", f"{STACK_DIR / 'kafka-libs'}/*", "org.apache.kafka.tools.TransactionsCommand"]
         host, bootstrap = self.net["worker-1"], ["--bootstrap-server", self.env["KAFKA_BOOTSTRAP_SERVERS"]]
-        out = [host.run([*tool, *bootstrap, "list"], timeout=60).stdout]
+        listed = host.run([*tool, *bootstrap, "list"], timeout=60).stdout
+        out = [listed]
+        for line in listed.splitlines()[1:]:  # TransactionalId Coordinator ProducerId TransactionState: what each open one holds
+            if len(fields := line.split()) == 4 and fields[3] not in ("Empty", "CompleteCommit", "CompleteAbort"):
+                described = host.run([*tool, *bootstrap, "describe", "--transactional-id", fields[0]], timeout=60)
+                out.append(described.stdout + described.stderr)
         for partition in range(self.settings.partitions or stack.DEFAULT_PARTITIONS):
             described = host.run([*tool, *bootstrap, "describe-producers", "--topic", "persist-messages", "--partition", str(partition)], timeout=60)
             out.append(f"persist-messages-{partition}:\n{described.stdout}{described.stderr}")
