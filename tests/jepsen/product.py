@@ -41,7 +41,12 @@ SESSION_TIMEOUT_S = 6  # a worker's Kafka session: what a cut or a pause must ou
 # second. libfaketime's "monotonic fix" (its own pthread_cond_timedwait) is off: with it, a
 # JVM's timed waits return at once and a broker spins.
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
-DISK_MB = 256
+# The small disks' size: room for what several ten-minute schedules on one deployment write
+# (a broker holds about 200 MB a schedule, mostly filtered inputs), so that only `fill` fills
+# one. At 256 MB a broker's own log filled it in the second schedule, and the broker stopped
+# for good, as a real broker whose disk is full of its own data does. tmpfs takes memory only
+# for what is written: a full one holds this much until `room`.
+DISK_MB = 2048
 STOPPING_S = 30  # how long a broker whose disk filled may take to halt
 WEB_PORT = 6069  # the sink's, the agent runner's and the gateway's web servers (`/readyz`), each on its host
 RESOURCE_HEADER = "X-Memfilter-Resource"  # the gateway's callers: MEMFILTER_GATEWAY_AUTH=header
