@@ -28,7 +28,7 @@ Pure functions: where the document is kept, and in what order updates apply, is 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import msgspec
@@ -44,7 +44,7 @@ NOTHING_GIVEN = "No memory data provided, existing memory unchanged."
 
 
 class Template(msgspec.Struct, frozen=True):
-    format: str  # "markdown" or "json"
+    format: Literal["markdown", "json"]
     content: str  # the Markdown template, or the JSON Schema as JSON
 
 
@@ -210,7 +210,7 @@ def _validated(schema: dict[str, Any], given: Any) -> tuple[Any, list[str]]:
     if not errors:
         return memory, []
     nulls = {where for where, _ in errors if where and _at(given, where) is None}
-    retried, again = _memory(schema, _without_nulls(given, nulls or None) if given is not None else {})
+    retried, again = _memory(schema, _without_nulls(given, nulls or None))
     if not again:
         return retried, []
     return None, sorted(f"{'.'.join(map(str, where)) or 'root'}: {what}" for where, what in errors)
