@@ -66,7 +66,21 @@ class Thread(msgspec.Struct, frozen=True):
     written_ms: int  # when it was last written (the newest record time of its events)
 
 
-def _quote(name: str) -> str:
+async def guarded(url: str, timeout: float, coro):
+    """`coro` within `timeout`. PostgreSQL refusing the data is Refused; not answering, or
+    failing the call otherwise (the network, a restart, a full disk), Unavailable."""
+    where = without_password(url)
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except _REFUSALS as e:
+        raise Refused(f"PostgreSQL at {where} refused the data: {type(e).__name__}: {e}") from e
+    except (OSError, TimeoutError) as e:
+        raise Unavailable(f"PostgreSQL at {where} did not answer within {timeout:g} s: {e!r}") from e
+    except (asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+        raise Unavailable(f"PostgreSQL at {where} failed the call: {type(e).__name__}: {e}") from e
+
+
+def quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
@@ -176,7 +190,7 @@ class PostgresHistory:
     def __init__(self, url: str, prefix: str = "mf", timeout: float = 5.0):
         self.url = url
         self.prefix = prefix
-        self.schema = _quote(prefix)
+        self.schema = quote(prefix)
         self.timeout = timeout  # seconds any call waits for PostgreSQL; then Unavailable
         self._pool: asyncpg.Pool | None = None
         self._starting = asyncio.Lock()
@@ -202,17 +216,7 @@ class PostgresHistory:
             await self._pool.close()
 
     async def _call(self, coro):
-        """`coro` within the timeout. PostgreSQL refusing the data is Refused; not answering, or
-        failing the call otherwise (the network, a restart, a full disk), Unavailable."""
-        where = without_password(self.url)
-        try:
-            return await asyncio.wait_for(coro, self.timeout)
-        except _REFUSALS as e:
-            raise Refused(f"PostgreSQL at {where} refused the data: {type(e).__name__}: {e}") from e
-        except (OSError, TimeoutError) as e:
-            raise Unavailable(f"PostgreSQL at {where} did not answer within {self.timeout:g} s: {e!r}") from e
-        except (asyncpg.PostgresError, asyncpg.InterfaceError) as e:
-            raise Unavailable(f"PostgreSQL at {where} failed the call: {type(e).__name__}: {e}") from e
+        return await guarded(self.url, self.timeout, coro)
 
     async def _fetch(self, query: str, *args) -> list:
         return await (await self._ready()).fetch(query, *args)
