@@ -9,7 +9,7 @@ behind a proxy that sets it).
 
 The stack's folder is STACK_DIR, its data made anew each run and the broker's jars kept (Maven
 collects them once). Some folders are small tmpfs the harness mounts, so that a test can fill
-them (`fill`, `free`): a broker's log, a Redis node's append-only file, PostgreSQL's data
+them (`fill`, `room`): a broker's log, a Redis node's append-only file, PostgreSQL's data
 (`Product.disks`).
 Workers and brokers run under Debian's libfaketime, each with a clock file (`clock`). The network's removal
 kills every process on its hosts; `unmount()` then unmounts the disks.
@@ -195,15 +195,21 @@ class Product:
         failed: a transaction that never ends stops its partitions' readers."""
         tool = ["java", "-cp", f"{STACK_DIR / 'kafka-libs'}/*", "org.apache.kafka.tools.TransactionsCommand"]
         host, bootstrap = self.net["worker-1"], ["--bootstrap-server", self.env["KAFKA_BOOTSTRAP_SERVERS"]]
-        listed = host.run([*tool, *bootstrap, "list"], timeout=60).stdout
+
+        def told(*args: str) -> str:
+            try:
+                done = host.run([*tool, *bootstrap, *args], timeout=60)
+            except subprocess.TimeoutExpired:  # Kafka not answering: said, and the rest asked all the same
+                return f"kafka-transactions.sh {' '.join(args)}: no answer within 60 s\n"
+            return done.stdout + done.stderr
+
+        listed = told("list")
         out = [listed]
         for line in listed.splitlines()[1:]:  # TransactionalId Coordinator ProducerId TransactionState: what each open one holds
             if len(fields := line.split()) == 4 and fields[3] not in ("Empty", "CompleteCommit", "CompleteAbort"):
-                described = host.run([*tool, *bootstrap, "describe", "--transactional-id", fields[0]], timeout=60)
-                out.append(described.stdout + described.stderr)
+                out.append(told("describe", "--transactional-id", fields[0]))
         for partition in range(self.settings.partitions or stack.DEFAULT_PARTITIONS):
-            described = host.run([*tool, *bootstrap, "describe-producers", "--topic", "persist-messages", "--partition", str(partition)], timeout=60)
-            out.append(f"persist-messages-{partition}:\n{described.stdout}{described.stderr}")
+            out.append(f"persist-messages-{partition}:\n" + told("describe-producers", "--topic", "persist-messages", "--partition", str(partition)))
         return "\n".join(out)
 
     def _clock_file(self, name: str) -> Path:
