@@ -193,7 +193,7 @@ class Product:
         transactional id with its state, and each `persist-messages` partition's producers with
         the offset their open transaction holds the partition's stable offset at. For a run that
         failed: a transaction that never ends stops its partitions' readers."""
-        tool = ["java", "-cp", f"{STACK_DIR / 'kafka-libs'}/*", "org.apache.kafka.tools.TransactionsCommand"]
+        tool = ["java", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn", "-cp", f"{STACK_DIR / 'kafka-libs'}/*", "org.apache.kafka.tools.TransactionsCommand"]
         host, bootstrap = self.net["worker-1"], ["--bootstrap-server", self.env["KAFKA_BOOTSTRAP_SERVERS"]]
 
         def told(*args: str) -> str:
