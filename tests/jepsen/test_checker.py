@@ -152,6 +152,35 @@ class TestTheCheckerHoldsTheGatewayToWhatItTold:
         sent, outcomes, saved, superseded, history = chat()
         assert check(sent, outcomes, saved, {"t": history}, {"t": history}, superseded).ok
 
+    def test_an_echo_of_a_user_message_a_regenerate_took_out_saves_nothing_of_it(self):
+        """The spec's "Regenerate": a row taken out is never saved again from an echo. A chat
+        told 504 on its regenerate reads the thread before the regenerate is applied, and its
+        next turn echoes what the regenerate took out (seed 7)."""
+        sent = [
+            Sent("t", 0, "t-r0", ["t-u0"], None, waited=True, told="answered"),
+            Sent("t", 1, "t-r1", ["t-u0", "t-a0", "t-u1"], None, waited=True, told="answered"),
+            Sent("t", 2, "t-r2", ["t-u0"], None, waited=False, told="http 504 timeout", kind="regenerate"),
+            Sent("t", 3, "t-r3", ["t-u0", "t-a0", "t-u1", "t-a1", "t-u3"], None, waited=True, told="answered"),
+        ]
+        outcomes = [Outcome((0, k), (0, k), "t", s.messages[-1:], request_id=s.request_id) for k, s in enumerate(sent)]
+        saved = {
+            "t": [
+                ("t-r0", ["t-u0"]),
+                ("t-r0/reply", ["t-a0"]),
+                ("t-r1", ["t-u1"]),
+                ("t-r1/reply", ["t-a1"]),
+                ("t-r2", []),
+                ("t-r2/reply", ["t-b0"]),
+                ("t-r3", ["t-u3"]),
+                ("t-r3/reply", ["t-d3"]),
+            ]
+        }
+        superseded = {"t": {"t-r2": ["t-a0", "t-u1", "t-a1"]}}
+        history = ["t-u0", "t-b0", "t-u3", "t-d3"]
+        assert check(sent, outcomes, saved, {"t": history}, {"t": history}, superseded).ok
+        saved["t"][6] = ("t-r3", ["t-u1", "t-u3"])  # the taken-out message saved again from the echo
+        assert any(p.startswith("stale: request t-r3") for p in check(sent, outcomes, saved, {"t": history}, None, superseded).problems)
+
     def test_a_regenerate_that_takes_out_other_rows_than_followed_its_message_is_stale(self):
         sent, outcomes, saved, _, history = chat()
         problems = check(sent, outcomes, saved, {"t": history}, None, {"t": {"t-r1": []}}).problems
