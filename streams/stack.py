@@ -539,8 +539,9 @@ def _start_kafka(s: Settings, name: str, java: str, libs: Path, cluster_id: str,
         if done.returncode != 0:
             raise StackError(f"formatting Kafka's storage failed: {(done.stderr or done.stdout).strip()[-200:]}")
         formatted_for.write_text(str(s.controller_ports[n]))
-    # The stack folder on the command line marks the process as this stack's (see `running`).
-    return _spawn([*enter, *jvm, f"-Dmemfilter.stack={s.dir}", "kafka.Kafka", str(props)], home / "kafka.log")
+    # The stack folder on the command line marks the process as this stack's (see `running`),
+    # first, so that an error naming a process by its command line's start names the folder.
+    return _spawn([*enter, java, f"-Dmemfilter.stack={s.dir}", *jvm[1:], "kafka.Kafka", str(props)], home / "kafka.log")
 
 
 def _cluster_id(s: Settings, java: str, libs: Path) -> str:
