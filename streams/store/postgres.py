@@ -80,6 +80,18 @@ async def guarded(url: str, timeout: float, coro):
         raise Unavailable(f"PostgreSQL at {where} failed the call: {type(e).__name__}: {e}") from e
 
 
+async def open_pool(url: str, timeout: float, ddl: str, max_size: int) -> asyncpg.Pool:
+    """A connection pool, its tables made first if missing (`ddl`); closed again if that fails."""
+    pool = await asyncpg.create_pool(url, min_size=1, max_size=max_size, command_timeout=timeout)
+    try:
+        async with pool.acquire() as conn:
+            await conn.execute(ddl)
+    except BaseException:
+        await pool.close()
+        raise
+    return pool
+
+
 def quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -201,14 +213,7 @@ class PostgresHistory:
         starts while PostgreSQL is down; only what needs it waits)."""
         async with self._starting:
             if self._pool is None:
-                pool = await asyncpg.create_pool(self.url, min_size=1, max_size=4, command_timeout=self.timeout)
-                try:
-                    async with pool.acquire() as conn:
-                        await conn.execute(SCHEMA.format(s=self.schema))
-                except BaseException:
-                    await pool.close()
-                    raise
-                self._pool = pool
+                self._pool = await open_pool(self.url, self.timeout, SCHEMA.format(s=self.schema), max_size=4)
         return self._pool
 
     async def close(self) -> None:

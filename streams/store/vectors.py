@@ -31,6 +31,7 @@ model; putting a message's vector again replaces it (applying an event twice cha
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Sequence
 
@@ -38,7 +39,7 @@ import asyncpg
 import msgspec
 
 from memfilter.core.recall import Match
-from memfilter.store.postgres import guarded, quote
+from memfilter.store.postgres import guarded, open_pool, quote
 
 CANDIDATES = 64  # vectors scored exactly per search, at least: the nearest by their signs
 
@@ -83,17 +84,12 @@ class MessageVectors:
     def __init__(self, url: str, prefix: str = "mf", timeout: float = 5.0):
         self.url, self.schema, self.timeout = url, quote(prefix), timeout
         self._pool: asyncpg.Pool | None = None
+        self._starting = asyncio.Lock()
 
     async def _ready(self) -> asyncpg.Pool:
-        if self._pool is None:
-            pool = await asyncpg.create_pool(self.url, min_size=1, max_size=2, command_timeout=self.timeout)
-            try:
-                async with pool.acquire() as conn:
-                    await conn.execute(SCHEMA.format(s=self.schema))
-            except BaseException:
-                await pool.close()
-                raise
-            self._pool = pool
+        async with self._starting:  # one pool, however many calls come first
+            if self._pool is None:
+                self._pool = await open_pool(self.url, self.timeout, SCHEMA.format(s=self.schema), max_size=2)
         return self._pool
 
     async def close(self) -> None:
