@@ -140,3 +140,12 @@ class SinkMetrics(_Registry):
         self.evicted = Counter("memfilter_sink_threads_evicted", "Idle threads taken out of Redis", registry=r)
         self.retries = Counter("memfilter_sink_retries", "Writes tried again, or evictions paused, for an outage", registry=r)
         self.refused = Counter("memfilter_sink_refused", "Thread writes PostgreSQL refused for their data", registry=r)
+
+
+class EmbedderMetrics(_Registry):
+    def __init__(self) -> None:
+        super().__init__()
+        r = self.registry
+        self.embedded = Counter("memfilter_embedder_messages_embedded", "Saved messages embedded and kept for recall", registry=r)
+        self.retries = Counter("memfilter_embedder_retries", "Batches tried again for an outage (Kafka, PostgreSQL, the embeddings endpoint)", registry=r)
+        self.refused = Counter("memfilter_embedder_refused", "Messages the embeddings endpoint refused for their text: not recalled", registry=r)

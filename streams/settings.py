@@ -3,7 +3,7 @@
 Each environment variable in `docs/settings.md` is one field of one part: where to reach Kafka
 (`Kafka`), Redis (`Redis`) and PostgreSQL (`Postgres`), the topics' names (`Topics`), how requests are decided
 (`Decisions`, which makes the filter's `Policy`), and what only the worker (`Worker`), the
-agent runner (`Agent`), the gateway (`Gateway`) or `memfilter stack` (`Stack`) reads. `Settings.from_env()` converts
+agent runner (`Agent`), semantic recall (`Recall`), the gateway (`Gateway`) or `memfilter stack` (`Stack`) reads. `Settings.from_env()` converts
 and checks them all with msgspec (the same library that checks the wire types), so a bad value
 stops a command before it starts, with one line that names the variable and what it takes:
 
@@ -264,6 +264,38 @@ class Agent(
     stop_sequences: str = ""  # sequences that end the reply, separated by `|`
 
 
+class Recall(
+    msgspec.Struct,
+    frozen=True,
+    rename={
+        "scope": "MEMFILTER_RECALL",
+        "top_k": "MEMFILTER_RECALL_TOP_K",
+        "before": "MEMFILTER_RECALL_BEFORE",
+        "after": "MEMFILTER_RECALL_AFTER",
+        "threshold": "MEMFILTER_RECALL_THRESHOLD",
+        "base_url": "MEMFILTER_EMBEDDINGS_BASE_URL",
+        "model": "MEMFILTER_EMBEDDINGS_MODEL",
+        "api_key": "MEMFILTER_EMBEDDINGS_API_KEY",
+        "group": "MEMFILTER_EMBEDDER_GROUP",
+        "web_port": "MEMFILTER_EMBEDDER_WEB_PORT",
+    },
+):
+    """Semantic recall (docs/recall.md), with Mastra's options: `memfilter embedder` embeds
+    saved messages into PostgreSQL, the agent runner recalls the nearest for each input."""
+
+    # where the agent runner searches: `off`, the input's `thread`, or all its `resource`'s threads (Mastra's default scope)
+    scope: Literal["off", "thread", "resource"] = "off"
+    top_k: Positive = 4  # matches recalled (Mastra's `topK`)
+    before: Annotated[int, Meta(ge=0)] = 1  # messages before each match, from its thread (Mastra's `messageRange`)
+    after: Annotated[int, Meta(ge=0)] = 1  # messages after each match
+    threshold: float | None = None  # matches scored below it (cosine) are not recalled
+    base_url: str = "https://api.openai.com/v1"  # an OpenAI-compatible embeddings endpoint
+    model: str = "text-embedding-3-small"
+    api_key: str = ""  # empty: OPENAI_API_KEY
+    group: str = "memfilter-embedder"  # `memfilter embedder`'s consumer group on persist-messages
+    web_port: Port = 6070  # `memfilter embedder`'s web server (/metrics, /healthz, /readyz), on MEMFILTER_WEB_BIND
+
+
 class Gateway(
     msgspec.Struct,
     frozen=True,
@@ -366,6 +398,7 @@ PARTS: dict[str, type[msgspec.Struct]] = {
     "decisions": Decisions,
     "worker": Worker,
     "agent": Agent,
+    "recall": Recall,
     "gateway": Gateway,
     "stack": Stack,
 }
@@ -388,6 +421,7 @@ class Settings(msgspec.Struct, frozen=True):
     decisions: Decisions = Decisions()
     worker: Worker = Worker()
     agent: Agent = Agent()
+    recall: Recall = Recall()
     gateway: Gateway = Gateway()
     stack: Stack = Stack()
     secret_text: str = ""
@@ -417,6 +451,8 @@ class Settings(msgspec.Struct, frozen=True):
         for origin in parts["gateway"].origins():
             if not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise SettingError(f"MEMFILTER_GATEWAY_CORS_ORIGINS names {origin!r}: expected origins, scheme://host[:port] each, no path, comma-separated")
+        if not parts["recall"].base_url.startswith(("http://", "https://")):
+            raise SettingError(f"MEMFILTER_EMBEDDINGS_BASE_URL={parts['recall'].base_url!r} is not valid: expected an http:// or https:// URL")
         if not parts["agent"].base_url.startswith(("http://", "https://")):
             raise SettingError(f"MEMFILTER_AGENT_BASE_URL={parts['agent'].base_url!r} is not valid: expected an http:// or https:// URL")
         parts["worker"] = msgspec.structs.replace(worker, data_dir=worker.data_dir or os.path.join(tempfile.gettempdir(), f"memfilter-{worker.group}"))

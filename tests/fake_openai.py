@@ -13,6 +13,11 @@ usage last when `stream_options.include_usage` asks), and keeps every body it wa
 - else: "model says N" (N the number of messages it got), a word per chunk.
 
 `refuse_key`, while set, answers 401 as for a wrong key.
+
+It embeds too (`POST /embeddings`), deterministically, so that a test knows what is near what:
+a text's vector counts its words (lowercased, letters and digits), each word hashed to one of
+DIMENSIONS dimensions; texts that share words are near, texts that share none are at right
+angles. A text holding `unembeddable` is refused (HTTP 400), as a text too long would be.
 """
 
 from __future__ import annotations
@@ -21,11 +26,20 @@ import json
 import re
 import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pipeline import free_port
 
 SLOW_S = 0.15
+DIMENSIONS = 256
+
+
+def embedding(text: str) -> list[float]:
+    vector = [0.0] * DIMENSIONS
+    for word in re.findall(r"[a-z0-9]+", text.lower()):
+        vector[zlib.crc32(word.encode()) % DIMENSIONS] += 1.0
+    return vector
 
 
 def _text(message: dict) -> str:
@@ -36,12 +50,15 @@ def _text(message: dict) -> str:
 class FakeOpenAI:
     def __init__(self):
         self.received: list[dict] = []
+        self.embedded: list[str] = []  # every text it was asked to embed
         self.refuse_key = False
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path.endswith("/embeddings"):
+                    return self.embed(body)
                 fake.received.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
                 last = body["messages"][-1]
                 said = _text(last)
@@ -105,6 +122,14 @@ class FakeOpenAI:
                 if (body.get("stream_options") or {}).get("include_usage"):
                     send(usage={"prompt_tokens": 11, "completion_tokens": len(words), "total_tokens": 11 + len(words)})
                 self.wfile.write(b"data: [DONE]\n\n")
+
+            def embed(self, body):
+                texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
+                fake.embedded += texts
+                if any("unembeddable" in text for text in texts):
+                    return self.answer(400, {"error": {"message": "input too long", "type": "invalid_request_error"}})
+                data = [{"object": "embedding", "index": i, "embedding": embedding(text)} for i, text in enumerate(texts)]
+                self.answer(200, {"object": "list", "data": data, "model": body["model"], "usage": {"prompt_tokens": 1, "total_tokens": 1}})
 
             def answer(self, status, value):
                 raw = json.dumps(value).encode()

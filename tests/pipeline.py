@@ -190,6 +190,11 @@ class Pipeline:
         log = WORKER_LOGS / f"memfilter-test-{self.name}-sink{len(self.workers)}.log"
         return self._start("sink", log, {"MEMFILTER_SINK_GROUP": f"sink-{self.name}", **extra_env})
 
+    def start_embedder(self, **extra_env: str) -> subprocess.Popen:
+        """`memfilter embedder` on the pipeline's topics and PostgreSQL, after its sink; stopped with the workers."""
+        log = WORKER_LOGS / f"memfilter-test-{self.name}-embedder{len(self.workers)}.log"
+        return self._start("embedder", log, {"MEMFILTER_SINK_GROUP": f"sink-{self.name}", "MEMFILTER_EMBEDDER_GROUP": f"embedder-{self.name}", **extra_env})
+
     def start_answering(self, **worker_env: str) -> subprocess.Popen:
         """A worker and the echo agent runner, once the worker holds its partitions: the loop a
         gateway's turns need behind it. The worker."""

@@ -10,10 +10,10 @@ import logging
 import os
 import sys
 
-from memfilter.cli import agent, converse, explain, forget, gateway, history, publish, replay, sink, stack, tail, worker
+from memfilter.cli import agent, converse, embedder, explain, forget, gateway, history, publish, replay, sink, stack, tail, worker
 from memfilter.settings import SettingError
 
-COMMANDS = (explain, worker, sink, agent, gateway, converse, publish, tail, history, forget, replay, stack)
+COMMANDS = (explain, worker, sink, embedder, agent, gateway, converse, publish, tail, history, forget, replay, stack)
 COMMANDS_BY_NAME = {command.__name__.rpartition(".")[2]: command for command in COMMANDS}
 
 

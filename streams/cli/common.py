@@ -153,3 +153,37 @@ def positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
     return int(text)
+
+
+def consume_until_stopped(name: str, make, settings: Settings, port: int, banner: str, summary) -> int:
+    """Run a consumer of persist-messages (`memfilter sink`, `memfilter embedder`) that
+    `make()` makes: its web server on MEMFILTER_WEB_BIND:`port`, its `run(stop)` until SIGTERM
+    or SIGINT, then at most MEMFILTER_SHUTDOWN_S to stop; `banner` said on start,
+    `summary(part)` on a clean stop. What it did not commit is consumed again by the next one,
+    and changes nothing."""
+    import asyncio
+    import signal
+
+    from memfilter.runtime.sink import serve
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        part = make()
+        web = await serve(part, settings.worker.web_bind, port)
+        print(f"memfilter {name}: {banner}; web server on {settings.worker.web_bind}:{port}", file=sys.stderr, flush=True)
+        running = asyncio.ensure_future(part.run(stop))
+        try:
+            await asyncio.wait({running, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait_for(running, settings.worker.shutdown_s)
+            except TimeoutError:
+                print(f"memfilter {name}: not stopped within {settings.worker.shutdown_s:g} s (MEMFILTER_SHUTDOWN_S); exiting", file=sys.stderr)
+                return 1
+        finally:
+            await web.cleanup()
+        print(f"memfilter {name}: stopped; {summary(part)}", file=sys.stderr)
+        return 0
+
+    return asyncio.run(main())

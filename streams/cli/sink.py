@@ -6,19 +6,16 @@ import argparse
 import logging
 import sys
 
-from memfilter.cli.common import web_port_free
+from memfilter.cli.common import consume_until_stopped, web_port_free
 from memfilter.settings import Kafka, Postgres, Redis, Settings, Topics, variables
 
 EXTRA = "worker"
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import signal
-
     import msgspec
 
-    from memfilter.runtime.sink import Sink, serve
+    from memfilter.runtime.sink import Sink
     from memfilter.settings import without_password
 
     settings = Settings.from_env()
@@ -35,37 +32,18 @@ def run(args: argparse.Namespace) -> int:
         format="[%(asctime)s] [%(levelname)s] %(message)s",
     )
 
-    async def main() -> int:
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        sink = Sink(settings)
-        web = await serve(sink, settings.worker.web_bind, settings.postgres.sink_web_port)
-        print(
-            f"memfilter sink: {settings.topics.persist} into {without_password(settings.postgres.url)} (schema {settings.redis.prefix}); "
-            f"threads idle {settings.postgres.idle_s:g} s leave Redis; web server on {settings.worker.web_bind}:{settings.postgres.sink_web_port}",
-            file=sys.stderr,
-            flush=True,
-        )
-        running = asyncio.ensure_future(sink.run(stop))
-        try:
-            await asyncio.wait({running, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
-            try:  # stopping: what is not committed is consumed again by the next sink, and changes nothing
-                await asyncio.wait_for(running, settings.worker.shutdown_s)
-            except TimeoutError:
-                print(f"memfilter sink: not stopped within {settings.worker.shutdown_s:g} s (MEMFILTER_SHUTDOWN_S); exiting", file=sys.stderr)
-                return 1
-        finally:
-            await web.cleanup()
-        m = sink.metrics
-        print(
-            f"memfilter sink: stopped; {m.value('memfilter_sink_threads_written_total'):.0f} thread writes, "
-            f"{m.value('memfilter_sink_threads_evicted_total'):.0f} threads evicted",
-            file=sys.stderr,
-        )
-        return 0
-
-    return asyncio.run(main())
+    return consume_until_stopped(
+        "sink",
+        lambda: Sink(settings),
+        settings,
+        settings.postgres.sink_web_port,
+        f"{settings.topics.persist} into {without_password(settings.postgres.url)} (schema {settings.redis.prefix}); "
+        f"threads idle {settings.postgres.idle_s:g} s leave Redis",
+        lambda sink: (
+            f"{sink.metrics.value('memfilter_sink_threads_written_total'):.0f} thread writes, "
+            f"{sink.metrics.value('memfilter_sink_threads_evicted_total'):.0f} threads evicted"
+        ),
+    )
 
 
 def add(sub) -> None:

@@ -18,6 +18,9 @@ What it promises, the same as Mastra's for the same stored messages and scores
   their place) and other threads' (a system message, `remembered`).
 - `remembered`: Mastra's system message of other threads' messages, to the byte (dates and
   times in UTC, as Mastra writes them on a server whose time zone is UTC).
+- `embedded_text`: the text of a saved message that is embedded (Mastra's
+  `extractTextContent`); None, the message is not embedded.
+- `with_recalled`: the model's input with what was recalled in it, where Mastra puts it.
 
 Pure functions: the embedding, the search and where the rows are kept are the shell's.
 """
@@ -69,6 +72,28 @@ def question(messages: list[Msg]) -> str | None:
         if text:
             return text
     return None
+
+
+def embedded_text(row: Msg) -> str | None:
+    """What of a saved message is embedded, as Mastra's `processOutputResult` does: its
+    `content` string, else its text parts joined by newlines; nothing of a system message, or
+    of one without text."""
+    if row.get("role") == "system":
+        return None
+    content = row.get("content")
+    if isinstance(content, str):
+        return content or None
+    if not isinstance(content, dict):
+        return None
+    if isinstance(content.get("content"), str) and content["content"]:
+        return content["content"]
+    parts = content.get("parts")
+    text = "\n".join(
+        p["text"] if isinstance(p.get("text"), str) else ""
+        for p in (parts if isinstance(parts, list) else [])
+        if isinstance(p, dict) and p.get("type") == "text"
+    )
+    return text or None
 
 
 def recall(
@@ -211,3 +236,18 @@ def remembered(rows: list[Msg], current: str) -> str:
         "The following messages were remembered from a different conversation:\n"
         f"<remembered_from_other_conversation>\n{out}\n<end_remembered_from_other_conversation>"
     )
+
+
+def with_recalled(context: list[Msg], recalled: Recalled, current: str) -> list[Msg]:
+    """The model's input: `context` with the recalled rows where Mastra puts them. Other
+    threads' rows are one system message (`remembered`) after the context's own system
+    messages; the current thread's are history older than the context's rows (they were not
+    in it), so they come first of the conversation, in their stored order."""
+    lead = 0
+    while lead < len(context) and context[lead].get("role") == "system":
+        lead += 1
+    memory: list[Msg] = []
+    if recalled.other:
+        text = remembered(recalled.other, current)
+        memory.append({"role": "system", "content": {"format": 2, "parts": [{"type": "text", "text": text}], "content": text}})
+    return [*context[:lead], *memory, *recalled.own, *context[lead:]]

@@ -43,7 +43,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import faust
 import msgspec
@@ -61,6 +61,9 @@ from memfilter.runtime.records import Out, Record, dead_letter, internal_error
 from memfilter.runtime.relay import Relay, Streaming
 from memfilter.schemas.wire import FilteredInput
 from memfilter.settings import Agent, Settings
+
+if TYPE_CHECKING:
+    from memfilter.runtime.recaller import Recaller
 
 log = logging.getLogger("memfilter")
 
@@ -186,12 +189,13 @@ class AgentHandler:
     stops_on: tuple[type[Exception], ...] = ()
     rejoins_on: tuple[type[Exception], ...] = ()
 
-    def __init__(self, settings: Settings, model: Model, metrics: AgentMetrics, relay: Relay):
+    def __init__(self, settings: Settings, model: Model, metrics: AgentMetrics, relay: Relay, recaller: Recaller | None = None):
         self.settings = settings
         self.topics = settings.topics
         self.model = model
         self.metrics = metrics
         self.relay = relay
+        self.recaller = recaller  # MEMFILTER_RECALL: what the model is also given (`memfilter.runtime.recaller`)
         self._calls = asyncio.Semaphore(MODEL_CONCURRENCY)
 
     def describe(self) -> str:
@@ -238,9 +242,13 @@ class AgentHandler:
                     self.metrics.inputs.labels("no-reply").inc()
                     continue
                 async with self._calls, self.relay.streaming(event) as live:
+                    given, recalled = await self.recaller.recalled(event) if self.recaller is not None else (event, None)
                     with self.metrics.model_seconds.time():
-                        reply = await self._reply(event, live)
-                value = replies.reply_event(event, replies.reply_message(event, reply.ui(), r.timestamp, self.settings.secret))
+                        reply = await self._reply(event, live, given)
+                ui = reply.ui()
+                if recalled is not None:  # for an audit: why the model saw what it saw
+                    ui = {**ui, "metadata": {**(ui.get("metadata") or {}), "recall": recalled}}
+                value = replies.reply_event(event, replies.reply_message(event, ui, r.timestamp, self.settings.secret))
             except ModelRefused as e:
                 out += [self._dead(r, Rejection("model", str(e))), Out(self.topics.persist, r.key, replies.no_reply_event(event), None)]
                 continue
@@ -252,9 +260,10 @@ class AgentHandler:
             out.append(Out(self.topics.persist, r.key, value, None))
         return out
 
-    async def _reply(self, event: FilteredInput, live: Streaming) -> Reply:
-        """The model's reply to `event`, each chunk relayed as it comes; cut short by a stop or
-        by a failure midway, it is what was made, closed (see the module's header)."""
+    async def _reply(self, event: FilteredInput, live: Streaming, given: FilteredInput) -> Reply:
+        """The model's reply to `event` (given as `given`: with what was recalled), each chunk
+        relayed as it comes; cut short by a stop or by a failure midway, it is what was made,
+        closed (see the module's header)."""
         reply_id, base = replies.continued(event, self.settings.secret)
         reply = Reply(reply_id, to_ui(base) if base is not None else None)
         await live.send({"type": "start", "messageId": reply_id})
@@ -262,7 +271,7 @@ class AgentHandler:
 
         async def made() -> None:
             nonlocal began
-            async for chunk in self.model(event, reply_id):
+            async for chunk in self.model(given, reply_id):
                 reply.add(chunk)
                 began = True
                 await live.send(chunk)
@@ -327,12 +336,17 @@ def create_agent_app(settings: Settings) -> faust.App:
     metrics = AgentMetrics()
     group = settings.agent.group
     relay = Relay(settings.kafka, settings.topics, settings.secret)
+    recaller = None
+    if settings.recall.scope != "off":
+        from memfilter.runtime.recaller import Recaller
+
+        recaller = Recaller(settings)
     loop = TaskLoop(
         "agent",
         settings.kafka,
         group,
         [settings.topics.filtered],
-        AgentHandler(settings, model, metrics, relay),
+        AgentHandler(settings, model, metrics, relay, recaller),
         metrics,
         lambda task: transactional_id(group, task),
         max_records=500,

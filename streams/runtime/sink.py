@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from aiohttp import web
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -102,22 +103,7 @@ class Sink:
             await self.store.redis.aclose()
 
     async def _applied(self, admin: AIOKafkaAdminClient, ends: dict[TopicPartition, int], stop: asyncio.Event) -> None:
-        """Until the workers' group has committed past `ends` on every partition of it. A
-        broker that does not answer (down, moving its groups, cut off) is waited out, named."""
-        while not stop.is_set():
-            try:
-                committed = await admin.list_consumer_group_offsets(self.settings.worker.group, partitions=list(ends))
-            except KafkaError as e:
-                if not (e.retriable or isinstance(e, KafkaTimeoutError)):
-                    raise
-                log.warning("memfilter sink: Kafka did not give the workers' committed offsets: %r; asking again in %.0f s", e, RETRY_S)
-                self._outage(f"reading the workers' committed offsets: {e!r}")
-                await asyncio.sleep(RETRY_S)
-                continue
-            self.problem = None
-            if all(tp in committed and committed[tp].offset >= end for tp, end in ends.items()):
-                return
-            await asyncio.sleep(0.2)
+        await applied(admin, self.settings.worker.group, ends, stop, self._outage, "memfilter sink")
 
     async def _write(self, written_ms: dict[str, int], stop: asyncio.Event) -> None:
         """The threads, as Redis holds them, into PostgreSQL; tried again until both answer."""
@@ -156,8 +142,28 @@ class Sink:
         self.metrics.retries.inc()
 
 
-async def serve(sink: Sink, bind: str, port: int) -> web.AppRunner:
-    """The sink's web server, listening: `/healthz`, `/readyz`, `/metrics`. Cleaned up by the caller."""
+async def applied(admin: AIOKafkaAdminClient, group: str, ends: dict[TopicPartition, int], stop: asyncio.Event, outage, who: str) -> None:
+    """Until `group` has committed past `ends` on every partition of it (the workers' group
+    for the sink, the sink's for the embedder). A broker that does not answer (down, moving its
+    groups, cut off) is waited out, named, and `outage` told why."""
+    while not stop.is_set():
+        try:
+            committed = await admin.list_consumer_group_offsets(group, partitions=list(ends))
+        except KafkaError as e:
+            if not (e.retriable or isinstance(e, KafkaTimeoutError)):
+                raise
+            log.warning("%s: Kafka did not give group %s's committed offsets: %r; asking again in %.0f s", who, group, e, RETRY_S)
+            outage(f"reading group {group}'s committed offsets: {e!r}")
+            await asyncio.sleep(RETRY_S)
+            continue
+        if all(tp in committed and committed[tp].offset >= end for tp, end in ends.items()):
+            return
+        await asyncio.sleep(0.2)
+
+
+async def serve(sink: Sink | Any, bind: str, port: int) -> web.AppRunner:
+    """The web server of the sink (or of another consumer with a `problem` and `metrics`: the
+    embedder), listening: `/healthz`, `/readyz`, `/metrics`. Cleaned up by the caller."""
 
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok\n")

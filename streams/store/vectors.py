@@ -26,7 +26,13 @@ Table `message_vectors`, in the history's schema:
 
 It promises: a search returns only vectors of its resource (and thread, when it names one) and
 model; putting a message's vector again replaces it (applying an event twice changes nothing);
-`erase` takes a thread's vectors out for good.
+`erase` takes a thread's vectors out for good, and `prune` those of messages that left their
+thread's conversation (erased, superseded) or whose thread's owner is another resource.
+
+Beside the vectors, it reads the history's messages as the sink wrote them (`mastra_messages`,
+`memfilter.store.postgres`): what the embedder embeds (`saved`), and the rows around each match
+(`around`), only of the conversation (no superseded row, nothing of an erased thread) and only
+of the resource that owns the thread.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import asyncpg
 import msgspec
 
 from memfilter.core.recall import Match
+from memfilter.store import postgres
 from memfilter.store.postgres import guarded, open_pool, quote
 
 CANDIDATES = 64  # vectors scored exactly per search, at least: the nearest by their signs
@@ -89,7 +96,9 @@ class MessageVectors:
     async def _ready(self) -> asyncpg.Pool:
         async with self._starting:  # one pool, however many calls come first
             if self._pool is None:
-                self._pool = await open_pool(self.url, self.timeout, SCHEMA.format(s=self.schema), max_size=2)
+                # the history's tables too: what `saved` and `around` read, before any sink made them
+                ddl = postgres.SCHEMA.format(s=self.schema) + SCHEMA.format(s=self.schema)
+                self._pool = await open_pool(self.url, self.timeout, ddl, max_size=2)
         return self._pool
 
     async def close(self) -> None:
@@ -151,3 +160,65 @@ class MessageVectors:
             await (await self._ready()).execute(f"DELETE FROM {self.schema}.message_vectors WHERE thread_id = ANY($1)", thread_ids)
 
         await guarded(self.url, self.timeout, delete())
+
+    async def prune(self, thread_ids: list[str]) -> None:
+        """Take out the threads' vectors of messages no longer in their conversation as
+        PostgreSQL holds it (erased, superseded), or kept under another resource than the
+        thread's owner."""
+
+        async def delete() -> None:
+            s = self.schema
+            await (await self._ready()).execute(
+                f"""DELETE FROM {s}.message_vectors v WHERE v.thread_id = ANY($1) AND NOT EXISTS (
+                        SELECT 1 FROM {s}.mastra_messages m JOIN {s}.mastra_threads t ON t.id = m.thread_id
+                        WHERE m.thread_id = v.thread_id AND m.id = v.message_id AND m.position IS NOT NULL AND t."resourceId" = v."resourceId")""",
+                thread_ids,
+            )
+
+        await guarded(self.url, self.timeout, delete())
+
+    async def saved(self, named: list[tuple[str, str]]) -> list[tuple[str, str, str, dict]]:
+        """Of the (thread, message id) pairs, the messages in their thread's conversation as
+        PostgreSQL holds it: (the thread's owner, thread, id, the stored row)."""
+
+        async def select() -> list:
+            s = self.schema
+            return await (await self._ready()).fetch(
+                f"""SELECT t."resourceId", m.thread_id, m.id, m."row"
+                    FROM unnest($1::text[], $2::text[]) AS n(thread_id, id)
+                    JOIN {s}.mastra_messages m USING (thread_id, id) JOIN {s}.mastra_threads t ON t.id = m.thread_id
+                    WHERE m.position IS NOT NULL AND t."resourceId" IS NOT NULL""",
+                [thread for thread, _ in named],
+                [mid for _, mid in named],
+            )
+
+        return [(r["resourceId"], r["thread_id"], r["id"], msgspec.json.decode(r["row"])) for r in await guarded(self.url, self.timeout, select())]
+
+    async def around(self, resource_id: str, matches: list[Match], before: int, after: int) -> dict[str, list[dict]]:
+        """Each match's thread's rows from `before` messages before it to `after` after it in
+        the conversation (the union, where matches share a thread), in order: the rows
+        `memfilter.core.recall.recall` chooses from. Only of threads `resource_id` owns."""
+        if not matches:
+            return {}
+
+        async def select() -> list:
+            s = self.schema
+            return await (await self._ready()).fetch(
+                f"""WITH ranked AS (
+                        SELECT m.thread_id, m.id, m."row", row_number() OVER (PARTITION BY m.thread_id ORDER BY m.position) AS n
+                        FROM {s}.mastra_messages m JOIN {s}.mastra_threads t ON t.id = m.thread_id
+                        WHERE m.thread_id = ANY($1) AND t."resourceId" = $2 AND m.position IS NOT NULL),
+                    hits AS (SELECT r.thread_id, r.n FROM ranked r JOIN unnest($1::text[], $3::text[]) AS h(thread_id, id) USING (thread_id, id))
+                    SELECT DISTINCT r.thread_id, r.n, r."row" FROM ranked r JOIN hits h ON r.thread_id = h.thread_id AND r.n BETWEEN h.n - $4 AND h.n + $5
+                    ORDER BY r.thread_id, r.n""",
+                [m.thread_id for m in matches],
+                resource_id,
+                [m.message_id for m in matches],
+                before,
+                after,
+            )
+
+        threads: dict[str, list[dict]] = {}
+        for r in await guarded(self.url, self.timeout, select()):
+            threads.setdefault(r["thread_id"], []).append({"threadId": r["thread_id"], **msgspec.json.decode(r["row"])})
+        return threads

@@ -6,7 +6,8 @@
 //   {cases: [{threads: {threadId: [stored message]}, context: [stored message], input: stored message,
 //             matches: [{message_id, thread_id, score}], topK, before, after, threshold, scope, thread}]}
 // and reads back, for each case: the question embedded, the ids of the model's history after
-// recall (in its order), and the system messages recall added.
+// recall (in its order), the system messages recall added, and the text of each message of the
+// context and the input that saving it would embed (null: none).
 import { MessageList } from '@mastra/core/agent';
 import { SemanticRecall } from '@mastra/core/processors';
 import { RequestContext } from '@mastra/core/request-context';
@@ -45,8 +46,10 @@ async function run(c) {
   const context = new RequestContext();
   context.set('MastraMemory', { thread: { id: c.thread }, resourceId: 'r1' });
   await recall.processInput({ messages: [dated(c.input)], messageList: list, requestContext: context, abort: (why) => { throw new Error(why); } });
+  const embedded = [...c.context, c.input].map((m) => (m.role === 'system' ? null : recall.extractTextContent(m) || null));
   return {
     question: asked[0] ?? null,
+    embedded,
     history: list.get.all.db().map((m) => m.id),
     system: list.getSystemMessages('memory').map((m) => m.content),
   };

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from memfilter.core.recall import Match, question, recall, remembered
+from memfilter.core.recall import Match, embedded_text, question, recall, remembered, with_recalled
 
 NODE = Path(__file__).parents[1] / "node"
 START = datetime(2026, 1, 1, 11, 40, tzinfo=UTC)
@@ -102,14 +102,16 @@ def case(rng: random.Random) -> dict[str, Any]:
 def ours(c: dict[str, Any]) -> dict[str, Any]:
     """What memfilter recalls for the case, in the shape recall.mjs answers."""
     asked = question([c["input"]])
+    embedded = [embedded_text(m) for m in [*c["context"], c["input"]]]
     if asked is None:
-        return {"question": None, "history": [m["id"] for m in [*c["context"], c["input"]]], "system": []}
+        return {"question": None, "embedded": embedded, "history": [m["id"] for m in [*c["context"], c["input"]]], "system": []}
     matches = [Match(m["message_id"], m["thread_id"], m["score"]) for m in c["matches"] if c["scope"] == "resource" or m["thread_id"] == c["thread"]]
     held = {m["id"] for m in [*c["context"], c["input"]]}
     got = recall(matches, c["threads"], held, c["thread"], c["topK"], c["before"], c["after"], c["threshold"])
-    history = sorted([*c["context"], *got.own, c["input"]], key=lambda m: m["createdAt"])
-    system = [remembered(got.other, c["thread"])] if got.other and c["scope"] == "resource" else []
-    return {"question": asked, "history": [m["id"] for m in history], "system": system}
+    given = with_recalled([*c["context"], c["input"]], got, c["thread"])
+    history = [m["id"] for m in given if m["role"] != "system"]
+    system = [m["content"]["content"] for m in given if m["role"] == "system"]
+    return {"question": asked, "embedded": embedded, "history": history, "system": system}
 
 
 class TestTheQuestion:
@@ -118,6 +120,16 @@ class TestTheQuestion:
         assert question([row("a", "t", at, "user", ["one", "two"]), row("b", "t", at, "assistant", ["x"])]) == "one two"
         assert question([row("a", "t", at, "user", ["one"], as_string=True), row("b", "t", at, "user", [])]) == "one"
         assert question([row("a", "t", at, "assistant", ["x"])]) is None
+
+
+class TestTheTextEmbedded:
+    def test_is_the_content_string_else_the_text_parts_by_lines_and_nothing_of_a_system_message(self):
+        at = START
+        assert embedded_text(row("a", "t", at, "assistant", ["one", "two"])) == "one\ntwo"
+        assert embedded_text(row("a", "t", at, "user", ["one", "two"], as_string=True)) == "one two"
+        assert embedded_text(row("a", "t", at, "user", [], parts=[{"type": "file", "url": "x"}])) is None
+        assert embedded_text(row("a", "t", at, "system", ["be brief"])) is None
+        # and on random messages as Mastra's SemanticRecall embeds them: TestTheRowsRecalled's parity test
 
 
 class TestTheRowsRecalled:

@@ -1,0 +1,147 @@
+"""Semantic recall end to end: a worker, the sink, `memfilter embedder` and the agent runner
+on a real Kafka, Redis and PostgreSQL, with a deterministic embeddings endpoint (texts that
+share words are near: `fake_openai.embedding`), so the test knows which message must be
+recalled.
+
+What was said long out of the window is in the model's input again: from the same thread in
+its place, from another thread of the resource as Mastra's remembered system message. Never
+another resource's message, nor an erased thread's; a text the endpoint refuses costs that
+message alone; the reply's metadata says what was recalled, with scores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import asyncpg
+import pytest
+from fake_openai import FakeOpenAI
+from pipeline import Pipeline, local_get, publish, read
+
+WINDOW = 4  # MEMFILTER_HISTORY_MESSAGES: the planted message leaves the context by the third turn
+
+
+@pytest.fixture
+def fake_openai():
+    fake = FakeOpenAI()
+    yield fake
+    fake.close()
+
+
+def user(mid: str, text: str) -> dict:
+    return {"id": mid, "role": "user", "parts": [{"type": "text", "text": text}]}
+
+
+async def saved_reply(pipeline: Pipeline, request_id: str) -> dict:
+    """The agent's reply to a request, as it saved it on persist-messages."""
+    name = f"{request_id}/reply"
+    records = await read(pipeline.bootstrap, [pipeline.topics.persist], until=lambda recs: any(json.loads(r.value)["requestId"] == name for r in recs))
+    return next(json.loads(r.value)["messages"][0] for r in records if json.loads(r.value)["requestId"] == name)
+
+
+async def vectors_of(pipeline: Pipeline) -> dict[str, str]:
+    """message id -> the resource its vector is kept under."""
+    conn = await asyncpg.connect(pipeline.postgres_url)
+    try:
+        return {r["message_id"]: r["resourceId"] for r in await conn.fetch(f'SELECT message_id, "resourceId" FROM "{pipeline.prefix}".message_vectors')}
+    except asyncpg.UndefinedTableError:
+        return {}
+    finally:
+        await conn.close()
+
+
+async def until(check, timeout: float = 90):
+    deadline = time.monotonic() + timeout
+    while not (result := await check()):
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.3)
+    return result
+
+
+def test_a_message_out_of_the_window_is_recalled_from_its_thread_and_the_resources_others_never_another_resources_nor_an_erased_one(pipeline, fake_openai):
+    run = uuid.uuid4().hex[:6]
+    a, b, d, other = f"a-{run}", f"b-{run}", f"d-{run}", f"o-{run}"
+    recall_env = {"MEMFILTER_EMBEDDINGS_BASE_URL": fake_openai.url, "MEMFILTER_EMBEDDINGS_MODEL": "fake-embed", "OPENAI_API_KEY": "sk-test"}
+    pipeline.start_worker(MEMFILTER_HISTORY_MESSAGES=str(WINDOW))
+    pipeline.start_sink()
+    embedder = pipeline.start_embedder(**recall_env)
+    pipeline.start_agent(
+        MEMFILTER_AGENT_BACKEND="openai",
+        MEMFILTER_AGENT_BASE_URL=fake_openai.url,
+        MEMFILTER_AGENT_MODEL="m-1",
+        MEMFILTER_RECALL="resource",
+        MEMFILTER_RECALL_THRESHOLD="0.2",
+        **recall_env,
+    )
+    t = pipeline.topics
+    sent = 0
+
+    async def turn(thread: str, resource: str, mid: str, text: str) -> str:
+        """One request, and its reply saved; the request's id."""
+        nonlocal sent
+        sent += 1
+        rid = f"{mid}-q"
+        value = {"threadId": thread, "resourceId": resource, "requestId": rid, "messages": [user(mid, text)]}
+        await publish(pipeline.bootstrap, t.requests, [(thread.encode(), json.dumps(value).encode(), None)])
+        await until(lambda: _answered(fake_openai, sent))
+        return rid
+
+    async def go():
+        await turn(a, "r1", f"{a}-u0", "my cat is called whiskers")
+        await turn(b, "r1", f"{b}-u0", "my cat is called tom")
+        await turn(other, "r2", f"{other}-u0", "my cat is called felix")
+        await turn(a, "r1", f"{a}-u1", "an unembeddable text")
+        for n in range(2, 5):  # whiskers leaves thread a's window
+            await turn(a, "r1", f"{a}-u{n}", f"tell me about weather number {n}")
+        assert pipeline.memfilter("forget", "--thread", b).returncode == 0
+        await until(lambda: _has(vectors_of(pipeline), f"{a}-u4"))  # embedded as far as the last turn
+        await until(lambda: _lacks(vectors_of(pipeline), f"{b}-u0"))  # the erasure took its vectors out
+
+        asked = len(fake_openai.received)
+        own = await turn(a, "r1", f"{a}-u5", "what is my cat called")
+        own_input = fake_openai.received[asked]["messages"]
+        asked = len(fake_openai.received)
+        elsewhere = await turn(d, "r1", f"{d}-u0", "what is my cat called")
+        other_input = fake_openai.received[asked]["messages"]
+        return own, own_input, elsewhere, other_input, await vectors_of(pipeline)
+
+    own, own_input, elsewhere, other_input, vectors = asyncio.run(go())
+
+    # in thread a: its own message, in its place before the context's rows, as the user said it
+    assert own_input[0] == {"role": "user", "content": "my cat is called whiskers"}
+    assert own_input[-1] == {"role": "user", "content": "what is my cat called"}
+    assert not any("tom" in json.dumps(m) or "felix" in json.dumps(m) for m in own_input)
+    # in a new thread of r1: Mastra's remembered system message, thread a's message in it
+    system = [m["content"] for m in other_input if m["role"] == "system"]
+    assert len(system) == 1 and system[0].startswith("The following messages were remembered from a different conversation:")
+    assert "my cat is called whiskers" in system[0]
+    assert "felix" not in json.dumps(other_input) and "tom" not in json.dumps(other_input)
+
+    # every vector kept under its thread's owner; the erased thread's gone; the refused text has none
+    assert vectors[f"{other}-u0"] == "r2" and vectors[f"{a}-u0"] == "r1"
+    assert f"{b}-u0" not in vectors and f"{a}-u1" not in vectors
+    assert "memfilter_embedder_refused_total 1.0" in local_get(embedder.web_port, "/metrics")[1]
+
+    # the replies say what was recalled, with scores
+    for rid in (own, elsewhere):
+        reply = asyncio.run(saved_reply(pipeline, rid))
+        recalled = reply["content"]["metadata"]["recall"]
+        assert recalled["scope"] == "resource"
+        assert recalled["matches"][0]["id"] == f"{a}-u0" and recalled["matches"][0]["threadId"] == a
+        assert recalled["matches"][0]["score"] > 0.5
+        assert f"{a}-u0" in recalled["messages"]
+
+
+async def _answered(fake: FakeOpenAI, n: int) -> bool:
+    return len(fake.received) >= n
+
+
+async def _has(value, key) -> bool:
+    return key in await value
+
+
+async def _lacks(value, key) -> bool:
+    return key not in await value
