@@ -101,7 +101,10 @@ class TestWhatTheLogSays:
 def thread(tid: str, owner: str | None, n: int, superseded: tuple[int, ...] = ()) -> Thread:
     """A thread of `n` user messages `<tid>-m<i>`, some taken out of the conversation, as the sink writes it."""
     ids = [f"{tid}-m{i}" for i in range(n)]
-    rows = {mid: f'{{"id":"{mid}","role":"user","content":{{"format":2,"parts":[{{"type":"text","text":"say {mid}"}}]}},"createdAt":"2026-01-01T00:00:0{i % 10}.000Z"}}'.encode() for i, mid in enumerate(ids)}
+    rows = {
+        mid: f'{{"id":"{mid}","role":"user","content":{{"format":2,"parts":[{{"type":"text","text":"say {mid}"}}]}},"createdAt":"2026-01-01T00:00:0{i % 10}.000Z"}}'.encode()
+        for i, mid in enumerate(ids)
+    }
     gone = {ids[i]: "q9" for i in superseded}
     return Thread(tid, n, owner, None, None, [m for m in ids if m not in gone], rows if owner else {}, gone, b"", 1)
 
