@@ -151,6 +151,12 @@ class ContainerStack:
             raise
         return self
 
+    def host_address(self) -> str:
+        """The host's address on the containers' network: where a test's own server (a fake
+        endpoint) listens for both the containers and the host's processes."""
+        network = docker.from_env().networks.get(self.network.name)
+        return network.attrs["IPAM"]["Config"][0]["Gateway"]
+
     def inside(self, env: dict[str, str]) -> dict[str, str]:
         """`env` with the services' addresses as the containers reach them."""
         out = {**env, "KAFKA_BOOTSTRAP_SERVERS": "kafka:19092", "REDIS_URL": "redis://redis:6379/0"}

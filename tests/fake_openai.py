@@ -48,7 +48,7 @@ def _text(message: dict) -> str:
 
 
 class FakeOpenAI:
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1"):
         self.received: list[dict] = []
         self.embedded: list[str] = []  # every text it was asked to embed
         self.refuse_key = False
@@ -142,10 +142,10 @@ class FakeOpenAI:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server = ThreadingHTTPServer((host, free_port()), Handler)  # `host`: loopback, or the host's side of the containers' network
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.url = f"http://{host}:{self.server.server_address[1]}/v1"
 
     def close(self) -> None:
         self.server.shutdown()

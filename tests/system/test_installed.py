@@ -30,6 +30,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 import yaml
+from fake_openai import FakeOpenAI
 from pipeline import REPO, WORKER_LOGS, free_port, local_get, node_test
 
 pytestmark = pytest.mark.xdist_group("installed")  # one install and one product for the module (`--dist loadgroup`)
@@ -38,8 +39,14 @@ EXTRAS = ("base", "worker", "agent", "gateway")
 JWT_KEY = uuid.uuid4().hex * 2
 K8S = REPO / "deploy" / "k8s"
 # Each part's port setting: what its manifest's containerPort must be.
-PORT_SETTINGS = {"worker": "MEMFILTER_WEB_PORT", "agent": "MEMFILTER_AGENT_WEB_PORT", "sink": "MEMFILTER_SINK_WEB_PORT", "gateway": "MEMFILTER_GATEWAY_PORT"}
-EXTRA_OF = {"worker": "worker", "sink": "worker", "agent": "agent", "gateway": "gateway"}
+PORT_SETTINGS = {
+    "worker": "MEMFILTER_WEB_PORT",
+    "agent": "MEMFILTER_AGENT_WEB_PORT",
+    "sink": "MEMFILTER_SINK_WEB_PORT",
+    "embedder": "MEMFILTER_EMBEDDER_WEB_PORT",
+    "gateway": "MEMFILTER_GATEWAY_PORT",
+}
+EXTRA_OF = {"worker": "worker", "sink": "worker", "agent": "agent", "embedder": "agent", "gateway": "gateway"}
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -141,10 +148,19 @@ def installed(services, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def product(services, installed):
-    """The pipeline, and its four parts started from the install as their manifests say, each ready."""
+    """The pipeline, and its parts started from the install as their manifests say, each ready;
+    the embedder's endpoint a fake one (`fake_openai.FakeOpenAI`) the parts reach, installed
+    as a wheel or as containers."""
     pipeline = services.pipeline()
     asyncio.run(pipeline.create_topics())
-    test_env = pipeline.settings_env(MEMFILTER_AGENT_GROUP=f"agent-{pipeline.name}", MEMFILTER_SINK_GROUP=f"sink-{pipeline.name}", MEMFILTER_IDLE_S="3600")
+    embeddings = FakeOpenAI(services.containers.host_address() if services.containers is not None else "127.0.0.1")
+    test_env = pipeline.settings_env(
+        MEMFILTER_AGENT_GROUP=f"agent-{pipeline.name}",
+        MEMFILTER_SINK_GROUP=f"sink-{pipeline.name}",
+        MEMFILTER_EMBEDDER_GROUP=f"embedder-{pipeline.name}",
+        MEMFILTER_EMBEDDINGS_BASE_URL=embeddings.url,
+        MEMFILTER_IDLE_S="3600",
+    )
     secrets = {"secret": pipeline.secret.decode(), "postgres-url": pipeline.postgres_url, "gateway-jwt-key": JWT_KEY}
     parts = {}
     try:
@@ -160,6 +176,7 @@ def product(services, installed):
         yield pipeline, parts, test_env
     finally:
         pipeline.stop_all()
+        embeddings.close()
         asyncio.run(pipeline.delete_topics())
 
 
@@ -264,6 +281,21 @@ def test_history_forget_replay_and_the_sink_work_from_the_workers_install(produc
     while asyncio.run(held()) != 2:
         assert time.monotonic() < deadline, "the sink did not write the thread to PostgreSQL within 60 s"
         time.sleep(0.5)
+
+    # and the embedder, from the agent's install, kept both messages' vectors for recall, under their resource
+    async def embedded() -> list:
+        connection = await asyncpg.connect(pipeline.postgres_url)
+        try:
+            return await connection.fetch(f'SELECT message_id, "resourceId" FROM "{pipeline.prefix}".message_vectors WHERE thread_id = $1', thread)
+        except asyncpg.UndefinedTableError:
+            return []
+        finally:
+            await connection.close()
+
+    while len(rows := asyncio.run(embedded())) != 2:
+        assert time.monotonic() < deadline + 60, "the embedder did not keep the thread's vectors within 60 s of the sink"
+        time.sleep(0.5)
+    assert {r["resourceId"] for r in rows} == {"installed-user"}
 
 
 @pytest.mark.containers

@@ -15,9 +15,15 @@ from pipeline import REPO
 
 from memfilter.settings import RELAY_RETENTION_MS, VARIABLES, Settings, Topics
 
-PARTS = {"worker", "agent", "sink", "gateway"}
+PARTS = {"worker", "agent", "sink", "embedder", "gateway"}
 # The setting each part's web server listens on (`memfilter.settings`).
-PORT_SETTINGS = {"worker": "MEMFILTER_WEB_PORT", "agent": "MEMFILTER_AGENT_WEB_PORT", "sink": "MEMFILTER_SINK_WEB_PORT", "gateway": "MEMFILTER_GATEWAY_PORT"}
+PORT_SETTINGS = {
+    "worker": "MEMFILTER_WEB_PORT",
+    "agent": "MEMFILTER_AGENT_WEB_PORT",
+    "sink": "MEMFILTER_SINK_WEB_PORT",
+    "embedder": "MEMFILTER_EMBEDDER_WEB_PORT",
+    "gateway": "MEMFILTER_GATEWAY_PORT",
+}
 
 
 def names_the_settings_read() -> set[str]:
@@ -32,8 +38,8 @@ def test_every_setting_read_is_documented():
 
 def test_the_port_settings_are_the_parts_defaults_and_each_its_own():
     defaults = Settings.from_env({})
-    ports = {defaults.worker.web_port, defaults.agent.web_port, defaults.postgres.sink_web_port, defaults.gateway.port}
-    assert ports == {6066, 6067, 6068, 6069}
+    ports = {defaults.worker.web_port, defaults.agent.web_port, defaults.postgres.sink_web_port, defaults.gateway.port, defaults.recall.web_port}
+    assert ports == {6066, 6067, 6068, 6069, 6070}
     assert set(PORT_SETTINGS.values()) <= names_the_settings_read()
 
 
@@ -47,14 +53,15 @@ class TestCompose:
         created = " ".join(self.services["topics"]["command"]).replace(";", " ").split()
         assert set(Topics().all()) <= set(created)
         assert f"retention.ms={RELAY_RETENTION_MS}" in created  # the relay topics copy content: kept an hour
-        for name in ("worker-1", "worker-2", "sink", "agent", "gateway"):
+        for name in ("worker-1", "worker-2", "sink", "agent", "embedder", "gateway"):
             part = self.services[name]
             assert part["image"] == "memfilter/memfilter" and part["environment"].keys() <= names_the_settings_read()
             assert part["environment"]["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:19092"
             assert part["environment"]["MEMFILTER_SECRET"].startswith("${MEMFILTER_SECRET:?")  # never a fixed one
             assert "/readyz" in " ".join(part["healthcheck"]["test"])
-        for name in ("sink", "agent", "gateway"):
+        for name in ("sink", "agent", "embedder", "gateway"):
             assert self.services[name]["command"][:2] == ["memfilter", name]
+        assert self.services["embedder"]["profiles"] == ["recall"]  # off unless asked for: each embedding is a paid call
 
     def test_the_chat_page_is_on_the_hosts_loopback_port_6068(self):
         gateway = self.services["gateway"]
@@ -76,7 +83,7 @@ class TestTheImage:
         env_line = next(line for line in self.dockerfile.splitlines() if line.startswith("ENV MEMFILTER_"))
         names = {pair.split("=")[0] for pair in env_line.removeprefix("ENV ").split()}
         assert names <= names_the_settings_read() and "MEMFILTER_WEB_BIND=0.0.0.0" in env_line and "MEMFILTER_GATEWAY_BIND=0.0.0.0" in env_line
-        assert "EXPOSE 6066 6067 6068 6069" in self.dockerfile
+        assert "EXPOSE 6066 6067 6068 6069 6070" in self.dockerfile
 
 
 class TestKubernetes:
@@ -106,7 +113,7 @@ class TestKubernetes:
                 assert e["name"] in names_the_settings_read() and e["name"] not in self.config["data"], (name, e["name"])
                 assert e["valueFrom"]["secretKeyRef"]["key"] in self.secret_keys, (name, e)
             taken = {e["name"] for e in container.get("env", [])}
-            wanted = {"MEMFILTER_SECRET"} if name != "sink" else set()  # the sink signs and verifies nothing
+            wanted = {"MEMFILTER_SECRET"} if name not in ("sink", "embedder") else set()  # they sign and verify nothing
             assert wanted | ({"POSTGRES_URL"} if name != "agent" else set()) <= taken, name
 
     def test_the_gateways_share_the_partitions_each_reached_at_its_pod(self):
