@@ -23,8 +23,14 @@ With `--old REV`, the same run is made alternately with REV's parts (a worktree 
 ...), on one stack, and each pair's new/old ratios are printed with their medians: a change
 on a turn's path, against the commit before it (Mastra is not run).
 
+With `--recall`, the same alternation is between this checkout without semantic recall and with
+it (docs/recall.md: `memfilter embedder` beside the sink, the agent runner recalling with scope
+`resource`), against an embeddings endpoint in this process (`tests/fake_openai.py`: its
+answers cost the parts nothing; a real endpoint's time is its own), and the on/off ratios are
+printed: what recall costs a turn.
+
     eval "$(memfilter stack up)"
-    .venv/bin/python -m benchmarks.turn_cost [--rate 20] [--turns 400] [--threads 20] [--history 1000] [--sink] [--old b70aedd --pairs 3]
+    .venv/bin/python -m benchmarks.turn_cost [--rate 20] [--turns 400] [--threads 20] [--history 1000] [--sink] [--old b70aedd | --recall] [--pairs 3]
 """
 
 from __future__ import annotations
@@ -138,8 +144,9 @@ def report(args: argparse.Namespace, firsts: list[float], finishes: list[float],
     return {"first token p50": at(firsts, 0.5), "first token p99": at(firsts, 0.99)}
 
 
-async def run(args: argparse.Namespace, path: Path, python: str) -> dict[str, float]:
-    """One run with the parts of the checkout at `path`: its figures, printed as they come."""
+async def run(args: argparse.Namespace, path: Path, python: str, embeddings: str = "") -> dict[str, float]:
+    """One run with the parts of the checkout at `path` (with semantic recall against the
+    `embeddings` endpoint, when given): its figures, printed as they come."""
     bootstrap, redis_url = os.environ["KAFKA_BOOTSTRAP_SERVERS"], os.environ["REDIS_URL"]
     postgres = os.environ.get("POSTGRES_URL", "")
     name, topics = await own_topics(bootstrap, "turn")
@@ -157,8 +164,11 @@ async def run(args: argparse.Namespace, path: Path, python: str) -> dict[str, fl
     }
     if args.sink:
         if not postgres:
-            raise SystemExit("--sink needs PostgreSQL: POSTGRES_URL, as `memfilter stack up` prints it")
+            raise SystemExit("--sink and --recall need PostgreSQL: POSTGRES_URL, as `memfilter stack up` prints it")
         commands["sink"] = ["sink", "--web-port", str(free_port())]
+    if embeddings:
+        commands["embedder"] = ["embedder", "--web-port", str(free_port())]
+        env |= {"MEMFILTER_RECALL": "resource", "MEMFILTER_EMBEDDINGS_BASE_URL": embeddings, "MEMFILTER_EMBEDDINGS_MODEL": "fake", "OPENAI_API_KEY": "none"}
     processes = {
         part: subprocess.Popen([python, "-m", "memfilter", *c], env=env, cwd=path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for part, c in commands.items()
@@ -242,8 +252,20 @@ async def main() -> None:
     parser.add_argument("--sink", action="store_true", help="run the sink too: PostgreSQL's CPU and write-ahead log per turn")
     parser.add_argument("--sink-s", type=float, default=3.0, help="with --sink, seconds the sink is given after the turns")
     parser.add_argument("--old", help="a git revision: alternate its parts with this checkout's (the module's header)")
+    parser.add_argument("--recall", action="store_true", help="alternate this checkout without semantic recall and with it (implies --sink)")
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
+    if args.recall:
+        args.sink = True
+        sys.path.insert(0, str(REPO / "tests"))
+        from fake_openai import FakeOpenAI
+
+        endpoint = FakeOpenAI()
+        try:
+            await alternate(args, {"off": (REPO, sys.executable, ""), "on": (REPO, sys.executable, endpoint.url)})
+        finally:
+            endpoint.close()
+        return
     if args.old is None:
         print("this checkout:", flush=True)
         ours = await run(args, REPO, sys.executable)
@@ -252,15 +274,23 @@ async def main() -> None:
         for figure in ("first token p50", "first token p99", "CPU per turn", "idle CPU"):
             print(f"memfilter/Mastra {figure}: {ours[figure] / theirs[figure]:.2f}")
         return
-    sides = {"old": checkout(args.old), "new": REPO}
-    figures: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    await alternate(args, {"old": (checkout(args.old), None, ""), "new": (REPO, None, "")})
+
+
+async def alternate(args: argparse.Namespace, sides: dict[str, tuple[Path, str | None, str]]) -> None:
+    """The runs of two sides (name -> checkout, its Python (None: its own .venv's), the
+    embeddings endpoint for recall), alternated `--pairs` times; each pair's second/first
+    ratios, with their medians."""
+    first, second = sides
+    figures: dict[str, list[dict[str, float]]] = {first: [], second: []}
     for pair in range(args.pairs):
-        for side in ("old", "new") if pair % 2 == 0 else ("new", "old"):
+        for side in (first, second) if pair % 2 == 0 else (second, first):
+            path, python, embeddings = sides[side]
             print(f"pair {pair + 1}, {side} ({args.old if side == 'old' else 'this checkout'}):", flush=True)
-            figures[side].append(await run(args, sides[side], str(sides[side] / ".venv/bin/python")))
-    for figure in figures["old"][0]:
-        ratios = [new[figure] / old[figure] for old, new in zip(figures["old"], figures["new"])]
-        print(f"new/old {figure} by pair: {'  '.join(f'{r:.2f}' for r in ratios)}   median {statistics.median(ratios):.2f}")
+            figures[side].append(await run(args, path, python or str(path / ".venv/bin/python"), embeddings))
+    for figure in figures[first][0]:
+        ratios = [b[figure] / a[figure] for a, b in zip(figures[first], figures[second])]
+        print(f"{second}/{first} {figure} by pair: {'  '.join(f'{r:.2f}' for r in ratios)}   median {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Semantic recall end to end: a worker, the sink, `memfilter embedder` and the agent runner
 on a real Kafka, Redis and PostgreSQL, with a deterministic embeddings endpoint (texts that
 share words are near: `fake_openai.embedding`), so the test knows which message must be
-recalled.
+recalled; and a gateway, driven by the AI SDK's own client (`tests/node/recall.test.mjs`).
 
 What was said long out of the window is in the model's input again: from the same thread in
 its place, from another thread of the resource as Mastra's remembered system message. Never
@@ -19,7 +19,9 @@ import uuid
 import asyncpg
 import pytest
 from fake_openai import FakeOpenAI
-from pipeline import Pipeline, local_get, publish, read
+from pipeline import Pipeline, local_get, node_test, publish, read, wait_for_line
+
+from memfilter.settings import Gateway
 
 WINDOW = 4  # MEMFILTER_HISTORY_MESSAGES: the planted message leaves the context by the third turn
 
@@ -145,3 +147,21 @@ async def _has(value, key) -> bool:
 
 async def _lacks(value, key) -> bool:
     return key not in await value
+
+
+def test_through_the_gateway_a_fact_from_turn_2_is_in_the_models_input_at_turn_60(pipeline, fake_openai):
+    recall_env = {"MEMFILTER_EMBEDDINGS_BASE_URL": fake_openai.url, "MEMFILTER_EMBEDDINGS_MODEL": "fake-embed", "OPENAI_API_KEY": "sk-test"}
+    worker = pipeline.start_worker(MEMFILTER_HISTORY_MESSAGES="10")
+    pipeline.start_sink()
+    pipeline.start_embedder(**recall_env)
+    pipeline.start_agent(MEMFILTER_AGENT_BACKEND="openai", MEMFILTER_AGENT_BASE_URL=fake_openai.url, MEMFILTER_RECALL="resource", **recall_env)
+    wait_for_line(worker.log_path, "memfilter worker ready", timeout=90)
+    port = pipeline.start_gateway("recall", MEMFILTER_GATEWAY_AUTH="header", MEMFILTER_GATEWAY_CALLER_RATE="100", MEMFILTER_GATEWAY_CALLER_BURST="100")
+    result = node_test("recall.test.mjs", GATEWAY_URL=f"http://127.0.0.1:{port}", RESOURCE_HEADER=Gateway().resource_header)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    last = fake_openai.received[-1]["messages"]
+    said = [m["content"] for m in last]
+    assert said[-1] == "what is my favourite colour"
+    # recalled (the window, 10 rows, holds turns 55 to 59 alone; recall adds only what it does not
+    # hold: the reply's metadata names the message, recall.test.mjs checks), before the window
+    assert said.index("my favourite colour is turquoise") < said.index("tell me something else, number 59")
