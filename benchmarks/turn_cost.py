@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -113,6 +114,19 @@ def at(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+async def caught_up(port: int, quiet_s: float = 2.0, within_s: float = 120.0) -> None:
+    """Until the embedder at `port` has embedded nothing more for `quiet_s`."""
+    deadline, last, since = time.monotonic() + within_s, -1.0, time.monotonic()
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        done = next((float(line.split()[-1]) for line in text.splitlines() if line.startswith("memfilter_embedder_messages_embedded_total ")), 0.0)
+        if done != last:
+            last, since = done, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        await asyncio.sleep(0.2)
+
+
 def cpu(pids: dict[str, int]) -> dict[str, float]:
     """CPU seconds used so far by the run's parts and the stack's services."""
     return {**{name: cpu_seconds(pid) for name, pid in pids.items()}, **service_cpu_seconds()}
@@ -167,7 +181,8 @@ async def run(args: argparse.Namespace, path: Path, python: str, embeddings: str
             raise SystemExit("--sink and --recall need PostgreSQL: POSTGRES_URL, as `memfilter stack up` prints it")
         commands["sink"] = ["sink", "--web-port", str(free_port())]
     if embeddings:
-        commands["embedder"] = ["embedder", "--web-port", str(free_port())]
+        web["embedder"] = free_port()
+        commands["embedder"] = ["embedder", "--web-port", str(web["embedder"])]
         env |= {"MEMFILTER_RECALL": "resource", "MEMFILTER_EMBEDDINGS_BASE_URL": embeddings, "MEMFILTER_EMBEDDINGS_MODEL": "fake", "OPENAI_API_KEY": "none"}
     processes = {
         part: subprocess.Popen([python, "-m", "memfilter", *c], env=env, cwd=path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -188,12 +203,14 @@ async def run(args: argparse.Namespace, path: Path, python: str, embeddings: str
                     await asyncio.sleep(1)
             for t in threads:  # each thread's first turn, unmeasured: the parts warm up on every thread
                 await t.turn(http, gateway)
+            if embeddings:  # the embedder done with the threads' histories before its idle CPU is measured
+                await caught_up(web["embedder"])
             pids = {part: p.pid for part, p in processes.items()}
             at_, before = time.monotonic(), cpu(pids)
             await asyncio.sleep(args.idle_s)
             idle = {k: (v - before[k]) / (time.monotonic() - at_) for k, v in cpu(pids).items()}
             at_, before, wal = time.monotonic(), cpu(pids), await wal_bytes(postgres) if args.sink else 0
-            phases = {part: batch_phases([web[part]]) for part in web}
+            phases = {part: batch_phases([web[part]]) for part in ("worker", "agent")}
 
             async def turn(n: int) -> tuple[float, float]:
                 await asyncio.sleep(max(0.0, at_ + n / args.rate - time.monotonic()))
@@ -201,7 +218,7 @@ async def run(args: argparse.Namespace, path: Path, python: str, embeddings: str
 
             timed = await asyncio.gather(*(turn(n) for n in range(args.turns)))
             span = time.monotonic() - at_
-            phases = {part: hops(phases[part], batch_phases([web[part]])) for part in web}
+            phases = {part: hops(phases[part], batch_phases([web[part]])) for part in phases}
             if args.sink:  # what the turns gave the sink is written: PostgreSQL's bytes counted whole
                 await asyncio.sleep(args.sink_s)
                 wal = await wal_bytes(postgres) - wal

@@ -63,9 +63,11 @@ async def until(check, timeout: float = 90):
     return result
 
 
-def test_a_message_out_of_the_window_is_recalled_from_its_thread_and_the_resources_others_never_another_resources_nor_an_erased_one(pipeline, fake_openai):
+def test_a_message_out_of_the_window_is_recalled_from_its_thread_and_the_resources_others_imported_ones_too_never_another_resources_nor_an_erased_one(
+    pipeline, fake_openai, tmp_path
+):
     run = uuid.uuid4().hex[:6]
-    a, b, d, other = f"a-{run}", f"b-{run}", f"d-{run}", f"o-{run}"
+    a, b, d, other, imported = f"a-{run}", f"b-{run}", f"d-{run}", f"o-{run}", f"i-{run}"
     recall_env = {"MEMFILTER_EMBEDDINGS_BASE_URL": fake_openai.url, "MEMFILTER_EMBEDDINGS_MODEL": "fake-embed", "OPENAI_API_KEY": "sk-test"}
     pipeline.start_worker(MEMFILTER_HISTORY_MESSAGES=str(WINDOW))
     pipeline.start_sink()
@@ -99,7 +101,11 @@ def test_a_message_out_of_the_window_is_recalled_from_its_thread_and_the_resourc
         for n in range(2, 5):  # whiskers leaves thread a's window
             await turn(a, "r1", f"{a}-u{n}", f"tell me about weather number {n}")
         assert pipeline.memfilter("forget", "--thread", b).returncode == 0
+        export = tmp_path / "export.jsonl"
+        export.write_text(json.dumps({"threadId": imported, "resourceId": "r1", "messages": [user(f"{imported}-u0", "an old thread brought in")]}))
+        assert pipeline.memfilter("history", "import", str(export)).returncode == 0
         await until(lambda: _has(vectors_of(pipeline), f"{a}-u4"))  # embedded as far as the last turn
+        await until(lambda: _has(vectors_of(pipeline), f"{imported}-u0"))  # an imported thread like any
         await until(lambda: _lacks(vectors_of(pipeline), f"{b}-u0"))  # the erasure took its vectors out
 
         asked = len(fake_openai.received)
@@ -123,7 +129,7 @@ def test_a_message_out_of_the_window_is_recalled_from_its_thread_and_the_resourc
     assert "felix" not in json.dumps(other_input) and "tom" not in json.dumps(other_input)
 
     # every vector kept under its thread's owner; the erased thread's gone; the refused text has none
-    assert vectors[f"{other}-u0"] == "r2" and vectors[f"{a}-u0"] == "r1"
+    assert vectors[f"{other}-u0"] == "r2" and vectors[f"{a}-u0"] == "r1" and vectors[f"{imported}-u0"] == "r1"
     assert f"{b}-u0" not in vectors and f"{a}-u1" not in vectors
     assert "memfilter_embedder_refused_total 1.0" in local_get(embedder.web_port, "/metrics")[1]
 
