@@ -9,7 +9,8 @@ searched and the rows around the matches read (`memfilter.store.vectors`).
 What it promises:
 - a search names the input's resource, always: another resource's message is never recalled,
   nor one the context already holds, nor one out of its thread's conversation (erased,
-  superseded);
+  superseded); a thread Redis holds as erased is never recalled from, even while PostgreSQL's
+  copy has yet to be told (the sink follows the log);
 - what was recalled is said in the reply's metadata (`recall`: the matches with their scores,
   and the ids of the messages the model was given), so an audit sees why the model saw it;
 - recall that cannot be made within RECALL_S (PostgreSQL or the endpoint not answering) does
@@ -29,7 +30,11 @@ from memfilter.core.recall import question, recall, with_recalled
 from memfilter.runtime.embeddings import Embeddings
 from memfilter.schemas.wire import FilteredInput
 from memfilter.settings import Settings
+from memfilter.store import reads
+from memfilter.store.history import HistoryStore
 from memfilter.store.postgres import Refused, Unavailable
+from memfilter.store.redis_driver import connect
+from memfilter.store.transport import UNAVAILABLE
 from memfilter.store.vectors import MessageVectors
 
 log = logging.getLogger("memfilter")
@@ -41,6 +46,7 @@ class Recaller:
     def __init__(self, settings: Settings):
         self.settings = settings.recall
         self.vectors = MessageVectors(settings.postgres.url, settings.redis.prefix, settings.postgres.timeout)
+        self.store = HistoryStore(connect(settings.redis.url), settings.redis.prefix)
         self.embeddings = Embeddings(settings.recall, settings.agent.openai_api_key)
 
     async def recalled(self, event: FilteredInput) -> tuple[FilteredInput, dict[str, Any] | None]:
@@ -51,7 +57,7 @@ class Recaller:
             return event, None
         try:
             return await asyncio.wait_for(self._recall(event, text), RECALL_S)
-        except (TimeoutError, Unavailable, Refused, openai.APIError) as e:
+        except (TimeoutError, Unavailable, Refused, openai.APIError, *UNAVAILABLE) as e:
             why = f"recall not made: {type(e).__name__}: {str(e)[:300]}" if str(e) else f"recall not made within {RECALL_S:g} s"
             log.warning("memfilter agent: request %s: %s", event.requestId, why)
             return event, {"error": why}
@@ -64,6 +70,8 @@ class Recaller:
         thread = event.threadId if s.scope == "thread" else None
         matches = await self.vectors.search(s.model, event.resourceId, vector, s.top_k, thread)
         rows = await self.vectors.around(event.resourceId, matches, s.before, s.after)
+        for thread in await reads.gone(self.store, event.resourceId, list(rows)):  # erased: Redis says so before the sink tells PostgreSQL
+            del rows[thread]
         held = {m["id"] for m in event.context if isinstance(m.get("id"), str)}
         chosen = recall(matches, rows, held, event.threadId, s.top_k, s.before, s.after, s.threshold)
         given = [row["id"] for row in (*chosen.own, *chosen.other)]
@@ -75,7 +83,3 @@ class Recaller:
         if not given:
             return event, audit
         return msgspec.structs.replace(event, context=with_recalled(event.context, chosen, event.threadId)), audit
-
-    async def close(self) -> None:
-        await self.vectors.close()
-        await self.embeddings.close()

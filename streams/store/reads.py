@@ -42,6 +42,15 @@ async def meta(store: HistoryStore, thread: str) -> Meta:
     return Meta(owner.decode() if owner is not None else None, int(version or 0), erased is not None, erasures or b"", size)
 
 
+async def gone(store: HistoryStore, resource: str, threads: list[str]) -> set[str]:
+    """Of these threads, those Redis holds as erased (`memfilter forget`) or as another
+    resource's: what PostgreSQL's copy may still show until the sink writes it (one round trip)."""
+    if not threads:
+        return set()
+    metas = await store.transport.pipeline([("HMGET", store.keys(t).meta, "owner", "erased") for t in threads])
+    return {t for t, (owner, erased) in zip(threads, metas) if erased is not None or (owner is not None and owner.decode() != resource)}
+
+
 async def threads_of(store: HistoryStore, resource: str) -> list[str]:
     """The threads `resource` owns: a scan of every thread's meta key (an operator's
     command: as long as Redis takes to walk its keys)."""

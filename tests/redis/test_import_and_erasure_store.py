@@ -103,6 +103,19 @@ class TestAnErasure:
         assert [k.rsplit(":", 1)[1] for k in after] == ["meta"] and held == {} and erased == {"t1"}
         assert sorted(meta) == [b"epoch", b"erased", b"erasures", b"version"]
 
+    def test_is_seen_by_recall_before_postgresql_hears_of_it_as_is_another_resources_thread(self, redis_run):
+        async def go(client, prefix):
+            store = HistoryStore(client, prefix())
+            processor = Processor(store, TOPICS, secret=SECRET)
+            await processor.process([request(t, [msg(f"{t}-u1")], n) for n, t in enumerate(("kept", "erased"))])
+            theirs = {"requestId": "q3", "threadId": "theirs", "resourceId": "r2", "messages": [msg("x1")]}
+            await processor.process([Record(TOPICS.requests, 0, 3, T0 + 3, b"theirs", json.dumps(theirs).encode())])
+            version = (await reads.meta(store, "erased")).version
+            await Persister(store, TOPICS.dlq, SECRET).apply([erasure("erased", version, 5)])
+            return await reads.gone(store, "r1", ["kept", "erased", "theirs", "never-stored"])
+
+        assert redis_run(go) == {"erased", "theirs"}
+
     def test_asked_at_an_older_version_erases_nothing_and_again_changes_nothing(self, redis_run):
         async def go(client, prefix):
             store = HistoryStore(client, prefix())
