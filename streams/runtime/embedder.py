@@ -36,6 +36,7 @@ from memfilter.core.recall import embedded_text
 from memfilter.metrics import EmbedderMetrics
 from memfilter.runtime.embeddings import Embeddings
 from memfilter.runtime.sink import RETRY_S, applied
+from memfilter.schemas.wire import Id
 from memfilter.settings import Settings
 from memfilter.store.postgres import Refused, Unavailable
 from memfilter.store.vectors import MessageVectors, Vector
@@ -44,13 +45,14 @@ log = logging.getLogger("memfilter.embedder")
 
 
 class _Id(msgspec.Struct):
-    id: str | None = None
+    id: Id | None = None
 
 
 class _Named(msgspec.Struct):
-    """What the embedder reads of an event: its thread and the ids of its rows."""
+    """What the embedder reads of an event: its thread and the ids of its rows, ids as the
+    workers take them (an event with another is refused there: PostgreSQL holds nothing of it)."""
 
-    threadId: str
+    threadId: Id
     messages: list[_Id] = []
 
 

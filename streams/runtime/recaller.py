@@ -70,10 +70,12 @@ class Recaller:
         thread = event.threadId if s.scope == "thread" else None
         matches = await self.vectors.search(s.model, event.resourceId, vector, s.top_k, thread)
         rows = await self.vectors.around(event.resourceId, matches, s.before, s.after)
-        for thread in await reads.gone(self.store, event.resourceId, list(rows)):  # erased: Redis says so before the sink tells PostgreSQL
-            del rows[thread]
+        for erased in await reads.gone(self.store, event.resourceId, list(rows)):  # Redis says so before the sink tells PostgreSQL
+            del rows[erased]
+        # the matches still in a conversation (a vector the embedder has yet to prune names nothing)
+        found = [m for m in matches if any(row["id"] == m.message_id for row in rows.get(m.thread_id, ()))]
         held = {m["id"] for m in event.context if isinstance(m.get("id"), str)}
-        chosen = recall(matches, rows, held, event.threadId, s.top_k, s.before, s.after, s.threshold)
+        chosen = recall(found, rows, held, event.threadId, s.top_k, s.before, s.after, s.threshold)
         given = [row["id"] for row in (*chosen.own, *chosen.other)]
         audit = {
             "scope": s.scope,

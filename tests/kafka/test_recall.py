@@ -39,9 +39,16 @@ def user(mid: str, text: str) -> dict:
 
 async def saved_reply(pipeline: Pipeline, request_id: str) -> dict:
     """The agent's reply to a request, as it saved it on persist-messages."""
-    name = f"{request_id}/reply"
-    records = await read(pipeline.bootstrap, [pipeline.topics.persist], until=lambda recs: any(json.loads(r.value)["requestId"] == name for r in recs))
-    return next(json.loads(r.value)["messages"][0] for r in records if json.loads(r.value)["requestId"] == name)
+
+    def reply(record) -> dict | None:
+        try:
+            value = json.loads(record.value)
+        except ValueError:  # the test's hostile records
+            return None
+        return value["messages"][0] if value["requestId"] == f"{request_id}/reply" else None
+
+    records = await read(pipeline.bootstrap, [pipeline.topics.persist], until=lambda recs: any(reply(r) for r in recs))
+    return next(found for r in records if (found := reply(r)))
 
 
 async def vectors_of(pipeline: Pipeline) -> dict[str, str]:
@@ -94,6 +101,13 @@ def test_a_message_out_of_the_window_is_recalled_from_its_thread_and_the_resourc
         return rid
 
     async def go():
+        hostile = [  # on persist-messages, as any writer may publish: refused by the workers, and no stop to the embedder
+            b"not json",
+            json.dumps({"requestId": "h1", "threadId": "nul\u0000thread", "resourceId": "r1", "messages": []}).encode(),
+            json.dumps({"requestId": "h2", "threadId": a, "resourceId": "r1", "messages": [{**user("nul\u0000id", "x"), "threadId": a}]}).encode(),
+            json.dumps({"requestId": "h3", "threadId": a, "resourceId": "r2", "messages": [user(f"{a}-planted", "my cat is called rex")]}).encode(),
+        ]
+        await publish(pipeline.bootstrap, t.persist, [(a.encode(), value, None) for value in hostile])
         await turn(a, "r1", f"{a}-u0", "my cat is called whiskers")
         await turn(b, "r1", f"{b}-u0", "my cat is called tom")
         await turn(other, "r2", f"{other}-u0", "my cat is called felix")
@@ -130,7 +144,8 @@ def test_a_message_out_of_the_window_is_recalled_from_its_thread_and_the_resourc
 
     # every vector kept under its thread's owner; the erased thread's gone; the refused text has none
     assert vectors[f"{other}-u0"] == "r2" and vectors[f"{a}-u0"] == "r1" and vectors[f"{imported}-u0"] == "r1"
-    assert f"{b}-u0" not in vectors and f"{a}-u1" not in vectors
+    assert f"{b}-u0" not in vectors and f"{a}-u1" not in vectors and f"{a}-planted" not in vectors
+    assert embedder.poll() is None
     assert "memfilter_embedder_refused_total 1.0" in local_get(embedder.web_port, "/metrics")[1]
 
     # the replies say what was recalled, with scores
