@@ -46,6 +46,7 @@ from memfilter.store.transport import UNAVAILABLE
 
 log = logging.getLogger("memfilter.sink")
 RETRY_S = 1.0  # seconds between tries while PostgreSQL or Redis does not answer
+BEHIND_S = 30.0  # seconds a batch waits for the group before it applied it, before `/readyz` says so
 
 
 class Sink:
@@ -142,10 +143,14 @@ class Sink:
         self.metrics.retries.inc()
 
 
-async def applied(admin: AIOKafkaAdminClient, group: str, ends: dict[TopicPartition, int], stop: asyncio.Event, outage, who: str) -> None:
+async def applied(
+    admin: AIOKafkaAdminClient, group: str, ends: dict[TopicPartition, int], stop: asyncio.Event, outage, who: str, patience: float = BEHIND_S
+) -> None:
     """Until `group` has committed past `ends` on every partition of it (the workers' group
     for the sink, the sink's for the embedder). A broker that does not answer (down, moving its
-    groups, cut off) is waited out, named, and `outage` told why."""
+    groups, cut off) is waited out, named, and `outage` told why; so is a group that has not
+    come past them within `patience` seconds (not running, or under another name)."""
+    since = time.monotonic()
     while not stop.is_set():
         try:
             committed = await admin.list_consumer_group_offsets(group, partitions=list(ends))
@@ -158,6 +163,11 @@ async def applied(admin: AIOKafkaAdminClient, group: str, ends: dict[TopicPartit
             continue
         if all(tp in committed and committed[tp].offset >= end for tp, end in ends.items()):
             return
+        if time.monotonic() - since > patience:
+            why = f"group {group} has not committed past this batch of {', '.join(sorted({tp.topic for tp in ends}))} for {patience:g} s: is it running, under that name?"
+            log.warning("%s: %s", who, why)
+            outage(why)
+            since = time.monotonic()
         await asyncio.sleep(0.2)
 
 

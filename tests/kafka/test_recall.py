@@ -18,9 +18,12 @@ import uuid
 
 import asyncpg
 import pytest
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from fake_openai import FakeOpenAI
 from pipeline import Pipeline, local_get, node_test, publish, read, wait_for_line
 
+from memfilter.runtime.sink import applied
 from memfilter.settings import Gateway
 
 WINDOW = 4  # MEMFILTER_HISTORY_MESSAGES: the planted message leaves the context by the third turn
@@ -186,3 +189,25 @@ def test_through_the_gateway_a_fact_from_turn_2_is_in_the_models_input_at_turn_6
     # recalled (the window, 10 rows, holds turns 55 to 59 alone; recall adds only what it does not
     # hold: the reply's metadata names the message, recall.test.mjs checks), before the window
     assert said.index("my favourite colour is turquoise") < said.index("tell me something else, number 59")
+
+
+def test_an_embedder_whose_sink_is_not_running_says_which_group_it_waits_for(pipeline):
+    async def go():
+        admin = AIOKafkaAdminClient(bootstrap_servers=pipeline.bootstrap)
+        await admin.start()
+        stop, told = asyncio.Event(), []
+
+        def outage(why: str) -> None:
+            told.append(why)
+            stop.set()
+
+        try:
+            tp = TopicPartition(pipeline.topics.persist, 0)
+            await asyncio.wait_for(applied(admin, f"no-sink-{pipeline.name}", {tp: 1}, stop, outage, "memfilter embedder", patience=0.5), 30)
+        finally:
+            await admin.close()
+        return told
+
+    assert asyncio.run(go()) == [
+        f"group no-sink-{pipeline.name} has not committed past this batch of {pipeline.topics.persist} for 0.5 s: is it running, under that name?"
+    ]
