@@ -295,6 +295,9 @@ class FilteredInput(Struct):
         | UnsetType
     ) = UNSET
     waited: Waited | UnsetType = UNSET  # a request that waited for the reply before it (enqueue, interrupt)
+    # with MEMFILTER_WORKING_MEMORY: the working memory's document as the decision saw it (null:
+    # never written); the context carries it to the model in Mastra's system message
+    workingMemory: str | None | UnsetType = UNSET
 
 
 class Waited(Struct, omit_defaults=True):
@@ -306,6 +309,14 @@ class Waited(Struct, omit_defaults=True):
         bool,
         Meta(description="True when the reply it waited for was not saved within MEMFILTER_TURN_WAIT_S: decided without it."),
     ] = False
+
+
+class WorkingMemoryUpdate(Struct):
+    """What an event does to the working memory of its thread's resource (or of its thread,
+    as MEMFILTER_WORKING_MEMORY says): a call of Mastra's `updateWorkingMemory` tool, with the
+    arguments the model gave (`{"memory": ...}`), applied in order (`memfilter.store.memory`)."""
+
+    arguments: dict[str, Any]
 
 
 class Erasure(Struct):
@@ -339,6 +350,7 @@ class PersistMessagesOf(Struct, Generic[M], omit_defaults=True):
     historyVersion: int | UnsetType = UNSET
     superseded: list[Id] = []  # ids of this thread's rows to take out of the conversation (kept stored)
     erasure: Erasure | UnsetType = UNSET  # an operator's erasure of the thread (no messages)
+    workingMemory: WorkingMemoryUpdate | UnsetType = UNSET  # an update of the working memory (the agent's tool call)
 
 
 PersistMessages = PersistMessagesOf[MessageDict]

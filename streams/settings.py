@@ -296,6 +296,42 @@ class Recall(
     web_port: Port = 6070  # `memfilter embedder`'s web server (/metrics, /healthz, /readyz), on MEMFILTER_WEB_BIND
 
 
+class WorkingMemory(
+    msgspec.Struct,
+    frozen=True,
+    rename={"scope": "MEMFILTER_WORKING_MEMORY", "template": "MEMFILTER_WORKING_MEMORY_TEMPLATE", "schema": "MEMFILTER_WORKING_MEMORY_SCHEMA"},
+):
+    """Working memory (docs/working-memory.md), with Mastra's options: a document per resource
+    or per thread, kept up to date by the model through the agent runner's `updateWorkingMemory`
+    tool and given to it in every filtered input's context."""
+
+    scope: Literal["off", "resource", "thread"] = "off"  # whose document: the resource's (Mastra's default) or the thread's
+    template: str = ""  # a Markdown file: the document's template (empty: Mastra's default)
+    schema: str = ""  # a JSON Schema file: the document is JSON of this schema, merged on each update (instead of a template)
+
+    def read(self) -> Any:
+        """The document's template (`memfilter.core.working_memory.Template`), or None when off;
+        SettingError names a file that will not do."""
+        if self.scope == "off":
+            return None
+        from memfilter.core.working_memory import template_of
+
+        if self.template and self.schema:
+            raise SettingError(
+                "MEMFILTER_WORKING_MEMORY_TEMPLATE and MEMFILTER_WORKING_MEMORY_SCHEMA are both set: a document has a template or a schema; set one"
+            )
+        try:
+            if self.schema:
+                schema = msgspec.json.decode(Path(self.schema).read_bytes())
+                if not isinstance(schema, dict):
+                    raise SettingError(f"MEMFILTER_WORKING_MEMORY_SCHEMA={self.schema!r} is not a JSON Schema object")
+                return template_of(schema=schema)
+            return template_of(markdown=Path(self.template).read_text() if self.template else None)
+        except (OSError, msgspec.DecodeError) as e:
+            name = "MEMFILTER_WORKING_MEMORY_SCHEMA" if self.schema else "MEMFILTER_WORKING_MEMORY_TEMPLATE"
+            raise SettingError(f"{name}={self.schema or self.template!r} cannot be read: {e}") from None
+
+
 class Gateway(
     msgspec.Struct,
     frozen=True,
@@ -399,6 +435,7 @@ PARTS: dict[str, type[msgspec.Struct]] = {
     "worker": Worker,
     "agent": Agent,
     "recall": Recall,
+    "working_memory": WorkingMemory,
     "gateway": Gateway,
     "stack": Stack,
 }
@@ -422,6 +459,7 @@ class Settings(msgspec.Struct, frozen=True):
     worker: Worker = Worker()
     agent: Agent = Agent()
     recall: Recall = Recall()
+    working_memory: WorkingMemory = WorkingMemory()
     gateway: Gateway = Gateway()
     stack: Stack = Stack()
     secret_text: str = ""
@@ -455,6 +493,7 @@ class Settings(msgspec.Struct, frozen=True):
             raise SettingError(f"MEMFILTER_EMBEDDINGS_BASE_URL={parts['recall'].base_url!r} is not valid: expected an http:// or https:// URL")
         if not parts["agent"].base_url.startswith(("http://", "https://")):
             raise SettingError(f"MEMFILTER_AGENT_BASE_URL={parts['agent'].base_url!r} is not valid: expected an http:// or https:// URL")
+        parts["working_memory"].read()  # a template that will not do stops the command now
         parts["worker"] = msgspec.structs.replace(worker, data_dir=worker.data_dir or os.path.join(tempfile.gettempdir(), f"memfilter-{worker.group}"))
         parts["stack"] = msgspec.structs.replace(stack, dir=str(Path(stack.dir or _default_stack_dir()).resolve()))
         return cls(**parts, secret_text=env.get(SECRET, ""))

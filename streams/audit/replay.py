@@ -54,9 +54,10 @@ from memfilter.runtime.persister import Persister
 from memfilter.runtime.processor import ELSEWHERE_HEADER, REPLYING_HEADER, VERSION_HEADER, WAITED_HEADER, Processor
 from memfilter.runtime.records import Record
 from memfilter.schemas.wire import FilteredInput, Waited
-from memfilter.settings import Topics
+from memfilter.settings import Topics, WorkingMemory
 from memfilter.store import cold, reads
 from memfilter.store.history import HistoryStore
+from memfilter.store.memory import WorkingMemories
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,9 @@ class Rebuilt:
     refused_by_postgres: dict[str, str]
 
 
-async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: bytes, progress: Progress | None = None) -> Rebuilt:
+async def rebuild(
+    bootstrap: str, topics: Topics, store: HistoryStore, secret: bytes, progress: Progress | None = None, working_memory: WorkingMemory = WorkingMemory()
+) -> Rebuilt:
     """Replace what is under `store`'s prefix with every `persist-messages` event applied as it
     was live; with a PostgreSQL tier, write every thread to it too (`memfilter.store.cold.fill`:
     over older versions only, so PostgreSQL and Redis agree, but for a thread PostgreSQL refuses,
@@ -79,14 +82,14 @@ async def rebuild(bootstrap: str, topics: Topics, store: HistoryStore, secret: b
     with Recorded.temporary(topics, secret) as recorded:
         await recorded.load(bootstrap, [topics.persist, topics.dlq], progress)
         await reads.drop(store)
-        applied, refused, erased = await apply_log(recorded, store, progress)
+        applied, refused, erased = await apply_log(recorded, store, progress, WorkingMemories.of(working_memory, store))
     refused_by_postgres: dict[str, str] = {}
     if store.warmer is not None:  # with a PostgreSQL tier, it holds every thread as Redis now does
         _, refused_by_postgres = await cold.fill(store, store.warmer.pg)
     return Rebuilt(applied, refused, erased, refused_by_postgres)
 
 
-async def apply_log(recorded: Recorded, store: HistoryStore, progress: Progress | None = None) -> tuple[int, int, int]:
+async def apply_log(recorded: Recorded, store: HistoryStore, progress: Progress | None = None, memories: WorkingMemories | None = None) -> tuple[int, int, int]:
     """Apply every `persist-messages` event of `recorded` to `store`, each thread's in its live
     order (`ThreadLog`); (events applied, events refused, events left out as erased: before
     their thread's last erasure). Any content of the log is taken: an event that does not
@@ -95,7 +98,7 @@ async def apply_log(recorded: Recorded, store: HistoryStore, progress: Progress 
 
     Threads are independent, so each round applies the next event of every thread in one
     persister batch (three round trips): as many rounds as the longest thread has events."""
-    persister = Persister(store, recorded.topics.dlq, recorded.secret)
+    persister = Persister(store, recorded.topics.dlq, recorded.secret, memories)
     logs = {thread: log for thread in recorded.threads() if (log := recorded.log(thread))}  # a thread whose every event was refused live has none
     versions = dict.fromkeys(logs, 0)
     skipped = recorded.refused_live()  # refused live: left out (`ThreadLog`)
@@ -171,6 +174,7 @@ async def replay(
     policy: Policy = Policy(),
     progress: Progress | None = None,
     why: bool = False,
+    working_memory: WorkingMemory = WorkingMemory(),
 ) -> Report:
     """Decide the range's requests again on rebuilt history; compare with what was recorded.
     `store_of(prefix)` gives the isolated store; its keys are deleted afterwards. `policy` is
@@ -179,7 +183,8 @@ async def replay(
         await recorded.load(bootstrap, [topics.filtered, topics.persist, topics.dlq], progress)
         store = store_of(f"replay-{uuid.uuid4().hex[:12]}")
         try:
-            return await replay_log(recorded, store, read_topic(bootstrap, topics.requests, start, end, progress), policy, why)
+            batches = read_topic(bootstrap, topics.requests, start, end, progress)
+            return await replay_log(recorded, store, batches, policy, why, WorkingMemories.of(working_memory, store))
         finally:
             await reads.drop(store)
 
@@ -209,6 +214,15 @@ class _Seen:
         except msgspec.DecodeError:  # not the processor's: read as none, and the decision may then differ
             return None
 
+    def working_memory(self, record: Record) -> str | None:
+        try:
+            if (raw := self.recorded.filtered_at(record.partition, record.offset)) is not None:
+                document = msgspec.json.decode(raw, type=_Remembered).workingMemory
+                return document if isinstance(document, str) else None
+        except (msgspec.DecodeError, msgspec.ValidationError):  # not the processor's: read as none, and the decision may then differ
+            pass
+        return None
+
     def waited(self, record: Record) -> Waited | None:
         try:
             if (raw := self.recorded.filtered_at(record.partition, record.offset)) is not None:
@@ -224,7 +238,18 @@ class _Waited(msgspec.Struct):
     waited: Waited | msgspec.UnsetType = msgspec.UNSET
 
 
-async def replay_log(recorded: Recorded, store: HistoryStore, batches: AsyncIterable[list[Record]], policy: Policy = Policy(), why: bool = False) -> Report:
+class _Remembered(msgspec.Struct):
+    workingMemory: str | None = None
+
+
+async def replay_log(
+    recorded: Recorded,
+    store: HistoryStore,
+    batches: AsyncIterable[list[Record]],
+    policy: Policy = Policy(),
+    why: bool = False,
+    memories: WorkingMemories | None = None,
+) -> Report:
     """Decide each `chat-requests` record of `batches` again on `store` (empty at first), brought
     to the history each recorded decision saw, and compare with `recorded`. Any content of the
     topics is taken: what was recorded for a request but cannot be read (a record that does not
@@ -234,8 +259,8 @@ async def replay_log(recorded: Recorded, store: HistoryStore, batches: AsyncIter
         topics,
         store,
         recorded,
-        Processor(store, topics, policy, secret=recorded.secret, seen=_Seen(recorded, store.retry_window), windows=why),
-        Persister(store, topics.dlq, recorded.secret),
+        Processor(store, topics, policy, secret=recorded.secret, seen=_Seen(recorded, store.retry_window), windows=why, memories=memories),
+        Persister(store, topics.dlq, recorded.secret, memories),
     )
     report = Report()
     async for batch in batches:

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"memfilter history rebuild: {reason}", file=sys.stderr)
             return 1
         print(f"memfilter history rebuild: replacing the history under prefix {prefix} with {settings.topics.persist}", file=sys.stderr)
-        done = await rebuild(settings.kafka.bootstrap, settings.topics, history_store(url, prefix, settings), settings.secret, progress_bar("applied"))
+        store = history_store(url, prefix, settings)
+        done = await rebuild(settings.kafka.bootstrap, settings.topics, store, settings.secret, progress_bar("applied"), settings.working_memory)
         left_out = f"; {done.erased:,} of erased threads left out" if done.erased else ""
         events = done.applied + done.refused + done.erased
         print(f"rebuilt history under prefix {prefix} from {events:,} events of {settings.topics.persist} ({done.refused:,} refused{left_out})")

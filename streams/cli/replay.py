@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
             settings.policy,
             progress_bar("replayed"),
             args.why,
+            settings.working_memory,
         ),
     )
     for d in report.differences:

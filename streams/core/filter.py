@@ -638,6 +638,7 @@ def decide(
     turns: TurnPolicy = "concurrent",
     turn_wait_ms: int = 120_000,
     woken: bool = False,
+    memory: Msg | None = None,
 ) -> Decision:
     """The filter's decision for one validated request against its thread's stored view, with
     the model's context made of the last `history` rows of the conversation, within `budget`
@@ -645,7 +646,9 @@ def decide(
     for, unless `edits` is off (MEMFILTER_EDITS); on an erased thread, a refusal unless
     `reopen_erased` lets a new conversation start it (`_check_erased`); while a reply is being
     made in the thread, what `turns` says (`_check_turn`), unless the request has waited for
-    its turn already (`woken`)."""
+    its turn already (`woken`). `memory`, a system message of working memory
+    (`memfilter.core.working_memory.system_message`), goes into the context after the
+    request's own system messages, and counts in the budget as they do."""
     shape = request.shape
     ids = request.ids
     try:
@@ -700,6 +703,8 @@ def decide(
             persist.append(row)
         contributed.append((mid, row or out[-1]))
     tail = [mid for mid in view.tail if mid not in superseding] if superseding else view.tail
+    if memory is not None:
+        system = [*system, memory]
     try:
         chosen = window.choose(contributed, tail, view.rows, history, budget, system, view.counts)
     except window.OverBudget as e:

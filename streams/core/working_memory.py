@@ -21,6 +21,8 @@ holds them against Mastra's own code):
   tries it), then merged into the stored one (`merge`).
 - `merge`: `deepMergeWorkingMemory`: objects merged key by key, `null` deletes, arrays and
   other values replace.
+- `fold`: the document its updates make, applied in order from none (what the shell keeps).
+- `system_message`: the instruction as a context's system message.
 
 Pure functions: where the document is kept, and in what order updates apply, is the shell's.
 """
@@ -238,3 +240,19 @@ def update(template: Template, existing: str | None, given: Any) -> Updated | Re
         if flat(document) == flat(template.content) and flat(existing) != flat(template.content):
             return Updated(None, False, SKIPPED_EMPTY)
     return Updated(document, True)
+
+
+def fold(template: Template, calls: list[Any]) -> str | None:
+    """The document `calls` (each a call's arguments, in order) make from none: each applied
+    with `update`, a refused one changing nothing."""
+    document: str | None = None
+    for given in calls:
+        done = update(template, document, given)
+        if isinstance(done, Updated) and done.document is not None:
+            document = done.document
+    return document
+
+
+def system_message(template: Template, document: str | None) -> dict[str, Any]:
+    """The instruction for the document, as a system message of a filtered input's context."""
+    return {"role": "system", "content": {"format": 2, "parts": [{"type": "text", "text": instruction(template, document)}]}}

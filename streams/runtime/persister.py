@@ -33,6 +33,11 @@ it agrees with the stored thread (`clash`: APPLY); an erasure (`erasure`, no mes
 the thread for good at the version it was asked at (`HistoryStore.erase`; `stale` if the
 thread moved since: `memfilter forget` asks again). An erasure is applied on its own, between
 the events before it and after it.
+
+With working memory (MEMFILTER_WORKING_MEMORY), an event's `workingMemory` update is applied
+with its rows, once its thread has taken the event (not refused: under the thread's owner, so no
+resource writes another's document), to its resource's (or thread's) document
+(`memfilter.store.memory`); an erasure takes the thread's updates out of it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from memfilter.runtime.records import Out, Record, dead_letter, internal_error
 from memfilter.schemas.wire import Message, MessagesOf, PersistMessagesOf
 from memfilter.store.history import HistoryStore, Save
 from memfilter.store.layout import save_identity, thread_tag
+from memfilter.store.memory import Update, WorkingMemories
 
 # The value is decoded twice, as the filter does a request: typed to validate and read it,
 # raw to save each row byte for byte, as the processor saves its own.
@@ -73,13 +79,17 @@ class _Event(msgspec.Struct, gc=False):
     event: PersistMessagesOf[Message]
     rows: list[tuple[str, bytes]]
     writer: str  # "processor" or "import" (signed: `memfilter.core.origin`), or "service"
+    timestamp_ms: int  # its record time: where a working memory update goes among others (`memfilter.store.memory`)
 
 
 class Persister:
-    def __init__(self, store: HistoryStore, dlq_topic: str, secret: bytes = b""):
+    def __init__(self, store: HistoryStore, dlq_topic: str, secret: bytes = b"", memories: WorkingMemories | None = None):
         self.store = store
         self.dlq_topic = dlq_topic
         self.secret = secret  # MEMFILTER_SECRET, which verifies the processor's own events
+        # MEMFILTER_WORKING_MEMORY: where an event's update of working memory goes (None: off, and
+        # an update stays on the log alone, for a rebuild with it on)
+        self.memories = memories
 
     async def process(self, records: list[Record]) -> list[Out]:
         """Apply the records in order (`apply`); return the dead letters."""
@@ -162,6 +172,15 @@ class Persister:
         )
         for (i, ev), result in zip(saves, applied):
             results[i] = _refused(ev, *result) if isinstance(result, tuple) else result
+        if self.memories is not None:  # with the saves: only an update whose thread took its event
+            updates = [(ev, ev.event.workingMemory) for (_, ev), result in zip(saves, applied) if isinstance(result, int)]
+            await self.memories.apply(
+                [
+                    Update(ev.event.threadId, ev.event.resourceId, ev.event.requestId, ev.timestamp_ms, wm.arguments)
+                    for ev, wm in updates
+                    if wm is not msgspec.UNSET
+                ]
+            )
 
     async def _erase(self, ev: _Event) -> Rejection | int:
         """Apply an operator's erasure (`HistoryStore.erase`): the thread's version after it, or why not."""
@@ -173,6 +192,8 @@ class Persister:
         result = await self.store.erase(e.threadId, e.historyVersion, save_identity(e.resourceId, e.requestId), erased_ms or 0)
         if isinstance(result, tuple) and result[0] == "unavailable":
             return _refused(ev, *result)
+        if isinstance(result, int) and self.memories is not None:
+            await self.memories.erase(e.threadId, e.resourceId)
         if isinstance(result, tuple):
             return Rejection(
                 "stale",
@@ -200,7 +221,9 @@ class Persister:
                 raise Rejected("origin", f"an erasure of thread {event.threadId} not signed by the operator; only memfilter forget erases")
             if event.messages or event.superseded or event.historyVersion is msgspec.UNSET:
                 raise Rejected("schema", "an erasure has no messages and no superseded ids, and names the historyVersion it erases")
-        return _Event(event, _rows(event, _RAW.decode(record.value)), writer)
+        if event.workingMemory is not msgspec.UNSET and writer == "processor":
+            raise Rejected("schema", "the processor's own events never update working memory; only another service's (the agent runner's) or an import does")
+        return _Event(event, _rows(event, _RAW.decode(record.value)), writer, record.timestamp_ms)
 
 
 def _refusal(e: _Event, owners: dict[str, str], elsewhere: set[str], erased: set[str] | frozenset[str] = frozenset()) -> Rejection | None:

@@ -75,12 +75,14 @@ from memfilter.core.filtered import FORMAT, compact
 from memfilter.core.replies import wants_reply
 from memfilter.core.thread import Recorded, ThreadState, Write, after_commit
 from memfilter.core.window import WindowRow, report
+from memfilter.core.working_memory import system_message
 from memfilter.metrics import Metrics
 from memfilter.runtime.records import MAX_OUTPUT_BYTES, Out, Record, dead_letter, internal_error
 from memfilter.schemas.wire import FilteredInput, PersistMessagesOf, Source, StopReply, Waited
 from memfilter.settings import Topics
 from memfilter.store.history import HistoryStore
 from memfilter.store.layout import WAITING, WINDOW_ENTRY, Waiting, encode_waiting, in_window, record_field, thread_tag, window_key
+from memfilter.store.memory import WorkingMemories
 
 log = logging.getLogger("memfilter")
 
@@ -147,6 +149,7 @@ class _Pending:
     waited: Waited | None = None
     was: Waited | None = None  # how it waited, as its decision says (`_waited`)
     stop: Out | None = None  # `interrupt`: the stop of the reply being made, sent as it starts waiting
+    memory: str | None = None  # with working memory: the document its decision sees (`_read_memories`)
 
 
 @dataclass
@@ -179,6 +182,11 @@ class Seen(Protocol):
     def waited(self, record: Record) -> Waited | None:
         """How the request waited for its turn before it was decided, if it did: a replay
         decides it as woken, as it was, whatever its store says of the replies then."""
+
+    def working_memory(self, record: Record) -> str | None:
+        """The working memory's document the decision saw (its filtered input's): a resource's
+        document is updated from its threads on other partitions, in an order no replay of
+        one thread knows."""
 
 
 class _Source(msgspec.Struct):
@@ -233,6 +241,7 @@ class Processor:
         seen: Seen | None = None,
         filtered_format: int = FORMAT,
         windows: bool = False,
+        memories: WorkingMemories | None = None,
     ):
         self.store = store
         self.topics = topics
@@ -250,6 +259,7 @@ class Processor:
         self.edits = policy.edits  # regenerate and edit supersede rows
         self.filtered_format = filtered_format  # of the filtered inputs (MEMFILTER_FILTERED_FORMAT, `memfilter.core.filtered`)
         self.windows = windows and self.budget is not None  # each decision's window kept, for an audit (`Decided.windows`)
+        self.memories = memories  # MEMFILTER_WORKING_MEMORY: each context carries its document (`memfilter.store.memory`)
 
     async def process(self, records: list[Record]) -> list[Out]:
         """The records to emit for a batch, in the batch's order (for a caller that keeps no
@@ -354,6 +364,8 @@ class Processor:
                 tag = thread_tag(thread)
                 states[thread].elsewhere = {mid: owners[mid].hex() for mid in ids if owners.get(mid, tag) != tag}
         await self._read_tails(threads, states)
+        if self.memories is not None:
+            await self._read_memories(threads)
         # A request can have a record only if it was consumed before: at or before the
         # position of its thread's newest window entry (a thread's requests go in offset order).
         again = [(thread, p) for thread, t in threads.items() for p in t.requests[t.next :] if _consumed_before(states[thread].window, p.record)]
@@ -414,6 +426,23 @@ class Processor:
         if left_out:
             self.metrics.history_left_out.inc(left_out)
         return {thread: threads[thread] for thread in redo if threads[thread].next < len(threads[thread].requests)}
+
+    async def _read_memories(self, threads: dict[str, _Thread]) -> None:
+        """The working memory each request's decision sees: its resource's (or thread's)
+        document, read in one round trip (a request naming another resource than its thread's
+        owner reads that resource's, and is refused `ownership`: its document goes nowhere);
+        in a replay, the one its filtered input recorded."""
+        assert self.memories is not None
+        pending = [(thread, p) for thread, t in threads.items() for p in t.requests[t.next :] if p.request is not None]
+        if self.seen is not None:
+            for _, p in pending:
+                p.memory = self.seen.working_memory(p.record)
+            return
+        owned = list(dict.fromkeys((thread, p.request.shape.resourceId) for thread, p in pending if p.request is not None))
+        documents = dict(zip(owned, await self.memories.documents(owned)))
+        for thread, p in pending:
+            if p.request is not None:
+                p.memory = documents[thread, p.request.shape.resourceId]
 
     async def _read_tails(self, threads: dict[str, _Thread], states: dict[str, ThreadState]) -> None:
         """Complete what each thread's contexts need of its last rows: the rows not read yet,
@@ -576,8 +605,19 @@ class Processor:
         started = perf_counter()
         policy = self.policy
         woken = p.wake is not None or p.waited is not None
+        memory = system_message(self.memories.template, p.memory) if self.memories is not None else None
         decision = decide(
-            request, view, p.record.timestamp_ms, self.history, self.edits, self.budget, policy.reopen_erased, policy.turns, policy.turn_wait_ms, woken
+            request,
+            view,
+            p.record.timestamp_ms,
+            self.history,
+            self.edits,
+            self.budget,
+            policy.reopen_erased,
+            policy.turns,
+            policy.turn_wait_ms,
+            woken,
+            memory,
         )
         self.metrics.decision.observe(perf_counter() - started)
         p.outcome = decision.outcome
@@ -640,6 +680,7 @@ class Processor:
             decision.fit.tokens if decision.fit is not None and decision.fit.tokens is not None else UNSET,
             True if decision.fit is not None and decision.fit.left_out else UNSET,
             waited if waited is not None else UNSET,
+            p.memory if self.memories is not None else UNSET,
         )
         rows = [(row["id"], msgspec.json.encode(row)) for row in decision.persist]
         persist = None

@@ -70,6 +70,7 @@ from memfilter.runtime.written import Written
 from memfilter.settings import Settings, Topics, without_password
 from memfilter.store.cold import Warmer
 from memfilter.store.history import Fenced, HistoryStore
+from memfilter.store.memory import WorkingMemories
 from memfilter.store.redis_driver import TIMEOUT_S, connect
 
 log = logging.getLogger("memfilter")
@@ -115,8 +116,11 @@ class WorkerHandler:
         self.topics = settings.topics
         self.metrics = metrics
         self.store = store
-        self.processor = Processor(store, settings.topics, settings.policy, metrics, settings.secret, filtered_format=settings.worker.filtered_format)
-        self.persister = Persister(store, settings.topics.dlq, settings.secret)
+        memories = WorkingMemories.of(settings.working_memory, store)
+        self.processor = Processor(
+            store, settings.topics, settings.policy, metrics, settings.secret, filtered_format=settings.worker.filtered_format, memories=memories
+        )
+        self.persister = Persister(store, settings.topics.dlq, settings.secret, memories)
         self.turns = Turns(store, settings.topics, settings.secret, settings.policy.turn_wait_ms, metrics)
         self.partitions: list[int] = []  # the tasks assigned (`tasks`): the sweep's
         self.swept = 0.0  # when the sweep last ran (monotonic)

@@ -20,6 +20,9 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:waits:<P>` | sorted set | thread id -> when to look at it again (epoch ms), for the threads of partition P with requests waiting: the worker's sweep (`memfilter.runtime.turns`) wakes them once due |
 | `mf:gateways:{F}` | set | the addresses of the gateways sharing the partitions of topic F (`filtered-inputs`) among themselves (MEMFILTER_GATEWAY_ADDRESS, `memfilter.gateway.shards`) |
 | `mf:gateways:{F}:<address>` | string | that gateway's lease: gone LEASE_S after its last heartbeat, by Redis's clock |
+| `mf:wm:r:{R}:updates` (`mf:wm:t:{T}:updates` with MEMFILTER_WORKING_MEMORY=thread) | sorted set | the working memory's updates applied (`memfilter.store.memory`): `["<thread>","<requestId>"]` each, scored by its record time (ms) |
+| `mf:wm:r:{R}:calls` | hash | each update's arguments (the `updateWorkingMemory` call's), by its member |
+| `mf:wm:r:{R}:document` | string | the document its updates make, folded in their order (`memfilter.core.working_memory.fold`) |
 | `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
 | `mf:sync:{S}` | string | a marker `replicate` writes before WAIT, one per cluster node (`mf:sync` on one Redis); expires after a minute |
 
@@ -130,6 +133,13 @@ encode_waiting = msgspec.msgpack.Encoder().encode
 WAITING = msgspec.msgpack.Decoder(Waiting)
 
 
+def hash_tag(name: str) -> str:
+    """`{name}`, one whole hash tag whatever the id (see the layout)."""
+    if "{" in name or "}" in name or "%" in name:
+        name = name.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    return f"{{{name}}}"
+
+
 class Keys:
     """A store's key names, under its prefix."""
 
@@ -143,9 +153,7 @@ class Keys:
         self._keys: dict[str, ThreadKeys] = {}
 
     def _tag(self, thread: str) -> str:
-        if "{" in thread or "}" in thread or "%" in thread:  # one whole hash tag (see the layout)
-            thread = thread.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-        return f"{self.prefix}:t:{{{thread}}}"
+        return f"{self.prefix}:t:{hash_tag(thread)}"
 
     def thread_of_meta(self, key: str) -> str:
         """The thread id of one of this store's meta keys (`_tag` undone)."""
