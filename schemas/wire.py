@@ -313,10 +313,11 @@ class Waited(Struct, omit_defaults=True):
 
 class WorkingMemoryUpdate(Struct):
     """What an event does to the working memory of its thread's resource (or of its thread,
-    as MEMFILTER_WORKING_MEMORY says): a call of Mastra's `updateWorkingMemory` tool, with the
-    arguments the model gave (`{"memory": ...}`), applied in order (`memfilter.store.memory`)."""
+    as MEMFILTER_WORKING_MEMORY says): the calls of Mastra's `updateWorkingMemory` tool its
+    reply made, each with the arguments the model gave (`{"memory": ...}`), applied in order
+    (`memfilter.store.memory`)."""
 
-    arguments: dict[str, Any]
+    calls: list[dict[str, Any]]
 
 
 class Erasure(Struct):

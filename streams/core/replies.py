@@ -42,10 +42,11 @@ import uuid
 from typing import Any
 
 import msgspec
+from msgspec import UNSET
 
 from memfilter.core.filter import CLIENT_OUTCOME_STATES, iso_ms, parse_ms
 from memfilter.core.ui import to_stored
-from memfilter.schemas.wire import FilteredInput, PersistMessages
+from memfilter.schemas.wire import FilteredInput, PersistMessages, WorkingMemoryUpdate
 
 Msg = dict[str, Any]
 
@@ -215,8 +216,10 @@ def no_reply_event(event: FilteredInput) -> bytes:
     return msgspec.json.encode(PersistMessages(f"{event.requestId}/reply", event.threadId, event.resourceId, []))
 
 
-def reply_event(event: FilteredInput, message: Msg) -> bytes:
+def reply_event(event: FilteredInput, message: Msg, memory_calls: list[Msg] | None = None) -> bytes:
     """The PersistMessages value that saves `message` as the reply to a filtered input, in
-    its thread, for its resource; a repeat of it changes nothing."""
+    its thread, for its resource, with the reply's calls that updated working memory; a repeat
+    of it changes nothing."""
     message = {"threadId": event.threadId, "resourceId": event.resourceId, **message}
-    return msgspec.json.encode(PersistMessages(f"{event.requestId}/reply", event.threadId, event.resourceId, [message]))
+    update = WorkingMemoryUpdate(memory_calls) if memory_calls else UNSET
+    return msgspec.json.encode(PersistMessages(f"{event.requestId}/reply", event.threadId, event.resourceId, [message], workingMemory=update))

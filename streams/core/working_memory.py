@@ -23,6 +23,8 @@ holds them against Mastra's own code):
   other values replace.
 - `fold`: the document its updates make, applied in order from none (what the shell keeps).
 - `system_message`: the instruction as a context's system message.
+- `tool`: the tool as the model is offered it (Mastra's description and input schema), and
+  `output`: what a call's outcome answers the model.
 
 Pure functions: where the document is kept, and in what order updates apply, is the shell's.
 """
@@ -256,3 +258,33 @@ def fold(template: Template, calls: list[Any]) -> str | None:
 def system_message(template: Template, document: str | None) -> dict[str, Any]:
     """The instruction for the document, as a system message of a filtered input's context."""
     return {"role": "system", "content": {"format": 2, "parts": [{"type": "text", "text": instruction(template, document)}]}}
+
+
+def tool(template: Template) -> dict[str, Any]:
+    """`updateWorkingMemory` as a chat-completions function: Mastra's description and its
+    input schema (a `memory` string, or the template's JSON Schema as `memory`)."""
+    if template.format == "json":
+        schema = {k: v for k, v in msgspec.json.decode(template.content).items() if k != "$schema"}
+        description = (
+            "Update the working memory with new information. Data is merged with existing memory - only include fields you want to add or update. "
+            "To preserve existing data, omit the field entirely. Arrays are replaced entirely when provided, so pass the complete array or omit it to keep the existing values."
+        )
+        parameters = {
+            "$schema": DRAFT_07,
+            "type": "object",
+            "description": "The JSON formatted working memory content to store.",
+            "properties": {"memory": schema},
+            "required": ["memory"],
+        }
+        return {"name": TOOL, "description": description, "parameters": parameters}
+    memory = {"type": "string", "description": "The Markdown formatted working memory content to store. This MUST be a string. Never pass an object."}
+    return {
+        "name": TOOL,
+        "description": "Update the working memory with new information. Any data not included will be overwritten. Always pass data as string to the memory field. Never pass an object.",
+        "parameters": {"$schema": DRAFT_07, "type": "object", "properties": {"memory": memory}, "required": ["memory"]},
+    }
+
+
+def output(done: Updated) -> dict[str, Any]:
+    """What the tool answers the model for a call that was not refused (Mastra's result)."""
+    return {"success": done.success} | ({"message": done.message} if done.message is not None else {})

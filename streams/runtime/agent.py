@@ -49,7 +49,7 @@ import faust
 import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from memfilter.core import chat_completions, replies
+from memfilter.core import chat_completions, replies, working_memory
 from memfilter.core.filter import Rejection
 from memfilter.core.filtered import decode_whole
 from memfilter.core.reply_stream import Reply
@@ -63,6 +63,7 @@ from memfilter.schemas.wire import FilteredInput
 from memfilter.settings import Agent, Settings
 
 if TYPE_CHECKING:
+    from memfilter.core.working_memory import Template
     from memfilter.runtime.recaller import Recaller
 
 log = logging.getLogger("memfilter")
@@ -127,11 +128,16 @@ def read_tools(path: str) -> list[dict[str, Any]]:
     return tools
 
 
-def openai_model(agent: Agent, health: Health) -> Model:
+def openai_model(agent: Agent, health: Health, template: Template | None = None) -> Model:
+    """The `openai` backend. With working memory (`template`), the model is offered
+    `updateWorkingMemory` too: the runner answers its calls itself, against the input's
+    document (`memfilter.core.working_memory.update`), and calls the model again with the
+    answers, up to MAX_STEPS calls a reply, as Mastra's agent does; the calls that update it
+    are the reply's, saved with it (`memory_calls`)."""
     import openai
 
     client = openai.AsyncOpenAI(api_key=agent.openai_api_key, base_url=agent.base_url, max_retries=0, timeout=60)
-    tools = read_tools(agent.tools)
+    tools = read_tools(agent.tools) + ([working_memory.tool(template)] if template is not None else [])
     sampling = {
         "temperature": agent.temperature,
         "top_p": agent.top_p,
@@ -140,9 +146,8 @@ def openai_model(agent: Agent, health: Health) -> Model:
         "stop": agent.stop_sequences.split("|") if agent.stop_sequences else None,
     }
 
-    async def opened(event: FilteredInput) -> Any:
+    async def opened(event: FilteredInput, body: dict[str, Any]) -> Any:
         """The streamed completion, once the endpoint takes the call."""
-        body = chat_completions.request(event.context, agent.model, agent.system, tools, **sampling)
         delay = 0.5
         while True:
             try:
@@ -162,20 +167,75 @@ def openai_model(agent: Agent, health: Health) -> Model:
 
     def answer(event: FilteredInput, reply_id: str) -> AsyncIterator[dict[str, Any]]:
         async def chunks() -> AsyncIterator[dict[str, Any]]:
-            stream = await opened(event)
-            completion = chat_completions.Completion(reply_id.replace("-", "")[:12])
-            try:
-                async for chunk in stream:
-                    for out in completion.add(chunk.to_dict()):
-                        yield out
-            finally:
-                await stream.close()
-            for out in completion.finish():
-                yield out
+            body = chat_completions.request(event.context, agent.model, agent.system, tools, **sampling)
+            document = event.workingMemory if isinstance(event.workingMemory, str) else None
+            for step in range(MAX_STEPS + 1):
+                stream = await opened(event, body)
+                completion = chat_completions.Completion(reply_id.replace("-", "")[:12] + (f"s{step}" if step else ""))
+                said: list[str] = []
+                try:
+                    async for chunk in stream:
+                        for out in completion.add(chunk.to_dict()):
+                            said += [out["delta"]] if out["type"] == "text-delta" else []
+                            yield out
+                finally:
+                    await stream.close()
+                calls = list(completion.calls.values())
+                *ending, finish = completion.finish()
+                ours = [c for c in calls if c["name"] == working_memory.TOOL] if template is not None else []
+                for out in ending:
+                    yield out
+                answers = []
+                for call in ours:  # answered here, in order, each against the document the ones before it left
+                    out, document = _memory_call(template, document, call)
+                    answers.append((call, out))
+                    yield out
+                if not ours or len(ours) < len(calls) or step == MAX_STEPS:  # a client's tool, or enough: the reply ends
+                    yield finish
+                    return
+                body["messages"] += _answered_step("".join(said), answers)
 
         return chunks()
 
     return answer
+
+
+MAX_STEPS = 5  # the model's calls a reply after its first, each answering working memory's tool calls
+
+
+def _memory_call(template: Template | None, document: str | None, call: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A call of `updateWorkingMemory` answered: its output chunk, and the document after it."""
+    assert template is not None
+    try:
+        given = json.loads(call["arguments"] or "{}")
+    except ValueError:
+        return {"type": "tool-output-error", "toolCallId": call["id"], "errorText": "the arguments are not JSON"}, document
+    done = working_memory.update(template, document, given)
+    if isinstance(done, working_memory.Refused):
+        return {"type": "tool-output-error", "toolCallId": call["id"], "errorText": "; ".join(done.errors)}, document
+    after = done.document if done.document is not None else document
+    return {"type": "tool-output-available", "toolCallId": call["id"], "output": working_memory.output(done)}, after
+
+
+def _answered_step(text: str, answers: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A step's calls and their answers, as chat messages for the model's next call."""
+    assistant = {
+        "role": "assistant",
+        "content": text or None,
+        "tool_calls": [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"] or "{}"}} for c, _ in answers],
+    }
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": json.dumps(out.get("output", {"error": out.get("errorText")}))} for c, out in answers]
+    return [assistant, *results]
+
+
+def memory_calls(ui: dict[str, Any]) -> list[dict[str, Any]]:
+    """The reply's calls of `updateWorkingMemory` that updated the document, in order: what
+    its saved event applies (`memfilter.store.memory`)."""
+    return [
+        p["input"]
+        for p in ui.get("parts", [])
+        if p.get("type") == f"tool-{working_memory.TOOL}" and p.get("state") == "output-available" and (p.get("output") or {}).get("success")
+    ]
 
 
 def transactional_id(group: str, partition: int) -> str:
@@ -248,7 +308,7 @@ class AgentHandler:
                 ui = reply.ui()
                 if recalled is not None:  # for an audit: why the model saw what it saw
                     ui = {**ui, "metadata": {**(ui.get("metadata") or {}), "recall": recalled}}
-                value = replies.reply_event(event, replies.reply_message(event, ui, r.timestamp, self.settings.secret))
+                value = replies.reply_event(event, replies.reply_message(event, ui, r.timestamp, self.settings.secret), memory_calls(ui))
             except ModelRefused as e:
                 out += [self._dead(r, Rejection("model", str(e))), Out(self.topics.persist, r.key, replies.no_reply_event(event), None)]
                 continue
@@ -332,7 +392,7 @@ class AgentHandler:
 
 def create_agent_app(settings: Settings) -> faust.App:
     health = Health()
-    model = echo_model if settings.agent.backend == "echo" else openai_model(settings.agent, health)
+    model = echo_model if settings.agent.backend == "echo" else openai_model(settings.agent, health, settings.working_memory.read())
     metrics = AgentMetrics()
     group = settings.agent.group
     relay = Relay(settings.kafka, settings.topics, settings.secret)

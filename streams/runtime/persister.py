@@ -175,11 +175,7 @@ class Persister:
         if self.memories is not None:  # with the saves: only an update whose thread took its event
             updates = [(ev, ev.event.workingMemory) for (_, ev), result in zip(saves, applied) if isinstance(result, int)]
             await self.memories.apply(
-                [
-                    Update(ev.event.threadId, ev.event.resourceId, ev.event.requestId, ev.timestamp_ms, wm.arguments)
-                    for ev, wm in updates
-                    if wm is not msgspec.UNSET
-                ]
+                [Update(ev.event.threadId, ev.event.resourceId, ev.event.requestId, ev.timestamp_ms, wm.calls) for ev, wm in updates if wm is not msgspec.UNSET]
             )
 
     async def _erase(self, ev: _Event) -> Rejection | int:

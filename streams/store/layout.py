@@ -21,7 +21,7 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:gateways:{F}` | set | the addresses of the gateways sharing the partitions of topic F (`filtered-inputs`) among themselves (MEMFILTER_GATEWAY_ADDRESS, `memfilter.gateway.shards`) |
 | `mf:gateways:{F}:<address>` | string | that gateway's lease: gone LEASE_S after its last heartbeat, by Redis's clock |
 | `mf:wm:r:{R}:updates` (`mf:wm:t:{T}:updates` with MEMFILTER_WORKING_MEMORY=thread) | sorted set | the working memory's updates applied (`memfilter.store.memory`): `["<thread>","<requestId>"]` each, scored by its record time (ms) |
-| `mf:wm:r:{R}:calls` | hash | each update's arguments (the `updateWorkingMemory` call's), by its member |
+| `mf:wm:r:{R}:calls` | hash | each update's calls of `updateWorkingMemory` (their arguments, a JSON list), by its member |
 | `mf:wm:r:{R}:document` | string | the document its updates make, folded in their order (`memfilter.core.working_memory.fold`) |
 | `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
 | `mf:sync:{S}` | string | a marker `replicate` writes before WAIT, one per cluster node (`mf:sync` on one Redis); expires after a minute |

@@ -8,8 +8,8 @@ order (`memfilter.core.working_memory.fold`): whatever order the updates are app
 in a rebuild, the same set makes the same document.
 
 Keys (`memfilter.store.layout`, under the scope's hash tag: a thread-scoped document shares its
-thread's slot): `updates` (sorted set of members by record time), `calls` (hash: member -> the
-call's arguments, JSON) and `document` (the fold).
+thread's slot): `updates` (sorted set of members by record time), `calls` (hash: member -> its
+calls' arguments, a JSON list) and `document` (the fold).
 
 What it promises:
 - an update applied again changes nothing (its member is added once, its first arguments kept:
@@ -46,7 +46,7 @@ class Update(msgspec.Struct, frozen=True):
     resource: str
     request_id: str
     timestamp_ms: int
-    arguments: dict[str, Any]
+    calls: list[dict[str, Any]]  # each call's arguments, in the order the reply made them
 
 
 class WorkingMemories:
@@ -80,7 +80,7 @@ class WorkingMemories:
         commands: list[tuple] = []
         for u in updates:
             base, member = self.base(u.thread, u.resource), _member(u.thread, u.request_id)
-            commands += [("ZADD", f"{base}:updates", "NX", u.timestamp_ms, member), ("HSETNX", f"{base}:calls", member, msgspec.json.encode(u.arguments))]
+            commands += [("ZADD", f"{base}:updates", "NX", u.timestamp_ms, member), ("HSETNX", f"{base}:calls", member, msgspec.json.encode(u.calls))]
         added = await self.store.transport.pipeline(commands)
         changed = {self.base(u.thread, u.resource) for u, n in zip(updates, added[::2]) if n}
         for base in sorted(changed):
@@ -102,7 +102,7 @@ class WorkingMemories:
         """Write the document its updates make, folding again if more came meanwhile."""
         while True:
             members, calls = await self.store.transport.pipeline([("ZRANGE", f"{base}:updates", 0, -1), ("HGETALL", f"{base}:calls")])
-            document = fold(self.template, [msgspec.json.decode(calls[m]) for m in members if m in calls])
+            document = fold(self.template, [call for m in members if m in calls for call in msgspec.json.decode(calls[m])])
             command = MEMORY.command(
                 updates_key=f"{base}:updates",
                 document_key=f"{base}:document",

@@ -41,7 +41,7 @@ def reply(thread: str, n: int, memory: str, resource: str = "r1", at: int | None
         "threadId": thread,
         "resourceId": resource,
         "messages": [msg(f"{thread}-a{n}", "assistant", "noted")],
-        "workingMemory": {"arguments": {"memory": memory}},
+        "workingMemory": {"calls": [{"memory": memory}]},
     }
     return Record(TOPICS.persist, 0, 100 + n, T0 + (n if at is None else at), thread.encode(), json.dumps(value).encode())
 
@@ -102,7 +102,7 @@ class TestAnUpdate:
         async def go(client, prefix):
             processor, persister, _ = parts(HistoryStore(client, prefix()))
             await processor.process([request("t1", 0)])
-            value = json.dumps({"requestId": "forged", "threadId": "t1", "resourceId": "r1", "messages": [], "workingMemory": {"arguments": {"memory": "x"}}})
+            value = json.dumps({"requestId": "forged", "threadId": "t1", "resourceId": "r1", "messages": [], "workingMemory": {"calls": [{"memory": "x"}]}})
             headers = tuple(origin.headers(value.encode(), SECRET))
             return await persister.apply([Record(TOPICS.persist, 0, 7, T0, b"t1", value.encode(), headers)])
 
