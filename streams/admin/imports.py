@@ -29,8 +29,9 @@ from aiokafka import AIOKafkaProducer
 
 from memfilter.core import origin
 from memfilter.core.exports import ImportedThread, with_created_at
+from memfilter.core.working_memory import Template
 from memfilter.runtime.records import MAX_OUTPUT_BYTES
-from memfilter.schemas.wire import PersistMessagesOf
+from memfilter.schemas.wire import PersistMessagesOf, WorkingMemoryUpdate
 from memfilter.settings import Settings
 from memfilter.store.history import HistoryStore
 from memfilter.store.layout import thread_tag
@@ -47,10 +48,20 @@ class Summary:
     messages: int = 0  # rows published
 
 
-def event_of(t: ImportedThread, rows: list[bytes]) -> bytes:
-    """The thread's import event: its rows, under a request id that is a digest of them."""
-    digest = hashlib.blake2b(b"\n".join([t.thread.encode(), *rows]), digest_size=12).hexdigest()
-    return msgspec.json.encode(PersistMessagesOf[msgspec.Raw](f"import-{digest}", t.thread, t.resource or "", [msgspec.Raw(r) for r in rows]))
+def event_of(t: ImportedThread, rows: list[bytes], template: Template | None = None) -> bytes:
+    """The thread's import event: its rows, and the working memory it brings as a call of the
+    tool (a JSON document as the object it holds: a schema's call merges it into none), under a
+    request id that is a digest of them."""
+    memory = (
+        (msgspec.json.decode(t.working_memory) if template is not None and template.format == "json" else t.working_memory)
+        if t.working_memory is not None
+        else None
+    )
+    update = WorkingMemoryUpdate([{"memory": memory}]) if t.working_memory is not None else msgspec.UNSET
+    digest = hashlib.blake2b(b"\n".join([t.thread.encode(), *rows, (t.working_memory or "").encode()]), digest_size=12).hexdigest()
+    return msgspec.json.encode(
+        PersistMessagesOf[msgspec.Raw](f"import-{digest}", t.thread, t.resource or "", [msgspec.Raw(r) for r in rows], workingMemory=update)
+    )
 
 
 async def import_threads(
@@ -61,7 +72,7 @@ async def import_threads(
     for t in threads:
         if t.problems:
             summary.refused.append((t.thread or "(no thread)", "; ".join(t.problems)))
-        elif t.rows:
+        elif t.rows or t.working_memory is not None:
             ready.append(t)
     producer = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap, acks="all", enable_idempotence=True, max_request_size=MAX_OUTPUT_BYTES + 4096)
     await producer.start()
@@ -69,7 +80,7 @@ async def import_threads(
     try:
         for at in range(0, len(ready), CHECKED_AT_ONCE):
             chunk = ready[at : at + CHECKED_AT_ONCE]
-            for t, event, ids in await _checked(store, chunk, summary):
+            for t, event, ids in await _checked(store, chunk, summary, settings.working_memory.read()):
                 await producer.send(settings.topics.persist, event, key=t.thread.encode(), headers=list(origin.operator_headers(event, settings.secret)))
                 summary.published.append((t.thread, len(ids)))
                 summary.messages += len(ids)
@@ -83,7 +94,9 @@ async def import_threads(
     return summary
 
 
-async def _checked(store: HistoryStore, threads: list[ImportedThread], summary: Summary) -> list[tuple[ImportedThread, bytes, list[str]]]:
+async def _checked(
+    store: HistoryStore, threads: list[ImportedThread], summary: Summary, template: Template | None
+) -> list[tuple[ImportedThread, bytes, list[str]]]:
     """The threads' events to publish, after checking them against the store; the others go
     into the summary."""
     states = await store.read({t.thread: [row["id"] for row in t.rows] for t in threads})
@@ -105,13 +118,23 @@ async def _checked(store: HistoryStore, threads: list[ImportedThread], summary: 
             summary.refused.append((t.thread, f"message id {foreign[0]} belongs to another thread"))
         elif clash := [row["id"] for row, raw in zip(rows, encoded) if row["id"] in state.rows and state.rows[row["id"]] != raw]:
             summary.refused.append((t.thread, f"message {clash[0]} is stored with other content; not overwritten"))
-        elif all(row["id"] in state.rows for row in rows):
+        elif all(row["id"] in state.rows for row in rows) and t.working_memory is None:
             summary.unchanged += 1
-        elif len(event := event_of(t, encoded)) + len(t.thread) > MAX_OUTPUT_BYTES:
+        elif template is not None and template.format == "json" and t.working_memory is not None and not _is_json(t.working_memory):
+            summary.refused.append((t.thread, "its working memory is not JSON, and MEMFILTER_WORKING_MEMORY_SCHEMA makes it a JSON document"))
+        elif len(event := event_of(t, encoded, template)) + len(t.thread) > MAX_OUTPUT_BYTES:
             summary.refused.append((t.thread, f"its {len(rows)} messages are {len(event):,} bytes; a record may have {MAX_OUTPUT_BYTES:,}"))
         else:
             out.append((t, event, [row["id"] for row in rows]))
     return out
+
+
+def _is_json(text: str) -> bool:
+    try:
+        msgspec.json.decode(text)
+        return True
+    except msgspec.DecodeError:
+        return False
 
 
 async def _applied(store: HistoryStore, sent: list[tuple[ImportedThread, list[str]]], wait_s: float) -> int:

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         from memfilter.admin.imports import import_threads
         from memfilter.core.exports import read_export
 
-        threads = read_export(read_input(args.file).splitlines())
+        threads = read_export(read_input(args.file).splitlines(), settings.working_memory.scope)
         summary = await import_threads(settings, history_store(url, prefix, settings), threads, args.wait, progress_bar("checked"))
         for thread, why in summary.refused:
             print(f"memfilter history import: thread {thread} not imported: {why}", file=sys.stderr)

@@ -11,6 +11,11 @@ A team adopting the product brings months of conversations, in one of two shapes
   text part, `thread_id` becoming `threadId`; a thread's messages are in `createdAt` order,
   as Mastra lists them, and its resource is its thread row's (a message naming another is an
   error);
+  With working memory on (MEMFILTER_WORKING_MEMORY), Mastra's stored documents come too, from
+  where Mastra keeps them: a row of `mastra_resources` (`{"id", "workingMemory", ...}`) for
+  scope `resource`, brought by the first of the resource's threads in the export (a resource
+  with none there is a problem: no thread of it carries it in), or a thread row's
+  `metadata.workingMemory` for scope `thread`;
 - **AI SDK UI messages**, one thread per line: `{"threadId", "resourceId", "messages": [...]}`,
   the messages as `useChat` holds them (or already stored ones), converted exactly as the
   processor converts a request's (`memfilter.core.ui`), in the order given; a message's date
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -45,12 +50,15 @@ class ImportedThread:
     rows: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # why it cannot be imported (empty: it can)
     lines: list[int] = field(default_factory=list)  # of the export, for the problems
+    working_memory: str | None = None  # a working memory document its event brings (Mastra's, as stored)
 
 
-def read_export(lines: Iterable[bytes]) -> list[ImportedThread]:
-    """The threads of an export (either shape, or both, line by line), in order of first mention."""
+def read_export(lines: Iterable[bytes], memory: Literal["off", "resource", "thread"] = "off") -> list[ImportedThread]:
+    """The threads of an export (either shape, or both, line by line), in order of first
+    mention; with working memory of `memory`'s scope, each with the document it brings."""
     threads: dict[str, ImportedThread] = {}
     mastra: dict[str, list[tuple[int, dict[str, Any]]]] = {}  # thread -> (line, message row)
+    documents: dict[str, tuple[int, str]] = {}  # resource or thread -> (line, its working memory)
     bad: list[str] = []
 
     def thread_of(tid: Any, line: int) -> ImportedThread | None:
@@ -85,6 +93,11 @@ def read_export(lines: Iterable[bytes]) -> list[ImportedThread]:
         elif "resourceId" in value and "role" not in value:  # a row of mastra_threads
             if (t := thread_of(value.get("id"), n)) is not None:
                 _own(t, value.get("resourceId"), n)
+                if memory == "thread" and isinstance(document := _metadata(value).get("workingMemory"), str):
+                    documents[t.thread] = (n, document)
+        elif "workingMemory" in value and isinstance(value.get("id"), str):  # a row of mastra_resources
+            if memory == "resource" and isinstance(value["workingMemory"], str):
+                documents[value["id"]] = (n, value["workingMemory"])
         else:
             bad.append(f"line {n}: neither a Mastra thread or message row nor a thread of UI messages")
     for tid, rows in mastra.items():
@@ -99,9 +112,26 @@ def read_export(lines: Iterable[bytes]) -> list[ImportedThread]:
             if row["id"] in seen:
                 t.problems.append(f"message id {row['id']} appears twice")
             seen.add(row["id"])
+    for owner, (n, document) in documents.items():  # each document on the first thread that is its own
+        carrier = threads.get(owner) if memory == "thread" else next((t for t in threads.values() if t.resource == owner), None)
+        if carrier is None:
+            bad.append(f"line {n}: the working memory of resource {owner}: no thread of it in the export brings it in")
+        else:
+            carrier.working_memory = document
     if bad:
         threads.setdefault("", ImportedThread("", None, problems=bad))
     return list(threads.values())
+
+
+def _metadata(row: dict[str, Any]) -> dict[str, Any]:
+    """A thread row's metadata: an object, or its JSON as a string (as Mastra's SQL stores keep it)."""
+    metadata = row.get("metadata")
+    if isinstance(metadata, str):
+        try:
+            metadata = msgspec.json.decode(metadata)
+        except msgspec.DecodeError:
+            return {}
+    return metadata if isinstance(metadata, dict) else {}
 
 
 def with_created_at(rows: list[dict[str, Any]], stored: dict[str, dict[str, Any]], now_ms: int, newest_ms: int | None) -> list[dict[str, Any]]:

@@ -5,15 +5,18 @@ The model updates the document through the runner's tool; the runner answers the
 calls the model again; the reply and its update are saved in one event, applied in order; the
 next request of any thread of the resource carries the document in Mastra's system message,
 another resource's never; `memfilter forget` erases it; a rebuild from the log makes the same
-document, and a replay decides every request as it was decided.
+document, and a replay decides every request as it was decided. `memfilter history import`
+brings Mastra's stored document in (its storage makes the export: tests/node/export.mjs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from fake_openai import FakeOpenAI
@@ -24,6 +27,7 @@ from memfilter.store.history import HistoryStore
 from memfilter.store.memory import WorkingMemories
 from memfilter.store.redis_driver import connect
 
+NODE = Path(__file__).parents[1] / "node"
 TEMPLATE = template_of()
 SAM = "# User Information\n- **First Name**: Sam"
 
@@ -33,6 +37,10 @@ def fake_openai():
     fake = FakeOpenAI()
     yield fake
     fake.close()
+
+
+def stored(mid: str, text: str) -> dict:
+    return {"id": mid, "role": "user", "createdAt": "2026-01-05T10:00:00.000Z", "content": {"format": 2, "parts": [{"type": "text", "text": text}]}}
 
 
 def user(mid: str, text: str) -> dict:
@@ -115,3 +123,30 @@ def test_the_model_updates_it_through_the_runners_tool_and_every_thread_of_the_r
     assert asyncio.run(document(pipeline, t1, "r1")) is None
     after = asyncio.run(turn(t4, "r1", "hello again"))
     assert after[0]["messages"][0] == {"role": "system", "content": instruction(TEMPLATE, None)}
+
+
+def test_an_import_of_mastras_storage_brings_the_resources_document_in(pipeline, tmp_path):
+    run = uuid.uuid4().hex[:6]
+    thread, resource = f"old-{run}", f"imported-{run}"
+    on = {"MEMFILTER_WORKING_MEMORY": "resource"}
+    worker = pipeline.start_worker(**on)
+    wait_for_line(worker.log_path, "memfilter worker ready", timeout=90)
+    mastra = {
+        "threads": [{"id": thread, "resourceId": resource, "title": "old", "messages": [stored(f"{thread}-u0", "hi")]}],
+        "workingMemory": {resource: SAM},
+    }
+    done = subprocess.run(["node", "export.mjs"], cwd=NODE, input=json.dumps(mastra).encode(), capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    export = tmp_path / "mastra.jsonl"
+    export.write_text("\n".join(json.dumps(row) for row in json.loads(done.stdout)["mastra"]))
+    imported = pipeline.memfilter("history", "import", str(export), **on)
+    assert imported.returncode == 0 and "imported 1 thread" in imported.stdout, imported.stdout + imported.stderr
+    assert asyncio.run(document(pipeline, thread, resource)) == SAM
+
+    async def ask() -> dict:
+        value = {"threadId": f"new-{run}", "resourceId": resource, "requestId": f"new-{run}-q", "messages": [user(f"new-{run}-u", "who am I?")]}
+        await publish(pipeline.bootstrap, pipeline.topics.requests, [(f"new-{run}".encode(), json.dumps(value).encode(), None)])
+        [record] = await read(pipeline.bootstrap, [pipeline.topics.filtered], until=lambda recs: len(recs) >= 1)
+        return json.loads(record.value)
+
+    assert asyncio.run(ask())["workingMemory"] == SAM

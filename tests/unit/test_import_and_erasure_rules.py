@@ -170,3 +170,24 @@ class TestFindingAResourcesThreads:
         keys = Keys("mf:x")
         for thread in ("t1", "a{b}c", "%7B", "}{", "50%"):
             assert keys.thread_of_meta(keys.keys(thread).meta) == thread
+
+
+class TestReadingMastrasWorkingMemory:
+    RESOURCE = {"id": "r1", "workingMemory": "# User\n- Name: Sam", "metadata": {}, "createdAt": "2026-01-01T00:00:00.000Z"}
+
+    def test_a_resources_document_comes_in_with_the_first_of_its_threads_with_scope_resource(self):
+        other = {**THREAD, "id": "t2"}
+        [t1, t2] = read_export(lines(THREAD, other, self.RESOURCE), "resource")
+        assert (t1.working_memory, t2.working_memory) == ("# User\n- Name: Sam", None)
+
+    def test_a_threads_document_comes_from_its_metadata_with_scope_thread(self):
+        [t] = read_export(lines({**THREAD, "metadata": json.dumps({"workingMemory": "t1's"})}, self.RESOURCE), "thread")
+        assert t.working_memory == "t1's"
+
+    def test_none_comes_in_with_working_memory_off(self):
+        [t] = read_export(lines({**THREAD, "metadata": {"workingMemory": "t1's"}}, self.RESOURCE))
+        assert t.working_memory is None and t.problems == []
+
+    def test_a_resources_document_no_thread_of_the_export_brings_is_reported(self):
+        *_, bad = read_export(lines(THREAD, {**self.RESOURCE, "id": "r9"}), "resource")
+        assert bad.problems == ["line 2: the working memory of resource r9: no thread of it in the export brings it in"]
