@@ -173,22 +173,26 @@ async def _lacks(value, key) -> bool:
     return key not in await value
 
 
-def test_through_the_gateway_a_fact_from_turn_2_is_in_the_models_input_at_turn_60(pipeline, fake_openai):
+def test_through_the_gateway_a_fact_from_turn_2_is_in_the_models_input_at_turn_60_by_working_memory_and_by_recall(pipeline, fake_openai):
     recall_env = {"MEMFILTER_EMBEDDINGS_BASE_URL": fake_openai.url, "MEMFILTER_EMBEDDINGS_MODEL": "fake-embed", "OPENAI_API_KEY": "sk-test"}
-    worker = pipeline.start_worker(MEMFILTER_HISTORY_MESSAGES="10")
+    memory = {"MEMFILTER_WORKING_MEMORY": "resource"}
+    worker = pipeline.start_worker(MEMFILTER_HISTORY_MESSAGES="10", **memory)
     pipeline.start_sink()
     pipeline.start_embedder(**recall_env)
-    pipeline.start_agent(MEMFILTER_AGENT_BACKEND="openai", MEMFILTER_AGENT_BASE_URL=fake_openai.url, MEMFILTER_RECALL="resource", **recall_env)
+    pipeline.start_agent(MEMFILTER_AGENT_BACKEND="openai", MEMFILTER_AGENT_BASE_URL=fake_openai.url, MEMFILTER_RECALL="resource", **recall_env, **memory)
     wait_for_line(worker.log_path, "memfilter worker ready", timeout=90)
     port = pipeline.start_gateway("recall", MEMFILTER_GATEWAY_AUTH="header", MEMFILTER_GATEWAY_CALLER_RATE="100", MEMFILTER_GATEWAY_CALLER_BURST="100")
     result = node_test("recall.test.mjs", GATEWAY_URL=f"http://127.0.0.1:{port}", RESOURCE_HEADER=Gateway().resource_header)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     last = fake_openai.received[-1]["messages"]
-    said = [m["content"] for m in last]
+    said = [str(m["content"]) for m in last]
     assert said[-1] == "what is my favourite colour"
+    # in working memory: the system message's document
+    assert last[0]["role"] == "system" and "<working_memory_data>\nmy favourite colour is turquoise\n</working_memory_data>" in said[0]
     # recalled (the window, 10 rows, holds turns 55 to 59 alone; recall adds only what it does not
     # hold: the reply's metadata names the message, recall.test.mjs checks), before the window
-    assert said.index("my favourite colour is turquoise") < said.index("tell me something else, number 59")
+    told = next(i for i, m in enumerate(last) if m["role"] == "user" and "turquoise" in str(m["content"]))
+    assert told < said.index("tell me something else, number 59")
 
 
 def test_an_embedder_whose_sink_is_not_running_says_which_group_it_waits_for(pipeline):
