@@ -23,14 +23,16 @@ With `--old REV`, the same run is made alternately with REV's parts (a worktree 
 ...), on one stack, and each pair's new/old ratios are printed with their medians: a change
 on a turn's path, against the commit before it (Mastra is not run).
 
-With `--recall`, the same alternation is between this checkout without semantic recall and with
-it (docs/recall.md: `memfilter embedder` beside the sink, the agent runner recalling with scope
-`resource`), against an embeddings endpoint in this process (`tests/fake_openai.py`: its
-answers cost the parts nothing; a real endpoint's time is its own), and the on/off ratios are
-printed: what recall costs a turn.
+With `--loaders`, the same alternation is between this checkout without Mastra's memory loaders
+and with both: working memory (docs/working-memory.md, scope `resource`: each filtered input
+carries the document's instruction; the echo model never updates it) and semantic recall
+(docs/recall.md: `memfilter embedder` beside the sink, the agent runner recalling with scope
+`resource`, against an embeddings endpoint in this process, `tests/fake_openai.py`: its answers
+cost the parts nothing; a real endpoint's time is its own), and the on/off ratios are printed:
+what the loaders cost a turn.
 
     eval "$(memfilter stack up)"
-    .venv/bin/python -m benchmarks.turn_cost [--rate 20] [--turns 400] [--threads 20] [--history 1000] [--sink] [--old b70aedd | --recall] [--pairs 3]
+    .venv/bin/python -m benchmarks.turn_cost [--rate 20] [--turns 400] [--threads 20] [--history 1000] [--sink] [--old b70aedd | --loaders] [--pairs 3]
 """
 
 from __future__ import annotations
@@ -159,8 +161,8 @@ def report(args: argparse.Namespace, firsts: list[float], finishes: list[float],
 
 
 async def run(args: argparse.Namespace, path: Path, python: str, embeddings: str = "") -> dict[str, float]:
-    """One run with the parts of the checkout at `path` (with semantic recall against the
-    `embeddings` endpoint, when given): its figures, printed as they come."""
+    """One run with the parts of the checkout at `path` (with working memory, and semantic recall
+    against the `embeddings` endpoint, when given): its figures, printed as they come."""
     bootstrap, redis_url = os.environ["KAFKA_BOOTSTRAP_SERVERS"], os.environ["REDIS_URL"]
     postgres = os.environ.get("POSTGRES_URL", "")
     name, topics = await own_topics(bootstrap, "turn")
@@ -178,12 +180,18 @@ async def run(args: argparse.Namespace, path: Path, python: str, embeddings: str
     }
     if args.sink:
         if not postgres:
-            raise SystemExit("--sink and --recall need PostgreSQL: POSTGRES_URL, as `memfilter stack up` prints it")
+            raise SystemExit("--sink and --loaders need PostgreSQL: POSTGRES_URL, as `memfilter stack up` prints it")
         commands["sink"] = ["sink", "--web-port", str(free_port())]
     if embeddings:
         web["embedder"] = free_port()
         commands["embedder"] = ["embedder", "--web-port", str(web["embedder"])]
-        env |= {"MEMFILTER_RECALL": "resource", "MEMFILTER_EMBEDDINGS_BASE_URL": embeddings, "MEMFILTER_EMBEDDINGS_MODEL": "fake", "OPENAI_API_KEY": "none"}
+        env |= {
+            "MEMFILTER_WORKING_MEMORY": "resource",
+            "MEMFILTER_RECALL": "resource",
+            "MEMFILTER_EMBEDDINGS_BASE_URL": embeddings,
+            "MEMFILTER_EMBEDDINGS_MODEL": "fake",
+            "OPENAI_API_KEY": "none",
+        }
     processes = {
         part: subprocess.Popen([python, "-m", "memfilter", *c], env=env, cwd=path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for part, c in commands.items()
@@ -269,10 +277,10 @@ async def main() -> None:
     parser.add_argument("--sink", action="store_true", help="run the sink too: PostgreSQL's CPU and write-ahead log per turn")
     parser.add_argument("--sink-s", type=float, default=3.0, help="with --sink, seconds the sink is given after the turns")
     parser.add_argument("--old", help="a git revision: alternate its parts with this checkout's (the module's header)")
-    parser.add_argument("--recall", action="store_true", help="alternate this checkout without semantic recall and with it (implies --sink)")
+    parser.add_argument("--loaders", action="store_true", help="alternate this checkout without working memory and recall and with both (implies --sink)")
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
-    if args.recall:
+    if args.loaders:
         args.sink = True
         sys.path.insert(0, str(REPO / "tests"))
         from fake_openai import FakeOpenAI
