@@ -51,7 +51,7 @@ from memfilter.core.filter import Policy
 from memfilter.core.filtered import BadReference, whole
 from memfilter.core.window import WindowRow
 from memfilter.runtime.persister import Persister
-from memfilter.runtime.processor import ELSEWHERE_HEADER, REPLYING_HEADER, VERSION_HEADER, WAITED_HEADER, Processor
+from memfilter.runtime.processor import ELSEWHERE_HEADER, MEMORY_HEADER, REPLYING_HEADER, VERSION_HEADER, WAITED_HEADER, Processor
 from memfilter.runtime.records import Record
 from memfilter.schemas.wire import FilteredInput, Waited
 from memfilter.settings import Topics, WorkingMemory
@@ -217,11 +217,11 @@ class _Seen:
     def working_memory(self, record: Record) -> str | None:
         try:
             if (raw := self.recorded.filtered_at(record.partition, record.offset)) is not None:
-                document = msgspec.json.decode(raw, type=_Remembered).workingMemory
-                return document if isinstance(document, str) else None
+                return msgspec.json.decode(raw, type=_Remembered).workingMemory
+            seen = (self.recorded.dead_at(record.partition, record.offset) or {}).get(MEMORY_HEADER)
+            return msgspec.json.decode(seen, type=str | None) if seen else None
         except (msgspec.DecodeError, msgspec.ValidationError):  # not the processor's: read as none, and the decision may then differ
-            pass
-        return None
+            return None
 
     def waited(self, record: Record) -> Waited | None:
         try:

@@ -114,6 +114,9 @@ REPLYING_HEADER = "memfilter.replying"
 # The header of a dead letter of a request refused once it had waited for its turn: how it
 # waited (`Waited`, JSON), which a replay gives its decision again, as a filtered input's `waited`.
 WAITED_HEADER = "memfilter.waited"
+# The header of a `context-budget` dead letter, with working memory on: the document the
+# decision weighed (JSON: a string, or null), which a replay weighs again.
+MEMORY_HEADER = "memfilter.working-memory"
 
 
 @dataclass
@@ -521,6 +524,8 @@ class Processor:
                     p.seen += ((REPLYING_HEADER, msgspec.json.encode([state.replying, state.replying_ms])),)
                 if p.was is not None:
                     p.seen += ((WAITED_HEADER, msgspec.json.encode(p.was)),)
+                if self.memories is not None and rec.error is not UNSET and rec.error.type == "context-budget":
+                    p.seen += ((MEMORY_HEADER, msgspec.json.encode(p.memory)),)
                 if p.wake is None:
                     planned.append((p, None, rec))
                     continue

@@ -12,7 +12,7 @@ import json
 from factories import SECRET, T0, msg
 
 from memfilter.audit.recorded import Recorded
-from memfilter.audit.replay import apply_log
+from memfilter.audit.replay import apply_log, replay_log
 from memfilter.core import origin
 from memfilter.core.filter import Policy
 from memfilter.core.tokens import COUNTERS
@@ -192,3 +192,38 @@ class TestTheBudget:
 
         with_memory, plain = redis_run(go)
         assert with_memory["contextTokens"] == round(plain["contextTokens"] + COUNTERS["estimate"].system(with_memory["context"][0]), 1)
+
+    def test_a_refusal_for_the_budget_is_replayed_on_the_document_it_weighed(self, redis_run):
+        budget = Budget(1500, COUNTERS["estimate"])
+        big = "# User\n" + "".join(f"- fact {i}: something the user said long ago\n" for i in range(200))
+
+        async def go(client, prefix):
+            live = HistoryStore(client, prefix(), counter=budget.counter)
+            memories = WorkingMemories(live, TEMPLATE, "resource")
+            processor = Processor(live, TOPICS, Policy(budget=budget), secret=SECRET, memories=memories)
+            persister = Persister(live, TOPICS.dlq, SECRET, memories)
+            requests = [request("t1", 0), request("t1", 1)]
+            first = await processor.process(requests[:1])
+            saved = [as_record(o, 50) for o in first if o.topic == TOPICS.persist] + [reply("t1", 0, big)]
+            await persister.apply(saved[1:])
+            second = await processor.process(requests[1:])
+            outs = [as_record(o, 60 + i) for i, o in enumerate(first + second)]
+            replayed = HistoryStore(client, prefix(), counter=budget.counter)
+
+            async def batches():
+                yield requests
+
+            with Recorded.temporary(TOPICS, SECRET) as recorded:
+                recorded.add_filtered([o for o in outs if o.topic == TOPICS.filtered])
+                recorded.add_dead([o for o in outs if o.topic == TOPICS.dlq])
+                recorded.add_persisted(saved)
+                report = await replay_log(recorded, replayed, batches(), Policy(budget=budget), memories=WorkingMemories(replayed, TEMPLATE, "resource"))
+            return [dict(o.headers).get("error.type") for o in outs if o.topic == TOPICS.dlq], report
+
+        refused, report = redis_run(go)
+        assert refused == [b"context-budget"]  # the document does not fit beside the request
+        assert (report.requests, report.different) == (2, 0), report.to_json()
+
+
+def as_record(out, offset: int) -> Record:
+    return Record(out.topic, 0, offset, out.timestamp_ms or T0, out.key, out.value, tuple(out.headers))
