@@ -211,8 +211,9 @@ def test_a_worker_and_an_agent_wait_out_a_kafka_outage_with_a_batch_in_flight_an
             asyncio.run(publish(pipeline.bootstrap, pipeline.topics.persist, [(b"kill-a", json.dumps(save).encode(), None)]))
             time.sleep(3)  # the sink has it, and asks for the workers' offsets
             os.kill(stack_pids(env)["kafka"], signal.SIGKILL)
-            wait_for_line(sink.log_path, "memfilter sink: Kafka did not give the workers' committed offsets", timeout=60)
-            assert "reading the workers' committed offsets" in not_ready(sink.web_port) and sink.poll() is None
+            group = pipeline.settings_env()["MEMFILTER_GROUP"]  # the workers'
+            wait_for_line(sink.log_path, f"memfilter sink: Kafka did not give group {group}'s committed offsets", timeout=60)
+            assert f"reading group {group}'s committed offsets" in not_ready(sink.web_port) and sink.poll() is None
             assert memfilter("stack", "up", env=env).returncode == 0
         finally:
             os.kill(worker.pid, signal.SIGCONT)
