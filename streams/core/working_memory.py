@@ -264,7 +264,7 @@ def tool(template: Template) -> dict[str, Any]:
     """`updateWorkingMemory` as a chat-completions function: Mastra's description and its
     input schema (a `memory` string, or the template's JSON Schema as `memory`)."""
     if template.format == "json":
-        schema = {k: v for k, v in msgspec.json.decode(template.content).items() if k != "$schema"}
+        schema = _closed({k: v for k, v in msgspec.json.decode(template.content).items() if k != "$schema"})
         description = (
             "Update the working memory with new information. Data is merged with existing memory - only include fields you want to add or update. "
             "To preserve existing data, omit the field entirely. Arrays are replaced entirely when provided, so pass the complete array or omit it to keep the existing values."
@@ -283,6 +283,26 @@ def tool(template: Template) -> dict[str, Any]:
         "description": "Update the working memory with new information. Any data not included will be overwritten. Always pass data as string to the memory field. Never pass an object.",
         "parameters": {"$schema": DRAFT_07, "type": "object", "properties": {"memory": memory}, "required": ["memory"]},
     }
+
+
+def _closed(schema: Any) -> Any:
+    """The schema as Mastra offers it to the model (its JSON Schema of the input): every object
+    with properties closed to others (`additionalProperties: false`, where it says nothing)."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in ("properties", "patternProperties", "definitions", "$defs") and isinstance(value, dict):
+            out[key] = {name: _closed(sub) for name, sub in value.items()}
+        elif key in ("default", "enum", "const", "examples"):  # values, not schemas
+            out[key] = value
+        else:
+            out[key] = _closed(value)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def output(done: Updated) -> dict[str, Any]:

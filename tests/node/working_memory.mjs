@@ -3,9 +3,10 @@
 // tool's own validation included). tests/unit/test_working_memory.py sends one JSON document on
 // standard input:
 //   {templates: [{template?, schema?}], instructions: [{template?, schema?, data}],
-//    merges: [[existing, update]], calls: [{template?, schema?, existing, given}]}
-// and reads back, in the same order: each template, each instruction, each merge, and for
-// each call what the tool answered and the stored document after it.
+//    merges: [[existing, update]], calls: [{template?, schema?, existing, given}], tools: [{template?, schema?}]}
+// and reads back, in the same order: each template, each instruction, each merge, for each
+// call what the tool answered and the stored document after it, and each tool as the model is
+// offered it (its name, description and input JSON Schema).
 import { Memory, deepMergeWorkingMemory } from '@mastra/memory';
 
 const chunks = [];
@@ -42,4 +43,9 @@ const out = {
   calls: [],
 };
 for (const c of input.calls) out.calls.push(await call(c));
+out.tools = (input.tools ?? []).map((c) => {
+  const [[name, tool]] = Object.entries(memoryOf(c).listTools({ workingMemory: config(c) }));
+  const schema = tool.inputSchema['~standard']?.jsonSchema?.input?.({ target: 'draft-07' }) ?? tool.inputSchema;
+  return { name, description: tool.description, parameters: schema };
+});
 process.stdout.write(JSON.stringify(out));

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from memfilter.core.working_memory import DEFAULT_TEMPLATE, SKIPPED_EMPTY, Refused, Updated, instruction, merge, template_of, update
+from memfilter.core.working_memory import DEFAULT_TEMPLATE, SKIPPED_EMPTY, Refused, Updated, instruction, merge, template_of, tool, update
 
 NODE = Path(__file__).parents[1] / "node"
 
@@ -135,3 +135,11 @@ class TestTheToolStoresAndRefusesAsMastrasDoes:
                 assert answer.get("error") is None, (c, theirs, mine)
                 assert (answer["success"], answer.get("message")) == (mine.success, mine.message), (c, theirs, mine)
                 assert theirs["stored"] == (c["existing"] if mine.document is None else mine.document), (c, theirs, mine)
+
+
+class TestTheToolIsMastras:
+    def test_its_name_description_and_input_schema_for_markdown_and_for_a_schema(self):
+        cases = [config(m) for m in MARKDOWN] + [config(schema=s) for s in SCHEMAS]
+        theirs = mastra(tools=cases)["tools"]
+        ours = [tool(template_of(c.get("template"), c.get("schema"))) for c in cases]
+        assert ours == theirs
