@@ -317,7 +317,7 @@ class WorkingMemoryUpdate(Struct):
     reply made, each with the arguments the model gave (`{"memory": ...}`), applied in order
     (`memfilter.store.memory`)."""
 
-    calls: list[dict[str, Any]]
+    calls: Annotated[list[dict[str, Any]], Meta(max_length=64)]  # an event's are folded in one go: bounded, far above what a reply makes
 
 
 class Erasure(Struct):

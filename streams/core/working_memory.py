@@ -21,7 +21,7 @@ holds them against Mastra's own code):
   tries it), then merged into the stored one (`merge`).
 - `merge`: `deepMergeWorkingMemory`: objects merged key by key, `null` deletes, arrays and
   other values replace.
-- `fold`: the document its updates make, applied in order from none (what the shell keeps).
+- `fold`: the document its updates make, applied in order (what the shell keeps).
 - `system_message`: the instruction as a context's system message.
 - `tool`: the tool as the model is offered it (Mastra's description and input schema), and
   `output`: what a call's outcome answers the model.
@@ -244,10 +244,9 @@ def update(template: Template, existing: str | None, given: Any) -> Updated | Re
     return Updated(document, True)
 
 
-def fold(template: Template, calls: list[Any]) -> str | None:
-    """The document `calls` (each a call's arguments, in order) make from none: each applied
-    with `update`, a refused one changing nothing."""
-    document: str | None = None
+def fold(template: Template, calls: list[Any], document: str | None = None) -> str | None:
+    """The document `calls` (each a call's arguments, in order) make of `document` (from none):
+    each applied with `update`, a refused one changing nothing."""
     for given in calls:
         done = update(template, document, given)
         if isinstance(done, Updated) and done.document is not None:

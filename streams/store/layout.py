@@ -23,6 +23,7 @@ with braces too, is one whole tag and no two thread ids share keys):
 | `mf:wm:r:{R}:updates` (`mf:wm:t:{T}:updates` with MEMFILTER_WORKING_MEMORY=thread) | sorted set | the working memory's updates applied (`memfilter.store.memory`): `["<thread>","<requestId>"]` each, scored by its record time (ms) |
 | `mf:wm:r:{R}:calls` | hash | each update's calls of `updateWorkingMemory` (their arguments, a JSON list), by its member |
 | `mf:wm:r:{R}:document` | string | the document its updates make, folded in their order (`memfilter.core.working_memory.fold`) |
+| `mf:wm:r:{R}:folded` | string | how many updates the document folds |
 | `mf:epoch` | string | owner epochs handed out so far (`take_epoch`) |
 | `mf:sync:{S}` | string | a marker `replicate` writes before WAIT, one per cluster node (`mf:sync` on one Redis); expires after a minute |
 

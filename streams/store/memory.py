@@ -9,7 +9,9 @@ in a rebuild, the same set makes the same document.
 
 Keys (`memfilter.store.layout`, under the scope's hash tag: a thread-scoped document shares its
 thread's slot): `updates` (sorted set of members by record time), `calls` (hash: member -> its
-calls' arguments, a JSON list) and `document` (the fold).
+calls' arguments, a JSON list), `document` (the fold) and `folded` (how many updates it folds).
+An update that comes last in the order, as nearly every one does, is folded onto the document
+alone; one that comes before others (a thread whose clock is behind) folds them all again.
 
 What it promises:
 - an update applied again changes nothing (its member is added once, its first arguments kept:
@@ -82,31 +84,47 @@ class WorkingMemories:
             base, member = self.base(u.thread, u.resource), _member(u.thread, u.request_id)
             commands += [("ZADD", f"{base}:updates", "NX", u.timestamp_ms, member), ("HSETNX", f"{base}:calls", member, msgspec.json.encode(u.calls))]
         added = await self.store.transport.pipeline(commands)
-        changed = {self.base(u.thread, u.resource) for u, n in zip(updates, added[::2]) if n}
-        for base in sorted(changed):
-            await self._fold(base)
+        changed: dict[str, list[bytes]] = {}
+        for u, n in zip(updates, added[::2]):
+            if n:
+                changed.setdefault(self.base(u.thread, u.resource), []).append(_member(u.thread, u.request_id))
+        for base, members in sorted(changed.items()):
+            await self._fold(base, members)
 
     async def erase(self, thread: str, resource: str) -> None:
         """An erased thread's updates out: its document, or its resource's without them."""
         base = self.base(thread, resource)
         if self.scope == "thread":
-            await self.store.transport.pipeline([("DEL", f"{base}:updates", f"{base}:calls", f"{base}:document")])
+            await self.store.transport.pipeline([("DEL", f"{base}:updates", f"{base}:calls", f"{base}:document", f"{base}:folded")])
             return
         [members] = await self.store.transport.pipeline([("ZRANGE", f"{base}:updates", 0, -1)])
         gone = [m for m in members if msgspec.json.decode(m)[0] == thread]
         if gone:
             await self.store.transport.pipeline([("ZREM", f"{base}:updates", *gone), ("HDEL", f"{base}:calls", *gone)])
-            await self._fold(base)
+            await self._fold(base, [])
 
-    async def _fold(self, base: str) -> None:
-        """Write the document its updates make, folding again if more came meanwhile."""
+    async def _fold(self, base: str, added: list[bytes]) -> None:
+        """Write the document its updates make: the `added` ones folded onto it when they are
+        the last in order, else all of them again; and again if more came meanwhile."""
         while True:
-            members, calls = await self.store.transport.pipeline([("ZRANGE", f"{base}:updates", 0, -1), ("HGETALL", f"{base}:calls")])
-            document = fold(self.template, [call for m in members if m in calls for call in msgspec.json.decode(calls[m])])
+            count, document, folded, *ranks = await self.store.transport.pipeline(
+                [("ZCARD", f"{base}:updates"), ("GET", f"{base}:document"), ("GET", f"{base}:folded")] + [("ZRANK", f"{base}:updates", m) for m in added]
+            )
+            last = sorted(r for r in ranks if r is not None) == list(range(count - len(added), count))
+            if added and last and int(folded or 0) == count - len(added):
+                calls = await self.store.transport.pipeline([("HMGET", f"{base}:calls", *added)])
+                order = [calls[0][i] for i in sorted(range(len(added)), key=lambda i: ranks[i])]
+                document = fold(
+                    self.template, [call for c in order if c is not None for call in msgspec.json.decode(c)], None if document is None else document.decode()
+                )
+            else:  # every update, in order
+                members, calls = await self.store.transport.pipeline([("ZRANGE", f"{base}:updates", 0, -1), ("HGETALL", f"{base}:calls")])
+                count, document = len(members), fold(self.template, [call for m in members if m in calls for call in msgspec.json.decode(calls[m])])
             command = MEMORY.command(
                 updates_key=f"{base}:updates",
                 document_key=f"{base}:document",
-                count=len(members),
+                folded_key=f"{base}:folded",
+                count=count,
                 has_document=0 if document is None else 1,
                 document=document or "",
             )
