@@ -169,6 +169,7 @@ def openai_model(agent: Agent, health: Health, template: Template | None = None)
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             body = chat_completions.request(event.context, agent.model, agent.system, tools, **sampling)
             document = event.workingMemory if isinstance(event.workingMemory, str) else None
+            made = 0  # calls answered, which the reply's event carries
             for step in range(MAX_STEPS + 1):
                 stream = await opened(event, body)
                 completion = chat_completions.Completion(reply_id.replace("-", "")[:12] + (f"s{step}" if step else ""))
@@ -187,7 +188,15 @@ def openai_model(agent: Agent, health: Health, template: Template | None = None)
                     yield out
                 answers = []
                 for call in ours:  # answered here, in order, each against the document the ones before it left
-                    out, document = _memory_call(template, document, call)
+                    if made == MAX_CALLS:  # an event carries no more (`WorkingMemoryUpdate`)
+                        out = {
+                            "type": "tool-output-error",
+                            "toolCallId": call["id"],
+                            "errorText": f"not stored: a reply updates working memory {MAX_CALLS} times at most",
+                        }
+                    else:
+                        out, document = _memory_call(template, document, call)
+                        made += out["type"] == "tool-output-available"
                     answers.append((call, out))
                     yield out
                 if not ours or len(ours) < len(calls) or step == MAX_STEPS:  # a client's tool, or enough: the reply ends
@@ -201,6 +210,7 @@ def openai_model(agent: Agent, health: Health, template: Template | None = None)
 
 
 MAX_STEPS = 5  # the model's calls a reply after its first, each answering working memory's tool calls
+MAX_CALLS = 64  # calls of updateWorkingMemory a reply answers (what its event may carry: `WorkingMemoryUpdate`)
 
 
 def _memory_call(template: Template | None, document: str | None, call: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
