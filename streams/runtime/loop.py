@@ -576,6 +576,13 @@ async def seek_to_committed(consumer: AIOKafkaConsumer, assigned: set[TopicParti
     committed = dict(zip(tps, await asyncio.gather(*(consumer.committed(tp) for tp in tps))))
     never = [tp for tp, offset in committed.items() if offset is None]
     firsts = (await consumer.end_offsets(never) if at_end else await consumer.beginning_offsets(never)) if never else {}
+    if never:  # said, so that a group that had offsets and lost them (docs/delivery.md, seed 17) shows when
+        log.warning(
+            "no committed offset for %s: starting %s at its %s",
+            ", ".join(f"{tp.topic}-{tp.partition}" for tp in never),
+            "them" if len(never) > 1 else "it",
+            "end" if at_end else "beginning",
+        )
     if at_end and firsts:
         await consumer.commit(firsts)
     starts = {tp: firsts[tp] if offset is None else offset for tp, offset in committed.items()}

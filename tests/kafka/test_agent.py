@@ -235,7 +235,9 @@ def test_a_new_agent_group_starts_after_the_inputs_already_on_the_topic_unless_t
     try:
         asyncio.run(publish(services.bootstrap, t.filtered, [(b"t", old, None)]))
         pipeline.start_agent(MEMFILTER_AGENT_START="latest")
-        wait_for_line(WORKER_LOGS / f"memfilter-test-{pipeline.name}-agent0.log", "memfilter agent ready")
+        log = WORKER_LOGS / f"memfilter-test-{pipeline.name}-agent0.log"
+        wait_for_line(log, "memfilter agent ready")
+        assert f"no committed offset for {t.filtered}-0, " in log.read_text()  # said, partition by partition: where it starts
         asyncio.run(publish(services.bootstrap, t.filtered, [(b"t", new, None)]))
         [first, *_] = asyncio.run(read(services.bootstrap, [t.persist], until=lambda rs: len(rs) >= 1))
     finally:
