@@ -21,6 +21,12 @@ stop (`reply-stops`) ends the model call; the reply is saved as it stands, finis
 `interrupted`. A model that fails midway: saved as it stands, finish reason `error`. Either
 way a tool call still being streamed is saved as `output-error`, never as a call to answer.
 
+Mastra's memory loaders, when set: with MEMFILTER_RECALL, what was said long ago is found by
+meaning and given to the model with the context (`memfilter.runtime.recaller`, docs/recall.md);
+with MEMFILTER_WORKING_MEMORY, the `openai` backend offers `updateWorkingMemory`, answers its
+calls and calls the model again, and the reply's event carries the calls that updated the
+document (`openai_model`, docs/working-memory.md).
+
 Models (`MEMFILTER_AGENT_BACKEND`):
 - `echo` (default): offline and deterministic (`replies.echo_reply`);
 - `openai`: any OpenAI-compatible chat-completions endpoint through the official `openai`
