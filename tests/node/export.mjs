@@ -1,5 +1,5 @@
 // Exports made by the libraries teams run, for `memfilter history import`
-// (tests/kafka/test_import_and_forget.py, tests/kafka/test_working_memory.py). Reads on standard input
+// (tests/kafka/test_import_and_forget.py, tests/kafka/test_working_memory_end_to_end.py). Reads on standard input
 //   {threads: [{id, resourceId, title, messages: [Mastra DB message]}], workingMemory: {resourceId: document}}
 // saves them with Mastra's own storage (@mastra/core 1.71.0, InMemoryStore: the rows its SQL
 // stores keep, one per table row; a resource's working memory as Mastra's memory writes it,

@@ -2,7 +2,7 @@
 // `DefaultChatTransport`, as `useChat` runs it): a fact told in turn 2 (which the model keeps in
 // working memory: the fake endpoint calls `updateWorkingMemory` when told to) is long out of the
 // context's window by turn 60, and the model is given it all the same, by working memory and
-// by semantic recall. Run by tests/kafka/test_recall.py, which starts a worker, the sink, the
+// by semantic recall. Run by tests/kafka/test_recall_end_to_end.py, which starts a worker, the sink, the
 // embedder, the agent runner with both loaders against the fake OpenAI endpoint, and a gateway
 // with header identity (GATEWAY_URL, RESOURCE_HEADER); it checks what the model was sent, from
 // the endpoint's side.

@@ -241,3 +241,10 @@ def test_grouped(n):
         assert run.returncode == 0, run.stdout + run.stderr
         workers = set((tmp_path / "workers.txt").read_text().split())
         assert len(workers) == 1, f"one xdist_group ran on {sorted(workers)}: keep pytest and pytest-xdist at the versions in deploy/constraints.txt"
+
+
+def test_no_two_test_modules_share_a_name():
+    """The container tier collects every tier at once (`deploy/test.sh`), and pytest imports a
+    test module by its name alone: two of one name in two tiers stop the collection."""
+    names = [p.name for p in (Path(__file__).parents[1]).rglob("test_*.py") if "node_modules" not in p.parts]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
