@@ -28,14 +28,12 @@ import asyncio
 import logging
 
 import msgspec
-from aiokafka import AIOKafkaConsumer
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import CommitFailedError
 
 from memfilter.core.recall import embedded_text
 from memfilter.metrics import EmbedderMetrics
 from memfilter.runtime.embeddings import Embeddings
-from memfilter.runtime.sink import RETRY_S, applied
+from memfilter.runtime.sink import RETRY_S, applied, follow_log
 from memfilter.schemas.wire import Id
 from memfilter.settings import Settings
 from memfilter.store.postgres import Refused, Unavailable
@@ -90,18 +88,7 @@ class Embedder:
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
-        consumer = AIOKafkaConsumer(
-            s.topics.persist,
-            bootstrap_servers=s.kafka.bootstrap,
-            group_id=s.recall.group,
-            client_id="memfilter-embedder",
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            isolation_level="read_committed",
-        )
-        admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka.bootstrap)
-        await consumer.start()
-        await admin.start()
+        consumer, admin = await follow_log(s, s.recall.group, "memfilter-embedder")
         self.outage = None
         try:
             while not stop.is_set():

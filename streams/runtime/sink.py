@@ -61,18 +61,7 @@ class Sink:
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
-        consumer = AIOKafkaConsumer(
-            s.topics.persist,
-            bootstrap_servers=s.kafka.bootstrap,
-            group_id=s.postgres.sink_group,
-            client_id="memfilter-sink",
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            isolation_level="read_committed",
-        )
-        admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka.bootstrap)
-        await consumer.start()
-        await admin.start()
+        consumer, admin = await follow_log(s, s.postgres.sink_group, "memfilter-sink")
         self.problem = None
         try:
             while not stop.is_set():
@@ -141,6 +130,25 @@ class Sink:
     def _outage(self, what: str) -> None:
         self.problem = what
         self.metrics.retries.inc()
+
+
+async def follow_log(settings: Settings, group: str, client_id: str) -> tuple[AIOKafkaConsumer, AIOKafkaAdminClient]:
+    """A consumer of `persist-messages` in `group`, from its beginning for a new group, of
+    committed records only, committing its offsets itself; and an admin client, to ask how far
+    another group has come (`applied`). Both started."""
+    consumer = AIOKafkaConsumer(
+        settings.topics.persist,
+        bootstrap_servers=settings.kafka.bootstrap,
+        group_id=group,
+        client_id=client_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+    )
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap)
+    await consumer.start()
+    await admin.start()
+    return consumer, admin
 
 
 async def applied(
