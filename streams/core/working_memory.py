@@ -38,6 +38,9 @@ import jsonschema
 import msgspec
 
 TOOL = "updateWorkingMemory"  # the tool's name, as the model calls it
+# A call's arguments, as JSON, at most: every filtered input of the resource carries the document
+# they make, so one huge call would make every later request of it too large to send.
+MAX_CALL_BYTES = 16 * 1024
 DRAFT_07 = "http://json-schema.org/draft-07/schema#"
 # Mastra's default template, to the byte (each label's line ends in a space)
 DEFAULT_TEMPLATE = "\n# User Information\n" + "".join(

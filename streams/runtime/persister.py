@@ -46,6 +46,7 @@ import msgspec
 
 from memfilter.core import origin
 from memfilter.core.filter import Rejected, Rejection, check_key, decode_json, parse_ms
+from memfilter.core.working_memory import MAX_CALL_BYTES
 from memfilter.runtime.records import Out, Record, dead_letter, internal_error
 from memfilter.schemas.wire import Message, MessagesOf, PersistMessagesOf
 from memfilter.store.history import HistoryStore, Save
@@ -217,8 +218,16 @@ class Persister:
                 raise Rejected("origin", f"an erasure of thread {event.threadId} not signed by the operator; only memfilter forget erases")
             if event.messages or event.superseded or event.historyVersion is msgspec.UNSET:
                 raise Rejected("schema", "an erasure has no messages and no superseded ids, and names the historyVersion it erases")
-        if event.workingMemory is not msgspec.UNSET and writer == "processor":
-            raise Rejected("schema", "the processor's own events never update working memory; only another service's (the agent runner's) or an import does")
+        if event.workingMemory is not msgspec.UNSET:
+            if writer == "processor":
+                raise Rejected(
+                    "schema", "the processor's own events never update working memory; only another service's (the agent runner's) or an import does"
+                )
+            if big := [i for i, call in enumerate(event.workingMemory.calls) if len(msgspec.json.encode(call)) > MAX_CALL_BYTES]:
+                raise Rejected(
+                    "too-large",
+                    f"workingMemory.calls[{big[0]}] is over {MAX_CALL_BYTES:,} bytes; a working memory every request of the resource carries keeps to that",
+                )
         return _Event(event, _rows(event, _RAW.decode(record.value)), writer, record.timestamp_ms)
 
 

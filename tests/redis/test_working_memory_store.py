@@ -109,6 +109,16 @@ class TestAnUpdate:
         [refused] = redis_run(go)
         assert refused.type == "schema" and "never update working memory" in refused.message
 
+    def test_over_its_bound_is_refused_and_its_reply_with_it(self, redis_run):
+        async def go(client, prefix):
+            processor, persister, memories = parts(HistoryStore(client, prefix()))
+            await processor.process([request("t1", 0)])
+            refused = await persister.apply([reply("t1", 0, "x" * 20_000)])
+            return refused, await memories.documents([("t1", "r1")])
+
+        [refused], documents = redis_run(go)
+        assert refused.type == "too-large" and "workingMemory.calls[0]" in refused.message and documents == [None]
+
 
 class TestTheDocument:
     def test_folds_updates_by_record_time_whatever_order_they_are_applied_in_and_again_changes_nothing(self, redis_run):
