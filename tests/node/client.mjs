@@ -56,3 +56,15 @@ export async function stored(gateway, chatId, user) {
 
 // A message as both sides keep it: what the client shows and what is stored must agree on these.
 export const kept = (m) => JSON.parse(JSON.stringify({ id: m.id, role: m.role, parts: m.parts, metadata: m.metadata }));
+
+// `what()` once `ok` holds of it, polled every 50 ms; an error with its last value after `ms`.
+export const until = async (what, ok, ms = 20_000) => {
+  for (const end = Date.now() + ms; Date.now() < end; await new Promise((r) => setTimeout(r, 50))) {
+    const got = await what();
+    if (ok(got)) return got;
+  }
+  throw new Error(`timed out waiting: ${JSON.stringify(await what()).slice(0, 500)}`);
+};
+
+// A chat's reply: its first assistant message.
+export const answer = (messages) => messages.find((m) => m.role === "assistant");

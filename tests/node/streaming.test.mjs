@@ -2,26 +2,16 @@
 // runner behind MODEL_URL calls the fake OpenAI endpoint (tests/fake_openai.py: `slow N` is N
 // tokens 0.15 s apart, `call NAME {json}` a tool call, a tool result gets "tool said ...", else
 // "model says N" for N messages sent). MODEL_2_URL is another gateway on the same topics.
-// Run by tests/kafka/test_gateway.py.
+// Run by tests/kafka/test_gateway.py, after resume.test.mjs.
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
 import { lastAssistantMessageIsCompleteWithToolCalls } from "ai";
-import { Chat, kept, stored, text, token } from "./client.mjs";
+import { Chat, answer, kept, stored, text, token, until } from "./client.mjs";
 
 const MODEL = process.env.MODEL_URL;
 const MODEL_2 = process.env.MODEL_2_URL;
 const RUN = randomUUID().slice(0, 8);
-
-const until = async (what, ok, ms = 20_000) => {
-  for (const end = Date.now() + ms; Date.now() < end; await new Promise((r) => setTimeout(r, 50))) {
-    const got = await what();
-    if (ok(got)) return got;
-  }
-  throw new Error(`timed out waiting: ${JSON.stringify(await what()).slice(0, 500)}`);
-};
-
-const answer = (messages) => messages.find((m) => m.role === "assistant");
 
 test("tokens reach the client before the reply is saved, and the client's copy is the stored one", async () => {
   const user = `ann-${RUN}`;
@@ -40,30 +30,6 @@ test("tokens reach the client before the reply is saved, and the client's copy i
   const { body } = await stored(MODEL, chat.id, user);
   assert.deepEqual(body.map(kept), chat.messages.map(kept)); // the saved reply is what the chunks added up to
   assert.deepEqual(body[1].metadata, { model: "m", finishReason: "stop", usage: { inputTokens: 11, outputTokens: 12, totalTokens: 23 } });
-});
-
-test("a dropped connection is resumed on another gateway, which replays the reply from its first token to its end", async () => {
-  const user = `bob-${RUN}`;
-  const shown = [];
-  const first = new Chat({ id: `resume-${RUN}`, user, gateway: MODEL, onChange: (ms) => answer(ms) && shown.push(text(answer(ms))) });
-  const sending = first.sendMessage({ text: "slow 20" });
-  await until(() => shown.length, (n) => n > 0 && shown.at(-1).length > 0);
-  await first.stop(); // the client's side of the connection goes; no stop request: the reply goes on
-  await sending;
-  const question = first.messages[0];
-  const partial = text(first.messages[1]);
-
-  // A new page on the other gateway: the stored messages, then the AI SDK's resume.
-  const second = new Chat({ id: first.id, user, gateway: MODEL_2, messages: (await stored(MODEL_2, first.id, user)).body });
-  assert.deepEqual(second.messages.map((m) => m.id), [question.id]);
-  await second.resumeStream();
-  assert.equal(second.status, "ready", second.error?.message);
-  assert.equal(text(second.messages[1]), Array.from({ length: 20 }, (_, i) => `t${i} `).join(""));
-  assert.ok(partial.length > 0 && partial.length < text(second.messages[1]).length, "the first page saw part of the reply only");
-  const { body } = await stored(MODEL_2, first.id, user);
-  assert.deepEqual(body.map(kept), second.messages.map(kept));
-  const after = await fetch(`${MODEL_2}/api/chat/${first.id}/stream`, { headers: { Authorization: `Bearer ${token(user)}` } });
-  assert.equal(after.status, 204); // ended and saved: what the AI SDK takes for "nothing to resume"
 });
 
 test("a second tab's message while the first's reply streams is refused busy-thread when it asks so, and goes in after the reply", async () => {
