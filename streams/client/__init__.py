@@ -38,6 +38,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from memfilter.core.filter import Limits, Rejected, Rejection, decode_request
 from memfilter.core.filtered import decode_whole
 from memfilter.core.replies import reply_event
+from memfilter.runtime.kafka_driver import group_consumer
 from memfilter.schemas.wire import ChatRequest, FilteredInput, StopReply
 from memfilter.settings import Topics
 
@@ -196,7 +197,7 @@ class Client:
         """Filtered inputs as a member of consumer group `group` (read_committed: each once),
         from where the group committed (else the topic's start, or its end); commit each one
         handled (`Delivery.commit`). A record that is not a FilteredInput is passed over."""
-        consumer = AIOKafkaConsumer(
+        consumer = group_consumer(
             self.topics.filtered,
             bootstrap_servers=self.bootstrap,
             group_id=group,

@@ -66,6 +66,7 @@ from aiokafka.errors import ConsumerStoppedError, KafkaConnectionError, KafkaErr
 from aiokafka.partitioner import murmur2
 
 from memfilter.metrics import LoopMetrics
+from memfilter.runtime.kafka_driver import group_consumer
 from memfilter.runtime.records import MAX_RECORD_BYTES, Out
 from memfilter.runtime.written import Written
 from memfilter.settings import Kafka
@@ -207,7 +208,7 @@ class TaskLoop(mode.Service):
 
     def _consumer(self) -> AIOKafkaConsumer:
         kafka = self.kafka  # made on the process's event loop
-        return AIOKafkaConsumer(
+        return group_consumer(
             bootstrap_servers=kafka.bootstrap,
             group_id=self.group,
             client_id=f"memfilter-{self.group}",

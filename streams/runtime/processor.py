@@ -26,9 +26,10 @@ A request processed before (by the same resource: see `record_field`) is not dec
 - re-delivered from the same position before its batch's outputs were committed (a crash),
   it emits again, byte for byte, what was recorded (`pending`), so re-delivery changes
   nothing. The worker drops those records once the outputs are committed (`Decided.recorded`);
-  re-delivered from the same position after that (a worker given the partition read its
-  committed offset before the last owner's transaction was visible: a broker killed during a
-  rebalance), its window entry names this position and it has no record: it emits nothing;
+  re-delivered from the same position after that (Kafka gave the next owner an offset from
+  before the last owner's transaction; `memfilter.runtime.kafka_driver` reads stable offsets
+  only, so only a Kafka that lost a committed write does), its window entry names this
+  position and it has no record: it emits nothing;
 - published again (a client's retry) while in its thread's retry window, it is a `duplicate`
   dead letter naming where it was processed: no second, different filtered input. Later
   than that it is decided again (`memfilter.store` says how long the window is).

@@ -37,6 +37,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import CommitFailedError, KafkaError, KafkaTimeoutError
 
 from memfilter.metrics import SinkMetrics
+from memfilter.runtime.kafka_driver import group_consumer
 from memfilter.settings import Settings
 from memfilter.store import cold
 from memfilter.store.history import HistoryStore
@@ -136,7 +137,7 @@ async def follow_log(settings: Settings, group: str, client_id: str) -> tuple[AI
     """A consumer of `persist-messages` in `group`, from its beginning for a new group, of
     committed records only, committing its offsets itself; and an admin client, to ask how far
     another group has come (`applied`). Both started."""
-    consumer = AIOKafkaConsumer(
+    consumer = group_consumer(
         settings.topics.persist,
         bootstrap_servers=settings.kafka.bootstrap,
         group_id=group,

@@ -13,10 +13,12 @@ import sys
 import tomllib
 from pathlib import Path
 
+import aiokafka
 import pytest
 import redis
 
 import memfilter
+from memfilter.runtime import kafka_driver
 from memfilter.settings import SettingError, Settings, Topics
 from memfilter.store import redis_driver, scripts
 
@@ -112,6 +114,15 @@ class TestOneWayDependencies:
         readers = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py") if "redis._" in p.read_text() or "._parser" in p.read_text()]
         assert readers == [Path("store/redis_driver.py")]
 
+    def test_nothing_but_the_kafka_driver_touches_aiokafka_internals(self):
+        touches = ("from aiokafka.consumer", "from aiokafka.protocol", "._coordinator", "._send_req")
+        readers = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py") if any(t in p.read_text() for t in touches)]
+        assert readers == [Path("runtime/kafka_driver.py")]
+
+    def test_every_consumer_of_a_group_is_made_by_the_kafka_driver(self):
+        makers = [p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py") if re.search(r"AIOKafkaConsumer\([^)]*group_id=(?!None)", p.read_text())]
+        assert makers == [Path("runtime/kafka_driver.py")]
+
 
 def normal(distribution: str) -> str:
     """A distribution's name as PEP 503 compares them."""
@@ -195,6 +206,20 @@ class TestTheRedisDriverKnowsItsRedisPy:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         assert done.returncode == 1
         assert f"written for redis-py {redis_driver.WRITTEN_FOR}.x and found 9.0.0" in done.stderr
+
+
+class TestTheKafkaDriverKnowsItsAiokafka:
+    def test_it_was_written_for_the_installed_aiokafka(self):
+        assert aiokafka.__version__.rsplit(".", 1)[0] == kafka_driver.WRITTEN_FOR, (
+            f"aiokafka {aiokafka.__version__} is installed; memfilter.runtime.kafka_driver mends the group coordinator of "
+            f"{kafka_driver.WRITTEN_FOR}.x: check it against the new release (tests/system/test_kafka_driver.py) and move WRITTEN_FOR and pyproject's bound together"
+        )
+
+    def test_on_another_aiokafka_it_refuses_to_load_naming_both_versions(self):
+        code = "import aiokafka; aiokafka.__version__ = '0.15.0'; import memfilter.runtime.kafka_driver"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert done.returncode == 1
+        assert f"written for aiokafka {kafka_driver.WRITTEN_FOR}.x and found 0.15.0" in done.stderr
 
 
 class TestTheProcessKnowsItsMode:
