@@ -20,10 +20,11 @@ command -v faketime >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install
 command -v nft >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables >/dev/null  # and cuts its hosts' links with nft
 .venv/bin/python -m pytest tests/unit -n 2 --dist worksteal "$@"
 .venv/bin/python -m pytest tests/redis tests/postgres tests/kafka tests/system -n 2 --dist loadgroup --durations=25 "$@"  # the slowest printed: the suite keeps within 15 minutes
-# The Jepsen tier's short schedule (every fault kind once, on hosts in network namespaces of its
-# own: no port is shared) runs beside the container tier, which mostly waits on Docker.
+# The Jepsen tier's network (its faults do what they say) and short schedule (every fault kind
+# once, on hosts in network namespaces of its own: no port is shared) run beside the container
+# tier, which mostly waits on Docker.
 jepsen_log=$(mktemp)
-.venv/bin/python -m pytest tests/jepsen/test_nemesis.py -s "$@" >"$jepsen_log" 2>&1 &
+.venv/bin/python -m pytest tests/jepsen/test_net.py tests/jepsen/test_nemesis.py -s "$@" >"$jepsen_log" 2>&1 &
 jepsen=$!
 MEMFILTER_TEST_BACKEND=containers .venv/bin/python -m pytest "$@" || { kill -INT "$jepsen"; wait "$jepsen" || true; cat "$jepsen_log"; exit 1; }
 jepsen_rc=0

@@ -579,9 +579,9 @@ async def seek_to_committed(consumer: AIOKafkaConsumer, assigned: set[TopicParti
     firsts = (await consumer.end_offsets(never) if at_end else await consumer.beginning_offsets(never)) if never else {}
     if never:  # said, so that a group that had offsets and lost them (docs/delivery.md, seed 17) shows when
         log.warning(
-            "no committed offset for %s: starting %s at its %s",
+            "no committed offset for %s: starting %s at %s %s",
             ", ".join(f"{tp.topic}-{tp.partition}" for tp in never),
-            "them" if len(never) > 1 else "it",
+            *(("them", "their") if len(never) > 1 else ("it", "its")),
             "end" if at_end else "beginning",
         )
     if at_end and firsts:

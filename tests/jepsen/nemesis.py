@@ -8,7 +8,10 @@ schedule CI runs). The kinds:
   a cut one way only;
 - loss: a host drops a share of its packets, or of those on one of its links;
 - a slow link: a host sends at most so many kilobits a second, so what it sends under load
-  waits, up to a second (`net.slow`: this kernel has no netem for a fixed delay or reordering);
+  waits, up to a second (`net.slow`);
+- a delay: what a host sends, or both ends of one of its links, held a fixed time (`net.delay`,
+  as netem would: this kernel has none);
+- reordering: what a host sends held a random time each, so that it leaves out of order;
 - a process paused (SIGSTOP) past the workers' Kafka sessions and Redis Cluster's node timeout,
   then woken: a broker, a Redis node, PostgreSQL, a worker, the sink, the agent runner, the
   gateway; in a long schedule, one pause in four past Kafka's transaction timeout too (LONG_S);
@@ -71,6 +74,17 @@ def kinds(net: Net, product: Product, rng: random.Random) -> dict[str, Callable[
         a, kbit = rng.choice(hosts), rng.choice([64, 256, 1024])
         return (lambda: net.slow(a, kbit)), net.heal, f"{a} sends at most {kbit} kbit/s", None
 
+    def delay():
+        a, ms = rng.choice(hosts), rng.choice([50, 200, 1000])
+        if rng.random() < 0.5:
+            return (lambda: net.delay(a, ms)), net.heal, f"{a}'s packets held {ms} ms", None
+        b = rng.choice([h for h in hosts if h != a])
+        return (lambda: (net.delay(a, ms, b), net.delay(b, ms, a))), net.heal, f"{a} and {b}'s packets to each other held {ms} ms", None
+
+    def reorder():
+        a, jitter = rng.choice(hosts), rng.choice([10, 50])
+        return (lambda: net.delay(a, 1, jitter=jitter)), net.heal, f"{a}'s packets held 1 to {1 + jitter} ms each: out of order", None
+
     def pause():
         name = rng.choice(hosts)
         pid = (product.workers | product.parts)[name].pid if name in product.workers or name in product.parts else product.pids()[name]
@@ -92,6 +106,8 @@ def kinds(net: Net, product: Product, rng: random.Random) -> dict[str, Callable[
         "one way": one_way,
         "loss": loss,
         "slow": slow,
+        "delay": delay,
+        "reorder": reorder,
         "pause": pause,
         "clock": clock,
         "disk": disk,

@@ -15,8 +15,11 @@ Faults, each undone by `heal()`:
   the others (a host on none reaches all: a bridge); `isolate(a)`: a cut from every other
   host and from the test process;
 - `loss(a, percent)`: a drops that share of the packets it sends and receives (nft `numgen`);
-- `slow(a, kbit)`: a's link sends at most that rate (tc `tbf`). This machine's kernel has no
-  `netem` (nor `fq_codel`): delay and reordering are not made here.
+- `slow(a, kbit)`: a's link sends at most that rate (tc `tbf`);
+- `delay(a, ms, b, jitter)`: what a sends (to b only, with `b`) is held `ms`, plus up to
+  `jitter` at random per packet, which sends them out of order. This machine's kernel has no
+  `netem` (nor `fq`): a process in a's namespace holds them (`delay.py`, on a tun device that
+  a's routes send them into).
 Pauses (SIGSTOP) and clocks (faketime) are the processes', not the network's: `Host.popen`
 starts a process in a host.
 """
@@ -28,10 +31,13 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 PREFIX = "mfj"
+DELAY = Path(__file__).with_name("delay.py")
+DELAYED = 100  # the routing table, and the rule's priority, that send a host's packets into its delay device
 
 
 def _ip(*argv: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -95,6 +101,7 @@ class Net:
         self.gateway = f"169.254.{self.subnet}.1"  # the test process's address on the subnet
         self.names = names
         self.hosts: dict[str, Host] = {}
+        self.delays: dict[str, subprocess.Popen] = {}  # by host: the process holding its packets (`delay`)
 
     def __enter__(self) -> Net:
         try:
@@ -185,11 +192,39 @@ class Net:
         if done.returncode != 0:
             raise RuntimeError(f"tc in {host.ns} failed: {done.stderr.strip()}")
 
+    def delay(self, a: str, ms: int, b: str | None = None, jitter: int = 0) -> None:
+        """What a sends (with `b`, to b only) is held `ms` milliseconds, plus up to `jitter` more
+        at random per packet: with jitter, packets leave out of order (a TCP connection's
+        segments among them). What a receives is not held: delay both ends for a slow link.
+        One delay per host at a time."""
+        host = self.hosts[a]
+        device = f"{self.tag}d"
+        holder = subprocess.Popen(["ip", "netns", "exec", host.ns, sys.executable, str(DELAY), device, str(ms), str(jitter)], stdout=subprocess.PIPE, text=True)
+        host.processes.append(holder)
+        self.delays[a] = holder
+        if holder.stdout is None or holder.stdout.readline().strip() != "up":
+            raise RuntimeError(f"the delay of {a} did not start (exit {holder.wait(5)})")
+        # Written back into the device, a's packets come in from it: a forwards them on its link,
+        # though their source is its own address (accept_local) and no route leads back there.
+        conf = f"net.ipv4.conf.{device}"
+        done = host.run(["sysctl", "-q", "-w", "net.ipv4.ip_forward=1", f"{conf}.accept_local=1", f"{conf}.rp_filter=0", "net.ipv4.conf.all.rp_filter=0"])
+        if done.returncode != 0:
+            raise RuntimeError(f"sysctl in {host.ns} failed: {done.stderr.strip()}")
+        _ip("link", "set", device, "up", ns=host.ns)
+        _ip("route", "add", f"169.254.{self.subnet}.0/24", "dev", device, "src", host.address, "table", str(DELAYED), ns=host.ns)
+        target = self.hosts[b].address if b is not None else f"169.254.{self.subnet}.0/24"
+        _ip("rule", "add", "iif", "lo", "to", target, "lookup", str(DELAYED), "pref", str(DELAYED), ns=host.ns)  # iif lo: what a itself sends
+
     def heal(self) -> None:
-        """Every fault above undone: the rules flushed, the links' rates back."""
+        """Every fault above undone: the rules flushed, the links' rates back, no packet held."""
         for host in self.hosts.values():
             _nft(host.ns, "flush chain inet mfj in\nflush chain inet mfj out\n")
             host.run(["tc", "qdisc", "del", "dev", host.link, "root"])
+        for a, holder in self.delays.items():
+            _ip("rule", "del", "pref", str(DELAYED), ns=self.hosts[a].ns, check=False)
+            holder.kill()  # the packets it held are lost; its device, and the route into it, go with it
+            holder.wait(10)
+        self.delays = {}
 
 
 # A host's own table: the faults' rules go in these chains (loopback is never touched).

@@ -124,3 +124,23 @@ class TestPostgreSQLTrouble:
     def test_the_sink_cut_from_postgresql_catches_up_after_the_heal(self, deployment):
         net, product = deployment
         run(net, product, steps((5, lambda: net.cut("sink", "postgres"), "the sink cut from PostgreSQL"), (15, net.heal, "healed")))
+
+
+class TestSlowAndReorderedLinks:
+    def test_a_workers_link_to_the_broker_held_a_second_each_way_then_the_brokers_packets_reordered_lose_and_repeat_nothing(self, deployment):
+        """A second each way on the worker's link to the broker (its fetches, produces and
+        heartbeats, each a round trip of two seconds, within its session); then every packet
+        the broker sends held 1 to 51 ms at random, so that its connections' segments arrive
+        out of order (`net.delay`: this kernel has no netem)."""
+        net, product = deployment
+        held = lambda: (net.delay("worker-1", 1000, "kafka"), net.delay("kafka", 1000, "worker-1"))  # noqa: E731
+        reordered = lambda: (net.heal(), net.delay("kafka", 1, jitter=50))  # noqa: E731
+        run(
+            net,
+            product,
+            steps(
+                (5, held, "worker-1 and the broker's packets to each other held 1 s"),
+                (15, reordered, "the broker's packets held 1 to 51 ms each: out of order"),
+                (15, net.heal, "healed"),
+            ),
+        )

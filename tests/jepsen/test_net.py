@@ -1,7 +1,7 @@
 """The harness's network (`net.py`) does what the faults say, and leaves nothing behind: hosts
 reach each other through the bridge, a cut stops packets both ways or one way, an isolated
-host reaches no one, loss drops a share, heal undoes it all, and leaving the block removes
-every namespace and link it made."""
+host reaches no one, loss drops a share, a delay holds packets and with jitter reorders them,
+heal undoes it all, and leaving the block removes every namespace and link it made."""
 
 from __future__ import annotations
 
@@ -32,10 +32,48 @@ for address in sys.argv[1:]:
 """
 
 
+# Print the sequence numbers of the UDP datagrams that come to port 7001 within 3 s, in the
+# order they came, once the first has.
+RECEIVER = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 7001)); print("up", flush=True)
+got = [int(s.recv(64))]; s.settimeout(3)
+try:
+    while True: got.append(int(s.recv(64)))
+except TimeoutError:
+    print(" ".join(map(str, got)))
+"""
+# Send datagrams 0..N-1 to port 7001 of an address, one a millisecond.
+SENDER = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for n in range(int(sys.argv[2])):
+    s.sendto(str(n).encode(), (sys.argv[1], 7001)); time.sleep(0.001)
+"""
+
+
 def reach(net: Net, source: str, *targets: str) -> list[bool]:
     """Whether `source` gets an echo from each of `targets`."""
     done = net[source].run([sys.executable, "-c", CLIENT, *(net[t].address for t in targets)], timeout=30)
     return [line == "ok" for line in done.stdout.split()]
+
+
+def echo_s(net: Net, source: str, target: str) -> float:
+    """How long `source` takes to connect to `target`, have its echo and close, in seconds."""
+    timed = "import time; t = time.monotonic(); exec(open(0).read()); print(time.monotonic() - t)"
+    done = net[source].run([sys.executable, "-c", timed, net[target].address], input=CLIENT, timeout=30)
+    lines = done.stdout.split()
+    assert lines[0] == "ok", done.stdout + done.stderr
+    return float(lines[-1])
+
+
+def datagrams(net: Net, source: str, target: str, count: int) -> list[int]:
+    """The sequence numbers of `count` datagrams `source` sends `target`, in the order they came."""
+    receiver = subprocess.Popen(["ip", "netns", "exec", net[target].ns, sys.executable, "-c", RECEIVER, net[target].address], stdout=subprocess.PIPE, text=True)
+    net[target].processes.append(receiver)
+    assert receiver.stdout.readline().strip() == "up"
+    net[source].run([sys.executable, "-c", SENDER, net[target].address, str(count)], timeout=30, check=True)
+    return [int(n) for n in receiver.communicate(timeout=30)[0].split()]
 
 
 def from_here(address: str) -> bool:
@@ -99,12 +137,31 @@ class TestTheFaultsDoWhatTheySay:
         got = [reach(net, "b", "a")[0] for _ in range(12)]
         assert 0 < sum(got) < 12 and all(reach(net, "c", "a")[0] for _ in range(6))
 
+    def test_a_delay_holds_what_a_host_sends_and_loses_nothing(self, net):
+        assert echo_s(net, "a", "b") < 0.3
+        net.delay("a", 300)
+        assert echo_s(net, "a", "b") > 0.6  # its SYN, then its data, each held 300 ms
+        assert reach(net, "c", "a") == [True] and echo_s(net, "c", "b") < 0.3
+        assert datagrams(net, "a", "b", 200) == list(range(200))  # held, each as long: in order, every one
+
+    def test_a_delay_to_one_host_leaves_the_hosts_other_links(self, net):
+        net.delay("a", 300, "b")
+        assert echo_s(net, "a", "b") > 0.6 and echo_s(net, "a", "c") < 0.3
+
+    def test_jitter_reorders_what_a_host_sends_and_loses_nothing(self, net):
+        net.delay("a", 5, jitter=50)
+        got = datagrams(net, "a", "b", 300)
+        assert sorted(got) == list(range(300)) and got != list(range(300))
+        assert reach(net, "a", "b", "c") == [True, True]  # TCP puts its segments back in order
+
     def test_heal_undoes_every_fault(self, net):
         net.cut("a", "b")
         net.isolate("c")
         net.slow("a", 64)
+        net.delay("b", 500)
         net.heal()
         assert reach(net, "a", "b", "c") == [True, True] and reach(net, "c", "a") == [True]
+        assert echo_s(net, "b", "a") < 0.3
 
 
 class TestNothingIsLeftBehind:
