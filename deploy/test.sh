@@ -6,7 +6,7 @@
 # needs): the unit tier on both cores, the redis, postgres, kafka and system tiers against real services
 # the fixtures start (unless KAFKA_BOOTSTRAP_SERVERS and REDIS_URL point at running ones), then
 # the tests marked `containers` with Kafka, Redis and the workers in containers
-# (MEMFILTER_TEST_BACKEND=containers), and beside them the Jepsen tier's short schedule (as root:
+# (MEMFILTER_TEST_BACKEND=containers), and beside them the Jepsen tier's network tests and short schedule (as root:
 # network namespaces). Extra arguments go to every pytest run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
