@@ -32,12 +32,12 @@ for address in sys.argv[1:]:
 """
 
 
-# Print the sequence numbers of the UDP datagrams that come to port 7001 within 3 s, in the
-# order they came, once the first has.
+# Print the sequence numbers of the UDP datagrams that come to port 7001, in the order they
+# came, once the first has and none has for 1 s (the sender sends one a millisecond).
 RECEIVER = """
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 7001)); print("up", flush=True)
-got = [int(s.recv(64))]; s.settimeout(3)
+got = [int(s.recv(64))]; s.settimeout(1)
 try:
     while True: got.append(int(s.recv(64)))
 except TimeoutError:
@@ -127,15 +127,17 @@ class TestTheFaultsDoWhatTheySay:
         assert reach(net, "a", "b", "c") == [True, False]
         assert not from_here(net["c"].address) and from_here(net["a"].address)
 
-    def test_a_lossy_link_drops_some_connections_and_not_all(self, net):
+    # Counted in datagrams, not connections: of 200 each dropped at even odds, fewer than 40 or
+    # more than 160 coming is a chance below 1e-17; a TCP echo's few packets and retransmit
+    # timers made a count of connections a coin that could come up all lost.
+    def test_a_lossy_link_drops_a_share_of_packets_and_not_all(self, net):
         net.loss("a", 50)
-        got = [reach(net, "b", "a")[0] for _ in range(12)]
-        assert 0 < sum(got) < 12
+        assert 40 < len(datagrams(net, "b", "a", 200)) < 160
 
     def test_a_lossy_link_between_two_hosts_leaves_their_other_links(self, net):
         net.loss("a", 50, "b")
-        got = [reach(net, "b", "a")[0] for _ in range(12)]
-        assert 0 < sum(got) < 12 and all(reach(net, "c", "a")[0] for _ in range(6))
+        assert 40 < len(datagrams(net, "b", "a", 200)) < 160
+        assert datagrams(net, "c", "a", 200) == list(range(200))
 
     def test_a_delay_holds_what_a_host_sends_and_loses_nothing(self, net):
         assert echo_s(net, "a", "b") < 0.3
