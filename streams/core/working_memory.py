@@ -38,8 +38,9 @@ import jsonschema
 import msgspec
 
 TOOL = "updateWorkingMemory"  # the tool's name, as the model calls it
-# A call's arguments, as JSON, at most: every filtered input of the resource carries the document
-# they make, so one huge call would make every later request of it too large to send.
+# A call's arguments, as JSON, at most (`call_bytes`): every filtered input of the resource
+# carries the document they make, so one huge call would make every later request of it too
+# large to send.
 MAX_CALL_BYTES = 16 * 1024
 DRAFT_07 = "http://json-schema.org/draft-07/schema#"
 # Mastra's default template, to the byte (each label's line ends in a space)
@@ -245,6 +246,13 @@ def update(template: Template, existing: str | None, given: Any) -> Updated | Re
         if flat(document) == flat(template.content) and flat(existing) != flat(template.content):
             return Updated(None, False, SKIPPED_EMPTY)
     return Updated(document, True)
+
+
+def call_bytes(given: Any) -> int:
+    """A call's size as its event carries it, what `MAX_CALL_BYTES` bounds: its arguments as
+    JSON, as msgspec writes them (the model's own text may be shorter: `1E9` is written
+    `1000000000.0`). Raises ValueError for what JSON cannot carry (a lone surrogate)."""
+    return len(msgspec.json.encode(given))
 
 
 def fold(template: Template, calls: list[Any], document: str | None = None) -> str | None:

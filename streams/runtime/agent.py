@@ -222,12 +222,13 @@ MAX_CALLS = 64  # calls of updateWorkingMemory a reply answers (what its event m
 def _memory_call(template: Template | None, document: str | None, call: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     """A call of `updateWorkingMemory` answered: its output chunk, and the document after it."""
     assert template is not None
-    if len(call["arguments"].encode()) > working_memory.MAX_CALL_BYTES:  # its event would be refused, the reply with it
-        return {"type": "tool-output-error", "toolCallId": call["id"], "errorText": f"not stored: over {working_memory.MAX_CALL_BYTES:,} bytes"}, document
     try:
         given = json.loads(call["arguments"] or "{}")
-    except ValueError:
-        return {"type": "tool-output-error", "toolCallId": call["id"], "errorText": "the arguments are not JSON"}, document
+        size = working_memory.call_bytes(given)
+    except ValueError as e:
+        return {"type": "tool-output-error", "toolCallId": call["id"], "errorText": f"the arguments are not JSON an event can carry: {e}"}, document
+    if size > working_memory.MAX_CALL_BYTES:  # its event would be refused, the reply with it
+        return {"type": "tool-output-error", "toolCallId": call["id"], "errorText": f"not stored: over {working_memory.MAX_CALL_BYTES:,} bytes"}, document
     done = working_memory.update(template, document, given)
     if isinstance(done, working_memory.Refused):
         return {"type": "tool-output-error", "toolCallId": call["id"], "errorText": "; ".join(done.errors)}, document

@@ -46,7 +46,7 @@ import msgspec
 
 from memfilter.core import origin
 from memfilter.core.filter import Rejected, Rejection, check_key, decode_json, parse_ms
-from memfilter.core.working_memory import MAX_CALL_BYTES
+from memfilter.core.working_memory import MAX_CALL_BYTES, call_bytes
 from memfilter.runtime.records import Out, Record, dead_letter, internal_error
 from memfilter.schemas.wire import Message, MessagesOf, PersistMessagesOf
 from memfilter.store.history import HistoryStore, Save
@@ -223,7 +223,7 @@ class Persister:
                 raise Rejected(
                     "schema", "the processor's own events never update working memory; only another service's (the agent runner's) or an import does"
                 )
-            if big := [i for i, call in enumerate(event.workingMemory.calls) if len(msgspec.json.encode(call)) > MAX_CALL_BYTES]:
+            if big := [i for i, call in enumerate(event.workingMemory.calls) if call_bytes(call) > MAX_CALL_BYTES]:
                 raise Rejected(
                     "too-large",
                     f"workingMemory.calls[{big[0]}] is over {MAX_CALL_BYTES:,} bytes; a working memory every request of the resource carries keeps to that",

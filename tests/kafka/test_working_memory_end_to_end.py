@@ -64,6 +64,16 @@ async def document(pipeline: Pipeline, thread: str, resource: str, prefix: str |
         await store.redis.aclose()
 
 
+def until_shown(pipeline: Pipeline, thread: str, message: str, timeout: float = 30) -> bool:
+    """Whether `memfilter history show` lists `message` among the thread's within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while message not in pipeline.memfilter("history", "show", thread).stdout:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def test_the_model_updates_it_through_the_runners_tool_and_every_thread_of_the_resource_sees_it_until_forget(pipeline, fake_openai):
     run = uuid.uuid4().hex[:6]
     t1, t2, t3, t4 = (f"{n}-{run}" for n in ("t1", "t2", "t3", "t4"))
@@ -90,11 +100,13 @@ def test_the_model_updates_it_through_the_runners_tool_and_every_thread_of_the_r
 
     async def go():
         told = await turn(t1, "r1", f"call updateWorkingMemory {json.dumps({'memory': SAM})}", calls=2)
+        # 16,025 bytes as the model writes them, 52,022 as an event carries them: refused to the model
+        big = await turn(t1, "r1", 'call updateWorkingMemory {"memory": "Bob", "n": [' + ",".join(["1E9"] * 4000) + "]}", calls=2)
         seen = await turn(t2, "r1", "what is my name")
         theirs = await turn(t3, "r2", "hello")
-        return told, seen, theirs, await document(pipeline, t1, "r1")
+        return told, big, seen, theirs, await document(pipeline, t1, "r1")
 
-    (first, second, reply), (seen, _), (theirs, _), stored = asyncio.run(go())
+    (first, second, reply), (_, _, big), (seen, _), (theirs, _), stored = asyncio.run(go())
     # the runner offered the tool, answered the call itself, and called the model again with the answer
     assert any(tool["function"]["name"] == "updateWorkingMemory" for tool in first["tools"])
     assert first["messages"][0] == {"role": "system", "content": instruction(TEMPLATE, None)}
@@ -105,6 +117,10 @@ def test_the_model_updates_it_through_the_runners_tool_and_every_thread_of_the_r
     assert parts[[p["type"] for p in parts].index("tool-invocation")]["toolInvocation"]["state"] == "result"
     assert reply["workingMemory"] == {"calls": [{"memory": SAM}]}
     assert stored == SAM
+    # a call over the bound as its event writes it is answered not stored, and the reply is saved
+    assert "workingMemory" not in big and "not stored: over 16,384 bytes" in json.dumps(big["messages"])
+    saved = big["messages"][0]["id"]
+    assert until_shown(pipeline, t1, saved)
     # the resource's other thread sees it; another resource never does
     assert seen["messages"][0] == {"role": "system", "content": instruction(TEMPLATE, SAM)}
     assert theirs["messages"][0] == {"role": "system", "content": instruction(TEMPLATE, None)}

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from memfilter.core.working_memory import DEFAULT_TEMPLATE, SKIPPED_EMPTY, Refused, Updated, instruction, merge, template_of, tool, update
+from memfilter.core.working_memory import DEFAULT_TEMPLATE, SKIPPED_EMPTY, Refused, Updated, call_bytes, instruction, merge, template_of, tool, update
 
 NODE = Path(__file__).parents[1] / "node"
 
@@ -143,3 +143,13 @@ class TestTheToolIsMastras:
         theirs = mastra(tools=cases)["tools"]
         ours = [tool(template_of(c.get("template"), c.get("schema"))) for c in cases]
         assert ours == theirs
+
+
+class TestACallsSizeIsWhatItsEventCarries:
+    def test_is_its_arguments_as_msgspec_writes_them_not_as_the_model_wrote_them(self):
+        given = json.loads('{"memory": "x", "n": [1E9, 2E9]}')
+        assert call_bytes(given) == len(b'{"memory":"x","n":[1000000000.0,2000000000.0]}')
+
+    def test_a_lone_surrogate_no_event_can_carry_is_a_value_error(self):
+        with pytest.raises(ValueError):
+            call_bytes(json.loads('{"memory": "\\ud800"}'))
