@@ -311,6 +311,14 @@ def test_shared_gateways_read_their_share_forward_the_rest_and_take_back_a_lost_
     def gauge(port: int, name: str) -> float:
         return sum(float(line.split()[-1]) for line in scrape(port).splitlines() if line.startswith(f"memfilter_gateway_{name} "))
 
+    def counted(port: int, name: str, before: float) -> float:
+        """The counter once it has moved from `before` (within 10 s): a forward is counted once its
+        stream is done, and the client stops reading at `[DONE]`, a moment before that."""
+        deadline = time.monotonic() + 10
+        while (now := gauge(port, name)) == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return now
+
     def shares_settle(ports: dict[str, int]) -> dict[str, float]:
         deadline = time.monotonic() + 15
         while True:
@@ -342,7 +350,7 @@ def test_shared_gateways_read_their_share_forward_the_rest_and_take_back_a_lost_
         before = gauge(ports[front], "forwarded_total")
         status, chunks = asyncio.run(turn(ports[front], thread_of(owner, ports)))
         assert status == 200 and chunks[-1]["type"] == "finish", chunks
-        assert gauge(ports[front], "forwarded_total") == before + 1
+        assert counted(ports[front], "forwarded_total", before) == before + 1
 
     third = echo.start_gateway("jwt-3", shared=True, MEMFILTER_GATEWAY_AUTH="jwt", MEMFILTER_GATEWAY_JWT_KEY=JWT_KEY)
     [process] = [w for w in echo.workers if getattr(w, "web_port", None) == third]
