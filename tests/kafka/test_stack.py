@@ -63,6 +63,20 @@ async def with_admin(exports: str, call):
         await admin.close()
 
 
+def configs_settle(exports: str, topics: list[str], check, timeout: float = 15) -> dict[str, dict[str, str]]:
+    """The topics' configs (name -> value) as the broker describes them, once `check` holds of
+    them or `timeout` has passed: a broker applies a change of configs from the controller's
+    log a moment after the change is answered (KRaft), and describes the old ones until then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        described = asyncio.run(with_admin(exports, lambda admin: admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, t) for t in topics])))
+        # each resource: (error code, error message, resource type, name, config entries (name, value, ...))
+        configs = {r[3]: dict((c[0], c[1]) for c in r[4]) for d in described for r in d.resources}
+        if check(configs) or time.monotonic() > deadline:
+            return configs
+        time.sleep(0.2)
+
+
 class TestTheStackAnswers:
     @pytest.mark.parametrize("topic", TOPICS)
     def test_each_topic_round_trips_a_keyed_record_through_aiokafka(self, services, topic):
@@ -118,16 +132,11 @@ class TestTheStackAnswers:
         asyncio.run(
             with_admin(first.stdout, lambda admin: admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, persist, configs={"segment.ms": "3600000"})]))
         )
+        configs_settle(first.stdout, [persist], lambda configs: configs[persist]["segment.ms"] == "3600000")
         again = memfilter("stack", "up", env=stack_env(**names, MEMFILTER_COPY_RETENTION_DAYS="30", MEMFILTER_LOG_RETENTION_DAYS="0.5"))
         assert again.returncode == 0, again.stderr
-        described = asyncio.run(
-            with_admin(again.stdout, lambda admin: admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, t) for t in names.values()]))
-        )
-        # each resource: (error code, error message, resource type, name, config entries (name, value, ...))
-        configs = {r[3]: dict((c[0], c[1]) for c in r[4]) for d in described for r in d.resources}
-        retention = {topic: c["retention.ms"] for topic, c in configs.items()}
         days = 86_400_000
-        assert retention == {
+        wanted = {
             names["MEMFILTER_TOPIC_REQUESTS"]: str(30 * days),
             names["MEMFILTER_TOPIC_FILTERED"]: str(30 * days),
             names["MEMFILTER_TOPIC_DLQ"]: str(30 * days),
@@ -135,6 +144,8 @@ class TestTheStackAnswers:
             names["MEMFILTER_TOPIC_STREAMS"]: "3600000",
             names["MEMFILTER_TOPIC_STOPS"]: "3600000",
         }
+        configs = configs_settle(again.stdout, list(names.values()), lambda configs: {t: c["retention.ms"] for t, c in configs.items()} == wanted)
+        assert {t: c["retention.ms"] for t, c in configs.items()} == wanted
         assert configs[persist]["segment.ms"] == "3600000"  # kept: Kafka's AlterConfigs would reset what it is not given
 
     def test_a_redis_lua_script_and_a_pipeline(self, services):
