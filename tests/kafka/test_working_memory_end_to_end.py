@@ -64,16 +64,6 @@ async def document(pipeline: Pipeline, thread: str, resource: str, prefix: str |
         await store.redis.aclose()
 
 
-def until_shown(pipeline: Pipeline, thread: str, message: str, timeout: float = 30) -> bool:
-    """Whether `memfilter history show` lists `message` among the thread's within `timeout`."""
-    deadline = time.monotonic() + timeout
-    while message not in pipeline.memfilter("history", "show", thread).stdout:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.5)
-    return True
-
-
 def test_the_model_updates_it_through_the_runners_tool_and_every_thread_of_the_resource_sees_it_until_forget(pipeline, fake_openai):
     run = uuid.uuid4().hex[:6]
     t1, t2, t3, t4 = (f"{n}-{run}" for n in ("t1", "t2", "t3", "t4"))
@@ -120,7 +110,7 @@ def test_the_model_updates_it_through_the_runners_tool_and_every_thread_of_the_r
     # a call over the bound as its event writes it is answered not stored, and the reply is saved
     assert "workingMemory" not in big and "not stored: over 16,384 bytes" in json.dumps(big["messages"])
     saved = big["messages"][0]["id"]
-    assert until_shown(pipeline, t1, saved)
+    asyncio.run(until(lambda: saved in pipeline.memfilter("history", "show", t1).stdout, timeout=30))
     # the resource's other thread sees it; another resource never does
     assert seen["messages"][0] == {"role": "system", "content": instruction(TEMPLATE, SAM)}
     assert theirs["messages"][0] == {"role": "system", "content": instruction(TEMPLATE, None)}
